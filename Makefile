@@ -1,0 +1,41 @@
+# Two commands do all set-up on a fresh machine with python3 and make:
+#   make serve   - virtualenv + server install, then the service on the best device (CPU fallback)
+#   make test    - same environment plus test tools, then the whole suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# torch is installed before the package so that the `torch>=2.4` range is already met:
+# on these machines torch==2.13.0 is a CPU build on disk; set TORCH_SPEC for a CUDA node.
+TORCH_SPEC ?= torch==2.13.0
+HOST ?= 127.0.0.1
+PORT ?= 8000
+DEVICE ?= auto
+
+.PHONY: serve test lint bench clean
+
+$(VENV)/.server-installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[server]"
+	touch $@
+
+$(VENV)/.test-installed: $(VENV)/.server-installed
+	$(PY) -m pip install --quiet -e ".[server,test]"
+	touch $@
+
+serve: $(VENV)/.server-installed
+	$(VENV)/bin/pyhf-gpu-server --host $(HOST) --port $(PORT) --device $(DEVICE)
+
+test: $(VENV)/.test-installed
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest
+
+lint: $(VENV)/.test-installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+bench: $(VENV)/.test-installed
+	$(PY) benchmarks/bench_engine.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,77 @@
+"""pyhf-gpu-client: a thin client of the pyhf-gpu fitting service (no torch, no pyhf needed).
+
+Command line: ``pyhf-gpu-client cls WORKSPACE`` prints exactly what ``pyhf cls`` prints.
+Python::
+
+    from pyhf_gpu_client import Client
+
+    with Client("http://gpu-node:8000") as client:
+        result = client.cls("workspace.json", test_poi=1.0)
+        result.cls_obs, result.cls_exp, result.to_pyhf_json()
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+from ._client import AsyncClient, Client
+from .exceptions import (
+    AuthenticationError,
+    BadRequestError,
+    JobCancelledError,
+    JobError,
+    JobFailedError,
+    NotFoundError,
+    PyhfGpuError,
+    RateLimitedError,
+    ServerError,
+    ServiceUnavailableError,
+    TimeoutError,
+    TransportError,
+    WaitTimeoutError,
+    WorkspaceError,
+)
+from .results import (
+    CLsResult,
+    FitResult,
+    Job,
+    SignificanceResult,
+    UpperLimitResult,
+    parse_result,
+    result_to_json,
+)
+from .workspace import digest, load_json
+
+try:
+    __version__ = version("pyhf-gpu")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree
+    __version__ = "0.0.0"
+
+__all__ = [
+    "AsyncClient",
+    "AuthenticationError",
+    "BadRequestError",
+    "CLsResult",
+    "Client",
+    "FitResult",
+    "Job",
+    "JobCancelledError",
+    "JobError",
+    "JobFailedError",
+    "NotFoundError",
+    "PyhfGpuError",
+    "RateLimitedError",
+    "ServerError",
+    "ServiceUnavailableError",
+    "SignificanceResult",
+    "TimeoutError",
+    "TransportError",
+    "UpperLimitResult",
+    "WaitTimeoutError",
+    "WorkspaceError",
+    "__version__",
+    "digest",
+    "load_json",
+    "parse_result",
+    "result_to_json",
+]

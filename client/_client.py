@@ -1,0 +1,479 @@
+"""``Client`` and ``AsyncClient``: one API, defined once, run by two small drivers.
+
+Every public method is written once in :class:`_ClientBase` as a function that builds a
+sans-IO flow (see :mod:`pyhf_gpu_client.protocol`). The :func:`_api` descriptor turns it into
+a method that hands the flow to the instance's driver: :meth:`Client._run` (blocking) or
+:meth:`AsyncClient._run` (a coroutine). So ``Client().cls(ws)`` returns a result and
+``await AsyncClient().cls(ws)`` returns the same result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import os
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import Any, TypeVar
+
+import httpx
+
+from . import protocol as p
+from .exceptions import TransportError
+from .results import Job, Result
+from .workspace import JSONSource, load_json
+
+__all__ = ["AsyncClient", "Client"]
+
+T = TypeVar("T")
+
+
+def _lazy(build: Callable[..., p.Flow[T]], *args: Any, **kwargs: Any) -> p.Flow[T]:
+    """Build the flow only when the driver starts it (errors surface on call/await alike)."""
+    return (yield from build(*args, **kwargs))
+
+
+class _api:
+    """Descriptor: ``instance.name(...)`` -> ``instance._run(flow_builder(instance, ...))``."""
+
+    def __init__(self, build: Callable[..., Any]) -> None:
+        self.build = build
+        functools.update_wrapper(self, build)
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        if instance is None:
+            return self
+        build = self.build
+
+        @functools.wraps(build)
+        def method(*args: Any, **kwargs: Any) -> Any:
+            return instance._run(_lazy(build, instance, *args, **kwargs))
+
+        method.__signature__ = self.signature  # type: ignore[attr-defined]
+        return method
+
+    @functools.cached_property
+    def signature(self) -> inspect.Signature:
+        """The public signature: no ``self``; ``p.Flow[X]`` shown as ``X``."""
+        sig = inspect.signature(self.build)
+        ret = sig.return_annotation
+        if isinstance(ret, str) and ret.startswith("p.Flow[") and ret.endswith("]"):
+            ret = ret[len("p.Flow[") : -1]
+        return sig.replace(parameters=list(sig.parameters.values())[1:], return_annotation=ret)
+
+
+def _job_id(job: Job | str) -> str:
+    return job.id if isinstance(job, Job) else str(job)
+
+
+class _ClientBase:
+    """Configuration, state and the API; subclasses provide ``_run`` (the I/O)."""
+
+    def __init__(
+        self,
+        server: str | None = None,
+        *,
+        token: str | None = None,
+        timeout: float | httpx.Timeout | None = p.DEFAULT_TIMEOUT,
+        retries: int = 4,
+        backoff: float = 0.5,
+        compress: bool = True,
+        upload_threshold: int = 64 * 1024,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        """Configure a client.
+
+        Args:
+            server: base URL; default ``$PYHF_GPU_SERVER`` or ``http://127.0.0.1:8000``.
+            token: API token; default ``$PYHF_GPU_API_TOKEN``.
+            timeout: seconds (or an ``httpx.Timeout``) for one request; ``None`` waits forever.
+            retries: retries after the first attempt for connection errors, 429 and 503.
+            backoff: first backoff delay in seconds (doubling; a ``Retry-After`` wins).
+            compress: gzip request bodies of 1 KiB or more (``Content-Encoding: gzip``).
+            upload_threshold: workspaces with at least this many JSON bytes are uploaded once
+                (``POST /workspaces``, content-addressed) and then referenced by id.
+            headers: extra headers for every request.
+        """
+        self.config = p.ClientConfig(
+            server=server or os.environ.get(p.ENV_SERVER) or p.DEFAULT_SERVER,
+            token=token if token is not None else os.environ.get(p.ENV_TOKEN) or None,
+            timeout=timeout,
+            retry=p.RetryPolicy(max_attempts=max(1, retries + 1), backoff=backoff),
+            compress=compress,
+            upload_threshold=upload_threshold,
+        )
+        self.state = p.ClientState()
+        self._headers = {**self.config.headers(), **(headers or {})}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.config.server!r})"
+
+    def _run(self, flow: p.Flow[T]) -> Any:  # pragma: no cover - provided by subclasses
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ the API, once
+
+    @_api
+    def cls(
+        self,
+        workspace: JSONSource,
+        test_poi: float | Sequence[float] = 1.0,
+        *,
+        test_stat: str = "qtilde",
+        calctype: str = "asymptotics",
+        ntoys: int | None = None,
+        seed: int | None = None,
+        measurement: str | None = None,
+        patches: Sequence[Any] | None = None,
+        patchset: JSONSource | None = None,
+        patch_names: Sequence[str] | None = None,
+        **options: Any,
+    ) -> p.Flow[Result]:
+        """CLs of ``test_poi``, as ``pyhf cls`` (``POST /cls``).
+
+        Returns a :class:`CLsResult`; a list of them when ``test_poi`` is a sequence; with a
+        ``patchset``, ``{patch_name: ...}`` for the named patches (all by default).
+        ``ntoys`` and ``seed`` apply to ``calctype="toybased"`` (server defaults when ``None``).
+        ``options`` are passed to the server as further envelope fields.
+        """
+        body = p.build_options(
+            "cls",
+            test_poi=test_poi,
+            test_stat=test_stat,
+            calctype=calctype,
+            ntoys=ntoys,
+            seed=seed,
+            measurement=measurement,
+            patches=patches,
+            patchset=patchset,
+            patch_names=patch_names,
+            **options,
+        )
+        return p.operation_flow("cls", workspace, body, self.config, self.state)
+
+    @_api
+    def fit(
+        self,
+        workspace: JSONSource,
+        *,
+        measurement: str | None = None,
+        patches: Sequence[Any] | None = None,
+        patchset: JSONSource | None = None,
+        patch_names: Sequence[str] | None = None,
+        **options: Any,
+    ) -> p.Flow[Result]:
+        """Maximum-likelihood fit, as ``pyhf fit --value`` plus uncertainties (``POST /fit``).
+
+        Returns a :class:`FitResult` (``{patch_name: FitResult}`` with a ``patchset``).
+        """
+        body = p.build_options(
+            "fit",
+            measurement=measurement,
+            patches=patches,
+            patchset=patchset,
+            patch_names=patch_names,
+            **options,
+        )
+        return p.operation_flow("fit", workspace, body, self.config, self.state)
+
+    @_api
+    def upper_limit(
+        self,
+        workspace: JSONSource,
+        *,
+        level: float | None = None,
+        scan: Sequence[float] | None = None,
+        measurement: str | None = None,
+        patches: Sequence[Any] | None = None,
+        patchset: JSONSource | None = None,
+        patch_names: Sequence[str] | None = None,
+        **options: Any,
+    ) -> p.Flow[Result]:
+        """Observed and expected upper limits on the POI (``POST /upper-limit``).
+
+        Returns an :class:`UpperLimitResult` (``{patch_name: ...}`` with a ``patchset``).
+        ``level`` defaults to the server's (0.05, i.e. 95% CL); ``scan`` (increasing POI values)
+        to the engine's automatic scan.
+        """
+        body = p.build_options(
+            "upper-limit",
+            level=level,
+            scan=None if scan is None else [float(v) for v in scan],
+            measurement=measurement,
+            patches=patches,
+            patchset=patchset,
+            patch_names=patch_names,
+            **options,
+        )
+        return p.operation_flow("upper-limit", workspace, body, self.config, self.state)
+
+    @_api
+    def significance(
+        self,
+        workspace: JSONSource,
+        *,
+        measurement: str | None = None,
+        patches: Sequence[Any] | None = None,
+        patchset: JSONSource | None = None,
+        patch_names: Sequence[str] | None = None,
+        **options: Any,
+    ) -> p.Flow[Result]:
+        """Discovery p-value and significance, observed and expected (``POST /significance``)."""
+        body = p.build_options(
+            "significance",
+            measurement=measurement,
+            patches=patches,
+            patchset=patchset,
+            patch_names=patch_names,
+            **options,
+        )
+        return p.operation_flow("significance", workspace, body, self.config, self.state)
+
+    @_api
+    def run_patchset(
+        self,
+        workspace: JSONSource,
+        patchset: JSONSource,
+        operation: str = "cls",
+        *,
+        patch_names: Sequence[str] | None = None,
+        **options: Any,
+    ) -> p.Flow[dict[str, Any]]:
+        """Run ``operation`` for every patch of ``patchset`` (or ``patch_names``) in one batch.
+
+        Returns ``{patch_name: result}``.
+        """
+        body = p.build_options(operation, patchset=patchset, patch_names=patch_names, **options)
+        return p.operation_flow(operation, workspace, body, self.config, self.state)
+
+    @_api
+    def submit(
+        self,
+        operation: str,
+        workspace: JSONSource,
+        *,
+        measurement: str | None = None,
+        patches: Sequence[Any] | None = None,
+        patchset: JSONSource | None = None,
+        patch_names: Sequence[str] | None = None,
+        **options: Any,
+    ) -> p.Flow[Job]:
+        """Queue ``operation`` as an asynchronous job (``POST /jobs``); returns the :class:`Job`.
+
+        ``options`` as for the blocking methods (``test_poi``, ``test_stat``, ``level``, ...).
+        """
+        body = p.build_options(
+            operation,
+            measurement=measurement,
+            patches=patches,
+            patchset=patchset,
+            patch_names=patch_names,
+            **options,
+        )
+        return p.submit_flow(operation, workspace, body, self.config, self.state)
+
+    @_api
+    def wait(
+        self,
+        job: Job | str,
+        *,
+        timeout: float | None = None,
+        poll_interval: float = 0.25,
+        on_update: Callable[[Job], None] | None = None,
+    ) -> p.Flow[Job]:
+        """Poll until ``job`` ends; return it with ``.result`` parsed.
+
+        ``on_update`` is called with every polled state (progress reporting).
+        Raises :class:`JobFailedError`, :class:`JobCancelledError` or :class:`WaitTimeoutError`.
+        """
+        return p.wait_flow(
+            _job_id(job), self.config, timeout, poll_interval, on_update=on_update
+        )
+
+    @_api
+    def job(self, job: Job | str) -> p.Flow[Job]:
+        """The current state of a job (``GET /jobs/{id}``)."""
+        return p.job_flow(_job_id(job), self.config)
+
+    @_api
+    def cancel(self, job: Job | str) -> p.Flow[Job]:
+        """Cancel a job (``DELETE /jobs/{id}``)."""
+        return p.cancel_flow(_job_id(job), self.config)
+
+    @_api
+    def jobs(self, status: str | None = None) -> p.Flow[list[Job]]:
+        """The server's jobs (``GET /jobs``), optionally only those with ``status``."""
+        return p.list_jobs_flow(self.config, status)
+
+    @_api
+    def upload_workspace(self, workspace: JSONSource) -> p.Flow[str]:
+        """Upload ``workspace`` unless the server holds it already; its content-addressed id."""
+        return p.upload_workspace(load_json(workspace), self.config, self.state)
+
+    @_api
+    def has_workspace(self, workspace_id: str) -> p.Flow[bool]:
+        """Whether the server holds the workspace ``workspace_id`` (``GET /workspaces/{id}``)."""
+        return p.has_workspace(workspace_id, self.config)
+
+    @_api
+    def health(self) -> p.Flow[Any]:
+        """``GET /healthz`` (one attempt: a probe should not wait)."""
+        return p.get_json_flow("/healthz", self.config, retry=False)
+
+    @_api
+    def ready(self) -> p.Flow[Any]:
+        """``GET /readyz`` (one attempt)."""
+        return p.get_json_flow("/readyz", self.config, retry=False)
+
+    @_api
+    def info(self) -> p.Flow[Any]:
+        """``GET /info``: version, device, limits."""
+        return p.get_json_flow("/info", self.config)
+
+    @_api
+    def metrics(self) -> p.Flow[str]:
+        """``GET /metrics`` (Prometheus text)."""
+        return p.get_text_flow("/metrics", self.config)
+
+
+class Client(_ClientBase):
+    """Blocking client (httpx style). Use as a context manager or call :meth:`close`.
+
+    Example::
+
+        with Client("http://gpu-node:8000") as client:
+            result = client.cls("workspace.json", test_poi=1.0)
+            print(result.cls_obs, result.to_pyhf_json())
+    """
+
+    def __init__(
+        self,
+        server: str | None = None,
+        *,
+        transport: httpx.BaseTransport | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Same arguments as :class:`_ClientBase`; ``transport`` replaces httpx's (tests)."""
+        super().__init__(server, **kwargs)
+        self._http = httpx.Client(
+            base_url=self.config.server,
+            headers=self._headers,
+            timeout=self.config.timeout,
+            transport=transport,
+        )
+
+    def _run(self, flow: p.Flow[T]) -> T:
+        """Drive a flow: send its requests, sleep its sleeps, return its value."""
+        outcome: Any = None
+        error: TransportError | None = None
+        while True:
+            try:
+                command = flow.throw(error) if error is not None else flow.send(outcome)
+            except StopIteration as stop:
+                return stop.value
+            outcome, error = None, None
+            if isinstance(command, p.Sleep):
+                time.sleep(command.seconds)
+                continue
+            try:
+                outcome = self._http.request(**self.config.httpx_arguments(command))
+            except httpx.TransportError as exc:
+                error = p.map_transport_error(exc, command)
+
+    def events(self, job: Job | str) -> Iterator[dict[str, Any]]:
+        """Server-sent events of a job (``GET /jobs/{id}/events``), as parsed dicts."""
+        parser = p.SSEParser()
+        try:
+            with self._http.stream("GET", f"/jobs/{_job_id(job)}/events") as response:
+                if response.status_code >= 400:
+                    response.read()
+                    raise p.error_from_response(response)
+                for line in response.iter_lines():
+                    event = parser.feed(line)
+                    if event is not None:
+                        yield event
+        except httpx.TransportError as exc:
+            raise p.map_transport_error(exc, p.Request("GET", "/events")) from exc
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient(_ClientBase):
+    """Asyncio client with the same methods as :class:`Client`, each awaitable.
+
+    Example::
+
+        async with AsyncClient() as client:
+            results = await client.run_patchset("BkgOnly.json", "patchset.json")
+    """
+
+    def __init__(
+        self,
+        server: str | None = None,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Same arguments as :class:`Client`."""
+        super().__init__(server, **kwargs)
+        self._http = httpx.AsyncClient(
+            base_url=self.config.server,
+            headers=self._headers,
+            timeout=self.config.timeout,
+            transport=transport,
+        )
+
+    async def _run(self, flow: p.Flow[T]) -> T:
+        """Drive a flow with ``await``: the async twin of :meth:`Client._run` (I/O only)."""
+        outcome: Any = None
+        error: TransportError | None = None
+        while True:
+            try:
+                command = flow.throw(error) if error is not None else flow.send(outcome)
+            except StopIteration as stop:
+                return stop.value
+            outcome, error = None, None
+            if isinstance(command, p.Sleep):
+                await asyncio.sleep(command.seconds)
+                continue
+            try:
+                outcome = await self._http.request(**self.config.httpx_arguments(command))
+            except httpx.TransportError as exc:
+                error = p.map_transport_error(exc, command)
+
+    async def events(self, job: Job | str) -> AsyncIterator[dict[str, Any]]:
+        """Server-sent events of a job (``GET /jobs/{id}/events``), as parsed dicts."""
+        parser = p.SSEParser()
+        try:
+            async with self._http.stream("GET", f"/jobs/{_job_id(job)}/events") as response:
+                if response.status_code >= 400:
+                    await response.aread()
+                    raise p.error_from_response(response)
+                async for line in response.aiter_lines():
+                    event = parser.feed(line)
+                    if event is not None:
+                        yield event
+        except httpx.TransportError as exc:
+            raise p.map_transport_error(exc, p.Request("GET", "/events")) from exc
+
+    async def aclose(self) -> None:
+        """Close the connection pool."""
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

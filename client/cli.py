@@ -1,0 +1,574 @@
+"""``pyhf-gpu-client``: pyhf's ``cls``/``fit`` commands, computed by a pyhf-gpu server.
+
+``pyhf-gpu-client cls WORKSPACE`` takes the options of ``pyhf cls`` and prints the same JSON
+(``indent=4, sort_keys=True``); ``--backend``, ``--optimizer`` and ``--optconf`` are accepted
+and ignored so that existing scripts run unchanged. Beyond pyhf: ``--patchset``, several
+``--test-poi`` values, ``upper-limit``, ``significance``, ``jobs``, ``health`` and ``info``.
+
+Exit codes: 0 success; 1 the server rejected or failed the request, a job failed, or the
+input could not be read; 2 usage error; 3 the server could not be reached or timed out.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import IO, Any
+
+import click
+
+from . import __version__
+from ._client import Client
+from .exceptions import (
+    JobError,
+    PyhfGpuError,
+    ServerError,
+    TransportError,
+    WorkspaceError,
+    format_detail,
+)
+from .protocol import DEFAULT_SERVER, ENV_SERVER, ENV_TOKEN
+from .results import Job, result_to_json
+
+__all__ = ["main", "parse_test_poi"]
+
+EXIT_FAILED = 1
+EXIT_UNREACHABLE = 3
+_META = "pyhf_gpu_client"
+
+
+class CommandFailed(click.ClickException):
+    """A failure reported as ``Error: <message>`` on stderr with a chosen exit code."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_FAILED) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@contextmanager
+def _errors() -> Iterator[None]:
+    """Turn the client's exceptions into one-line messages and exit codes (no traceback)."""
+    try:
+        yield
+    except WorkspaceError as exc:
+        raise CommandFailed(str(exc)) from None
+    except ServerError as exc:
+        raise CommandFailed(
+            f"the server answered {exc.status}: {format_detail(exc.detail)}"
+        ) from None
+    except TransportError as exc:
+        raise CommandFailed(str(exc), EXIT_UNREACHABLE) from None
+    except JobError as exc:
+        raise CommandFailed(str(exc)) from None
+    except PyhfGpuError as exc:
+        raise CommandFailed(str(exc)) from None
+    except ValueError as exc:
+        raise CommandFailed(str(exc)) from None
+
+
+# ------------------------------------------------------------------- connection options
+
+
+def _store(ctx: click.Context, param: click.Parameter, value: Any) -> None:
+    """Remember a connection option given at group or command level (the command's wins)."""
+    if value is not None:
+        ctx.meta.setdefault(_META, {})[param.name] = value
+
+
+def connection_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """``--server``, ``--token``, ``--timeout``, ``--retries``, accepted before or after the command."""
+    options = [
+        click.option(
+            "--server",
+            metavar="URL",
+            expose_value=False,
+            callback=_store,
+            help=f"Service URL [env {ENV_SERVER}; default {DEFAULT_SERVER}].",
+        ),
+        click.option(
+            "--token",
+            metavar="TOKEN",
+            expose_value=False,
+            callback=_store,
+            help=f"API token, sent as 'Authorization: Bearer' [env {ENV_TOKEN}].",
+        ),
+        click.option(
+            "--timeout",
+            type=click.FloatRange(min=0, min_open=True),
+            metavar="SECONDS",
+            expose_value=False,
+            callback=_store,
+            help="Seconds to wait for one answer [default 600].",
+        ),
+        click.option(
+            "--retries",
+            type=click.IntRange(min=0),
+            expose_value=False,
+            callback=_store,
+            help="Retries on connection errors, 429 and 503 [default 4].",
+        ),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def _client(ctx: click.Context) -> Client:
+    """A :class:`Client` from the connection options (environment variables fill the rest)."""
+    opts = ctx.meta.get(_META, {})
+    kwargs: dict[str, Any] = {}
+    if "timeout" in opts:
+        kwargs["timeout"] = opts["timeout"]
+    if "retries" in opts:
+        kwargs["retries"] = opts["retries"]
+    return Client(opts.get("server"), token=opts.get("token"), **kwargs)
+
+
+# -------------------------------------------------------------------------- helpers
+
+
+def parse_test_poi(values: Sequence[str], option: str = "--test-poi") -> float | list[float]:
+    """``--test-poi`` values -> one float (as pyhf) or a list (several, comma lists, ranges).
+
+    ``start:stop:num`` is ``num`` evenly spaced values from ``start`` to ``stop`` inclusive.
+    """
+    points: list[float] = []
+    single = len(values) == 1
+    for value in values:
+        for piece in str(value).split(","):
+            piece = piece.strip()
+            if not piece:
+                continue
+            if ":" in piece:
+                single = False
+                points.extend(_linspace(piece, option))
+            else:
+                try:
+                    points.append(float(piece))
+                except ValueError:
+                    raise click.BadParameter(
+                        f"{piece!r} is not a number", param_hint=f"'{option}'"
+                    ) from None
+        if "," in str(value):
+            single = False
+    if not points:
+        raise click.BadParameter("no value given", param_hint=f"'{option}'")
+    return points[0] if single and len(points) == 1 else points
+
+
+def _linspace(text: str, option: str = "--test-poi") -> list[float]:
+    parts = text.split(":")
+    try:
+        if len(parts) != 3:
+            raise ValueError
+        start, stop, num = float(parts[0]), float(parts[1]), int(parts[2])
+        if num < 1:
+            raise ValueError
+    except ValueError:
+        raise click.BadParameter(
+            f"{text!r}: a range is start:stop:num, e.g. 0:2:21", param_hint=f"'{option}'"
+        ) from None
+    if num == 1:
+        return [start]
+    step = (stop - start) / (num - 1)
+    return [start + i * step for i in range(num - 1)] + [stop]
+
+
+def emit(obj: Any, output_file: str | None) -> None:
+    """Print ``obj`` as pyhf does (``indent=4, sort_keys=True``), or write it to a file."""
+    if output_file is None:
+        click.echo(json.dumps(obj, indent=4, sort_keys=True))
+    else:
+        with open(output_file, "w+", encoding="utf-8") as out:
+            json.dump(obj, out, indent=4, sort_keys=True)
+
+
+class Progress:
+    """Job progress on stderr: a redrawn bar on a terminal, plain lines otherwise."""
+
+    WIDTH = 30
+
+    def __init__(self, stream: IO[str] | None = None, tty: bool | None = None) -> None:
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty() if tty is None else tty
+        self._last: tuple[str, int] | None = None
+        self._drawn = False
+
+    def __call__(self, job: Job) -> None:
+        """Report one polled state of ``job``."""
+        percent = -1 if job.progress is None else round(100 * min(max(job.progress, 0.0), 1.0))
+        state = (job.status, percent)
+        if self.tty:
+            filled = 0 if percent < 0 else percent * self.WIDTH // 100
+            bar = "#" * filled + "-" * (self.WIDTH - filled)
+            shown = "" if percent < 0 else f"{percent:3d}%"
+            self.stream.write(f"\r{job.id[:12]} [{bar}] {shown} {job.status:<10}")
+            self.stream.flush()
+            self._drawn = True
+        elif state != self._last:
+            shown = "" if percent < 0 else f" {percent}%"
+            self.stream.write(f"job {job.id}: {job.status}{shown}\n")
+            self.stream.flush()
+        self._last = state
+
+    def close(self) -> None:
+        """End the bar's line."""
+        if self._drawn:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._drawn = False
+
+
+# ------------------------------------------------------------------------- commands
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(version=__version__, prog_name="pyhf-gpu-client")
+@connection_options
+def main() -> None:
+    """pyhf's cls and fit, computed by a pyhf-gpu service.
+
+    A drop-in for `pyhf cls` / `pyhf fit`: same options, same JSON output. The server is
+    --server or $PYHF_GPU_SERVER (default http://127.0.0.1:8000), the token --token or
+    $PYHF_GPU_API_TOKEN.
+    """
+
+
+def _workspace_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """WORKSPACE, --output-file, --measurement, -p/--patch, --patchset, --patch-name."""
+    decorators = [
+        click.argument("workspace", default="-"),
+        click.option(
+            "--output-file",
+            help="The location of the output json file. If not specified, prints to screen.",
+            default=None,
+        ),
+        click.option("--measurement", default=None),
+        click.option(
+            "-p", "--patch", multiple=True, help="A jsonpatch file applied first (repeatable)."
+        ),
+        click.option(
+            "--patchset",
+            default=None,
+            metavar="PATCHSET",
+            help="A pyhf PatchSet: run every patch on WORKSPACE in one batch; prints {patch: result}.",
+        ),
+        click.option(
+            "--patch-name",
+            multiple=True,
+            metavar="NAME",
+            help="Only these patches of --patchset (repeatable; default all).",
+        ),
+    ]
+    for decorator in reversed(decorators):
+        f = decorator(f)
+    return f
+
+
+def _compat_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """pyhf's --backend/--optimizer/--optconf: accepted, ignored (the server has one engine)."""
+    decorators = [
+        click.option(
+            "--backend",
+            type=click.Choice(["numpy", "pytorch", "tensorflow", "jax", "np", "torch", "tf"]),
+            default="numpy",
+            help="Accepted for compatibility with pyhf; ignored (the server computes).",
+        ),
+        click.option(
+            "--optimizer",
+            type=click.Choice(["scipy", "minuit"]),
+            default="scipy",
+            help="Accepted for compatibility with pyhf; ignored.",
+        ),
+        click.option(
+            "--optconf", multiple=True, help="Accepted for compatibility with pyhf; ignored."
+        ),
+    ]
+    for decorator in reversed(decorators):
+        f = decorator(f)
+    return f
+
+
+def _cls_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    decorators = [
+        click.option(
+            "--test-poi",
+            multiple=True,
+            default=("1.0",),
+            show_default=True,
+            help="POI value to test; repeat it, give a comma list or start:stop:num to scan.",
+        ),
+        click.option("--test-stat", type=click.Choice(["q", "qtilde"]), default="qtilde"),
+        click.option(
+            "--calctype", type=click.Choice(["asymptotics", "toybased"]), default="asymptotics"
+        ),
+        click.option(
+            "--ntoys",
+            type=click.IntRange(min=1),
+            default=None,
+            help="Toys per hypothesis with --calctype toybased [server default 2000].",
+        ),
+        click.option(
+            "--seed",
+            type=click.IntRange(min=0),
+            default=None,
+            help="Random seed of the toys with --calctype toybased.",
+        ),
+    ]
+    for decorator in reversed(decorators):
+        f = decorator(f)
+    return f
+
+
+def _common(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Client keyword arguments from the shared workspace options."""
+    if kwargs.get("patch_name") and not kwargs.get("patchset"):
+        raise click.UsageError("--patch-name needs --patchset")
+    return {
+        "measurement": kwargs.get("measurement"),
+        "patches": list(kwargs.get("patch") or ()) or None,
+        "patchset": kwargs.get("patchset"),
+        "patch_names": list(kwargs.get("patch_name") or ()) or None,
+    }
+
+
+def _operation_kwargs(operation: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """All client keyword arguments for ``operation`` from the parsed CLI options."""
+    out = _common(kwargs)
+    if operation == "cls":
+        out.update(
+            test_poi=parse_test_poi(kwargs["test_poi"]),
+            test_stat=kwargs["test_stat"],
+            calctype=kwargs["calctype"],
+            ntoys=kwargs.get("ntoys"),
+            seed=kwargs.get("seed"),
+        )
+    elif operation == "upper-limit":
+        out["level"] = kwargs.get("level")
+        if kwargs.get("scan"):
+            scan = parse_test_poi(kwargs["scan"], "--scan")
+            out["scan"] = scan if isinstance(scan, list) else [scan]
+    return out
+
+
+def _output(result: Any, kwargs: dict[str, Any]) -> None:
+    emit(
+        result_to_json(
+            result,
+            value=bool(kwargs.get("value", True)),
+            uncertainties=bool(kwargs.get("uncertainties", False)),
+        ),
+        kwargs.get("output_file"),
+    )
+
+
+_METHODS = {"cls": "cls", "fit": "fit", "upper-limit": "upper_limit", "significance": "significance"}
+
+
+def _run_blocking(operation: str) -> Callable[..., None]:
+    def command(**kwargs: Any) -> None:
+        ctx = click.get_current_context()
+        with _errors():
+            call_kwargs = _operation_kwargs(operation, kwargs)
+            with _client(ctx) as client:
+                result = getattr(client, _METHODS[operation])(kwargs["workspace"], **call_kwargs)
+            _output(result, kwargs)
+
+    return command
+
+
+def _run_submit(operation: str) -> Callable[..., None]:
+    def command(**kwargs: Any) -> None:
+        ctx = click.get_current_context()
+        with _errors():
+            call_kwargs = _operation_kwargs(operation, kwargs)
+            with _client(ctx) as client:
+                job = client.submit(operation, kwargs["workspace"], **call_kwargs)
+                if not kwargs.get("wait"):
+                    click.echo(job.id)
+                    return
+                click.echo(f"submitted job {job.id}", err=True)
+                job = _wait(client, job.id, kwargs.get("wait_timeout"))
+            _output(job.result, kwargs)
+
+    return command
+
+
+def _wait(client: Client, job_id: str, timeout: float | None) -> Job:
+    progress = Progress()
+    try:
+        return client.wait(job_id, timeout=timeout, on_update=progress)
+    finally:
+        progress.close()
+
+
+_HELP = {
+    "cls": "Compute CLs value(s) for a given pyhf workspace (as `pyhf cls`).",
+    "fit": "Perform a maximum likelihood fit for a given pyhf workspace (as `pyhf fit`).",
+    "upper-limit": "Observed and expected upper limits on the POI (upper_limit_obs, upper_limit_exp, level).",
+    "significance": "Discovery p-value and significance (p0, Z), observed and expected.",
+}
+
+
+def make_command(operation: str, submit: bool = False) -> click.Command:
+    """Build the ``operation`` command: blocking (top level) or queued (``jobs submit``)."""
+    callback = _run_submit(operation) if submit else _run_blocking(operation)
+    if operation == "fit":
+        callback = click.option(
+            "--uncertainties",
+            is_flag=True,
+            help="Also print the server's uncertainties and corr_mat (not in pyhf's output).",
+        )(callback)
+        callback = click.option(
+            "--value",
+            help="Flag for returning the fitted value of the objective function.",
+            default=False,
+            is_flag=True,
+        )(callback)
+    if operation == "cls":
+        callback = _cls_options(callback)
+    if operation == "upper-limit":
+        callback = click.option(
+            "--level",
+            type=click.FloatRange(0, 1, min_open=True, max_open=True),
+            default=None,
+            help="CLs level of the limit [server default 0.05, i.e. 95% CL].",
+        )(callback)
+        callback = click.option(
+            "--scan",
+            multiple=True,
+            metavar="VALUES",
+            help="POI values to scan: start:stop:num or a comma list [server: automatic].",
+        )(callback)
+    if operation in ("cls", "fit"):
+        callback = _compat_options(callback)
+    if submit:
+        callback = click.option(
+            "--wait-timeout",
+            type=float,
+            default=None,
+            metavar="SECONDS",
+            help="With --wait: give up waiting after this long (the job keeps running).",
+        )(callback)
+        callback = click.option(
+            "--wait",
+            is_flag=True,
+            help="Wait for the result and print it (progress on stderr); else print the job id.",
+        )(callback)
+    callback = _workspace_options(callback)
+    callback = connection_options(callback)
+    help_text = _HELP[operation] + (
+        "\n\nQueued as an asynchronous job; prints its id (or, with --wait, the result)."
+        if submit
+        else "\n\nWORKSPACE is a path or - for stdin (the default)."
+    )
+    return click.command(name=operation, help=help_text)(callback)
+
+
+for _operation in _METHODS:
+    main.add_command(make_command(_operation))
+
+
+@main.group()
+def jobs() -> None:
+    """Asynchronous jobs: submit, status, wait, cancel, list."""
+
+
+@jobs.group()
+def submit() -> None:
+    """Queue an operation: `jobs submit cls WORKSPACE [options]`; prints the job id."""
+
+
+for _operation in _METHODS:
+    submit.add_command(make_command(_operation, submit=True))
+
+
+def _job_json(job: Job) -> dict[str, Any]:
+    data = {k: v for k, v in job.raw.items() if k != "result"}
+    if job.result is not None:
+        data["result"] = result_to_json(job.result)
+    return data or {"id": job.id, "status": job.status}
+
+
+@jobs.command("status")
+@click.argument("job_id")
+@connection_options
+def jobs_status(job_id: str) -> None:
+    """Print the job's state (status, progress, result once done) as JSON."""
+    with _errors(), _client(click.get_current_context()) as client:
+        emit(_job_json(client.job(job_id)), None)
+
+
+@jobs.command("wait")
+@click.argument("job_id")
+@click.option(
+    "--wait-timeout", type=float, default=None, metavar="SECONDS", help="Give up after this long."
+)
+@click.option(
+    "--output-file",
+    default=None,
+    help="The location of the output json file. If not specified, prints to screen.",
+)
+@click.option("--value/--no-value", default=True, help="For fit jobs: print twice_nll.")
+@connection_options
+def jobs_wait(job_id: str, wait_timeout: float | None, output_file: str | None, value: bool) -> None:
+    """Wait for a job (progress on stderr), then print its result as pyhf JSON."""
+    with _errors(), _client(click.get_current_context()) as client:
+        job = _wait(client, job_id, wait_timeout)
+        emit(result_to_json(job.result, value=value), output_file)
+
+
+@jobs.command("cancel")
+@click.argument("job_id")
+@connection_options
+def jobs_cancel(job_id: str) -> None:
+    """Cancel a queued or running job; prints its state."""
+    with _errors(), _client(click.get_current_context()) as client:
+        emit(_job_json(client.cancel(job_id)), None)
+
+
+@jobs.command("list")
+@click.option("--status", default=None, help="Only jobs with this status.")
+@connection_options
+def jobs_list(status: str | None) -> None:
+    """List the server's jobs as JSON (id, operation, status, progress)."""
+    with _errors(), _client(click.get_current_context()) as client:
+        listed = client.jobs(status)
+        emit(
+            [
+                {"id": j.id, "operation": j.operation, "status": j.status, "progress": j.progress}
+                for j in listed
+            ],
+            None,
+        )
+
+
+@main.command()
+@connection_options
+def health() -> None:
+    """Check /healthz and /readyz; exit 0 only when the server is ready."""
+    with _errors(), _client(click.get_current_context()) as client:
+        out: dict[str, Any] = {"server": client.config.server, "healthz": client.health()}
+        try:
+            out["readyz"] = client.ready()
+            ready = True
+        except ServerError as exc:
+            out["readyz"] = {"status": exc.status, "detail": exc.detail}
+            ready = False
+        emit(out, None)
+        if not ready:
+            raise CommandFailed("the server is not ready")
+
+
+@main.command()
+@connection_options
+def info() -> None:
+    """Print the server's /info (version, device, limits) as JSON."""
+    with _errors(), _client(click.get_current_context()) as client:
+        emit(client.info(), None)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,556 @@
+"""The sans-IO core shared by :class:`~pyhf_gpu_client.Client` and ``AsyncClient``.
+
+Nothing here does I/O. Every operation is a *flow*: a generator that yields commands and
+receives their outcomes::
+
+    Request(...)  -> the driver sends it and ``send``s back the ``httpx.Response``
+                     (or ``throw``s a :class:`~pyhf_gpu_client.exceptions.TransportError`)
+    Sleep(s)      -> the driver sleeps ``s`` seconds (``time.sleep`` / ``asyncio.sleep``)
+
+and finally returns the parsed result (``StopIteration.value``). Request building, gzip
+encoding, workspace upload/deduplication, retries with backoff and ``Retry-After``, error
+mapping, job polling and response parsing all live here, once; the two clients only differ
+in how they send a request and how they sleep (see ``_client.py``).
+"""
+
+from __future__ import annotations
+
+import email.utils
+import gzip
+import json
+import random
+import time
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import httpx
+
+from .exceptions import (
+    AuthenticationError,
+    BadRequestError,
+    JobCancelledError,
+    JobFailedError,
+    NotFoundError,
+    RateLimitedError,
+    ServerError,
+    ServiceUnavailableError,
+    TimeoutError,
+    TransportError,
+    WaitTimeoutError,
+    format_detail,
+)
+from .results import OPERATIONS, Job, Result, parse_result
+from .workspace import JSONSource, digest, load_json, load_patches
+
+__all__ = [
+    "DEFAULT_SERVER",
+    "DEFAULT_TIMEOUT",
+    "ENV_SERVER",
+    "ENV_TOKEN",
+    "ClientConfig",
+    "ClientState",
+    "Flow",
+    "Request",
+    "RetryPolicy",
+    "SSEParser",
+    "Sleep",
+]
+
+DEFAULT_SERVER = "http://127.0.0.1:8000"
+ENV_SERVER = "PYHF_GPU_SERVER"
+ENV_TOKEN = "PYHF_GPU_API_TOKEN"
+#: seconds: long enough for a patchset batch on a busy server; connecting must be quick
+DEFAULT_TIMEOUT = httpx.Timeout(600.0, connect=10.0)
+RETRY_STATUSES = frozenset({429, 503})
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Request:
+    """One HTTP request to the service, described, not sent.
+
+    ``body`` is any JSON value (encoded by :meth:`ClientConfig.encode`); ``_NO_BODY`` means none.
+    """
+
+    method: str
+    path: str
+    body: Any = None
+    params: Mapping[str, Any] | None = None
+    has_body: bool = False
+    #: sending it again is harmless (GETs, computations); a POST /jobs is not retried on
+    #: errors that may have reached the server
+    idempotent: bool = True
+
+
+@dataclass(frozen=True)
+class Sleep:
+    """Ask the driver to wait ``seconds`` before resuming the flow."""
+
+    seconds: float
+
+
+Command = Request | Sleep
+Flow = Generator[Command, Any, T]
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Bounded retries of connection errors, 429 and 503, with exponential backoff.
+
+    Attributes:
+        max_attempts: total attempts (1 disables retrying).
+        backoff: first delay in seconds; doubled per attempt, with jitter in [50%, 100%].
+        max_backoff: cap of the computed delay.
+        max_retry_after: cap of a server's ``Retry-After`` (honoured exactly below it).
+    """
+
+    max_attempts: int = 5
+    backoff: float = 0.5
+    max_backoff: float = 30.0
+    max_retry_after: float = 120.0
+
+    def delay(self, attempt: int, retry_after: float | None = None) -> float:
+        """Seconds to wait after failed attempt number ``attempt`` (1-based)."""
+        if retry_after is not None:
+            return min(max(retry_after, 0.0), self.max_retry_after)
+        base = min(self.max_backoff, self.backoff * 2 ** (attempt - 1))
+        return base * random.uniform(0.5, 1.0)
+
+
+def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
+    """``Retry-After`` as seconds: delta-seconds or an HTTP date; ``None`` if absent/invalid."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        return max(float(value), 0.0)
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when is None:
+        return None
+    return max(when.timestamp() - (time.time() if now is None else now), 0.0)
+
+
+@dataclass
+class ClientConfig:
+    """Everything that shapes requests. Shared, read-only, by a client and its flows.
+
+    Attributes:
+        server: base URL (``--server`` / ``PYHF_GPU_SERVER``).
+        token: API token sent as ``Authorization: Bearer <token>``.
+        timeout: an ``httpx.Timeout`` or seconds.
+        retry: the :class:`RetryPolicy`.
+        compress: gzip request bodies of at least ``compress_min_bytes`` bytes.
+        upload_threshold: workspaces of at least this many JSON bytes are uploaded once to
+            ``POST /workspaces`` and referenced by id; smaller ones travel inline.
+    """
+
+    server: str = DEFAULT_SERVER
+    token: str | None = None
+    timeout: httpx.Timeout | float | None = field(default_factory=lambda: DEFAULT_TIMEOUT)
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    compress: bool = True
+    compress_min_bytes: int = 1024
+    upload_threshold: int = 64 * 1024
+    user_agent: str = "pyhf-gpu-client"
+
+    def __post_init__(self) -> None:
+        self.server = self.server.rstrip("/")
+        if not self.server.startswith(("http://", "https://")):
+            self.server = "http://" + self.server
+        if isinstance(self.timeout, (int, float)):
+            self.timeout = httpx.Timeout(float(self.timeout), connect=min(10.0, self.timeout))
+
+    def headers(self) -> dict[str, str]:
+        """Headers of every request."""
+        out = {"Accept": "application/json", "User-Agent": self.user_agent}
+        if self.token:
+            out["Authorization"] = f"Bearer {self.token}"
+        return out
+
+    def encode(self, request: Request) -> tuple[dict[str, str], bytes | None]:
+        """The extra headers and body bytes of ``request`` (JSON, gzip when large enough)."""
+        if not request.has_body:
+            return {}, None
+        content = json.dumps(request.body, separators=(",", ":"), allow_nan=False).encode("utf-8")
+        headers = {"Content-Type": "application/json"}
+        if self.compress and len(content) >= self.compress_min_bytes:
+            content = gzip.compress(content, compresslevel=6, mtime=0)
+            headers["Content-Encoding"] = "gzip"
+        return headers, content
+
+    def httpx_arguments(self, request: Request) -> dict[str, Any]:
+        """Keyword arguments of ``httpx.(Async)Client.request`` for ``request``."""
+        headers, content = self.encode(request)
+        params = None
+        if request.params:
+            params = {k: _param(v) for k, v in request.params.items() if v is not None}
+        return {
+            "method": request.method,
+            "url": request.path,
+            "content": content,
+            "headers": headers,
+            "params": params,
+        }
+
+
+def _param(value: Any) -> Any:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return value
+
+
+@dataclass
+class ClientState:
+    """What a client remembers between calls: workspace ids the server is known to hold."""
+
+    known_workspaces: set[str] = field(default_factory=set)
+
+
+# --------------------------------------------------------------------------- transport errors
+
+
+def map_transport_error(exc: httpx.TransportError, request: Request) -> TransportError:
+    """Translate an httpx transport failure into the client's exceptions.
+
+    Connect errors/timeouts never reached the server: always retryable. A read timeout or a
+    dropped connection after sending may have reached it: retryable only when idempotent.
+    """
+    where = f"{request.method} {request.path}"
+    if isinstance(exc, (httpx.ConnectTimeout, httpx.PoolTimeout)):
+        return TimeoutError(f"timed out connecting ({where}): {exc}", retryable=True)
+    if isinstance(exc, httpx.TimeoutException):
+        return TimeoutError(
+            f"the server did not answer in time ({where}); raise --timeout: {exc}",
+            retryable=False,
+        )
+    if isinstance(exc, httpx.ConnectError):
+        return TransportError(f"cannot connect to the server ({where}): {exc}", retryable=True)
+    return TransportError(f"connection failed ({where}): {exc}", retryable=request.idempotent)
+
+
+# ------------------------------------------------------------------------------ responses
+
+
+def error_from_response(response: httpx.Response) -> ServerError:
+    """A :class:`ServerError` subclass carrying the status and the server's ``detail``."""
+    status = response.status_code
+    try:
+        payload = response.json()
+        detail = payload.get("detail", payload) if isinstance(payload, dict) else payload
+    except (ValueError, UnicodeDecodeError):
+        detail = response.text.strip() or response.reason_phrase
+    retry_after = parse_retry_after(response.headers.get("Retry-After"))
+    cls: type[ServerError]
+    if status in (401, 403):
+        cls = AuthenticationError
+    elif status == 404:
+        cls = NotFoundError
+    elif status == 429:
+        cls = RateLimitedError
+    elif status == 503:
+        cls = ServiceUnavailableError
+    elif 400 <= status < 500:
+        cls = BadRequestError
+    else:
+        cls = ServerError
+    request = response.request if response._request is not None else None
+    return cls(
+        status,
+        detail,
+        method=request.method if request else "",
+        url=str(request.url) if request else "",
+        retry_after=retry_after,
+    )
+
+
+def json_of(response: httpx.Response) -> Any:
+    """The JSON body of a successful response (a ``ServerError`` if it is not JSON)."""
+    try:
+        return response.json()
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ServerError(
+            response.status_code, f"the server answered non-JSON: {response.text[:200]!r}"
+        ) from exc
+
+
+# ---------------------------------------------------------------------------------- flows
+
+
+def call(request: Request, policy: RetryPolicy) -> Flow[httpx.Response]:
+    """Send ``request``; retry transport errors, 429 and 503 per ``policy``; raise on >= 400."""
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            response = yield request
+        except TransportError as exc:
+            if not exc.retryable or attempt >= policy.max_attempts:
+                raise
+            yield Sleep(policy.delay(attempt))
+            continue
+        if response.status_code in RETRY_STATUSES and attempt < policy.max_attempts:
+            retry_after = parse_retry_after(response.headers.get("Retry-After"))
+            yield Sleep(policy.delay(attempt, retry_after))
+            continue
+        if response.status_code >= 400:
+            raise error_from_response(response)
+        return response
+
+
+def call_json(request: Request, policy: RetryPolicy) -> Flow[Any]:
+    """:func:`call`, then the JSON body."""
+    response = yield from call(request, policy)
+    return json_of(response)
+
+
+def resolve_workspace(
+    workspace: Any, config: ClientConfig, state: ClientState, force_upload: bool = False
+) -> Flow[dict[str, Any]]:
+    """``{"workspace": spec}`` for small workspaces, else ``{"workspace_id": id}``.
+
+    A large workspace is uploaded only when the server does not hold it yet: its id is pyhf's
+    digest, checked with ``GET /workspaces/{id}``; ids seen by this client are not re-checked.
+    """
+    size = len(json.dumps(workspace, separators=(",", ":")))
+    if size < config.upload_threshold and not force_upload:
+        return {"workspace": workspace}
+    wid = yield from upload_workspace(workspace, config, state)
+    return {"workspace_id": wid}
+
+
+def upload_workspace(
+    workspace: Any, config: ClientConfig, state: ClientState, check: bool = True
+) -> Flow[str]:
+    """Make sure the server holds ``workspace``; return its id (skip the upload if it has it)."""
+    wid = digest(workspace)
+    if wid in state.known_workspaces:
+        return wid
+    if check:
+        exists = yield from has_workspace(wid, config)
+        if exists:
+            state.known_workspaces.add(wid)
+            return wid
+    data = yield from call_json(
+        Request("POST", "/workspaces", body=workspace, has_body=True), config.retry
+    )
+    server_id = str(data.get("id") or data.get("workspace_id") or data.get("digest") or wid)
+    state.known_workspaces.add(server_id)
+    return server_id
+
+
+def has_workspace(workspace_id: str, config: ClientConfig) -> Flow[bool]:
+    """Whether the server holds the workspace ``workspace_id`` (``GET /workspaces/{id}``)."""
+    try:
+        yield from call(Request("GET", f"/workspaces/{workspace_id}"), config.retry)
+    except NotFoundError:
+        return False
+    except BadRequestError as exc:
+        if exc.status == 405:  # no lookup route: treat as unknown, upload
+            return False
+        raise
+    return True
+
+
+def build_options(
+    operation: str,
+    *,
+    patches: Sequence[Any] | None = None,
+    patchset: Any = None,
+    patch_names: Sequence[str] | None = None,
+    measurement: str | None = None,
+    **options: Any,
+) -> dict[str, Any]:
+    """The envelope fields other than the workspace, ``None`` values dropped.
+
+    ``options`` are operation parameters such as ``test_poi`` (a number or a list),
+    ``test_stat``, ``calctype``, ``ntoys``, ``level``; they are passed through as given.
+    """
+    if operation not in OPERATIONS:
+        raise ValueError(f"unknown operation {operation!r}; one of {sorted(OPERATIONS)}")
+    body: dict[str, Any] = {}
+    loaded = load_patches(patches)
+    if loaded:
+        body["patches"] = loaded
+    if patchset is not None:
+        body["patchset"] = load_json(patchset, "patchset")
+    if patch_names:
+        if patchset is None:
+            raise ValueError("patch_names needs a patchset")
+        body["patch_names"] = list(patch_names)
+    if measurement is not None:
+        body["measurement"] = measurement
+    for key, value in options.items():
+        if value is None:
+            continue
+        if key == "test_poi" and not isinstance(value, (int, float)):
+            value = [float(v) for v in value]
+        body[key] = value
+    return body
+
+
+def operation_flow(
+    operation: str,
+    workspace: JSONSource,
+    options: Mapping[str, Any],
+    config: ClientConfig,
+    state: ClientState,
+) -> Flow[Result]:
+    """Run ``operation`` synchronously (``POST /cls`` etc.) and parse the answer.
+
+    If the server forgot an uploaded workspace (404 on a ``workspace_id``), upload it again once.
+    """
+    spec = load_json(workspace, "workspace")
+    path = OPERATIONS[operation]
+    for attempt in (1, 2):
+        ref = yield from resolve_workspace(spec, config, state)
+        request = Request("POST", path, body={**ref, **options}, has_body=True)
+        try:
+            data = yield from call_json(request, config.retry)
+        except NotFoundError:
+            if "workspace_id" not in ref or attempt == 2:
+                raise
+            state.known_workspaces.discard(ref["workspace_id"])
+            continue
+        return parse_result(operation, data)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def submit_flow(
+    operation: str,
+    workspace: JSONSource,
+    options: Mapping[str, Any],
+    config: ClientConfig,
+    state: ClientState,
+) -> Flow[Job]:
+    """``POST /jobs`` with ``{"operation": ..., workspace ref, options}``: the queued :class:`Job`."""
+    spec = load_json(workspace, "workspace")
+    ref = yield from resolve_workspace(spec, config, state)
+    body = {"operation": operation, **ref, **options}
+    data = yield from call_json(Request("POST", "/jobs", body=body, has_body=True), config.retry)
+    return Job.from_json(data, operation=operation)
+
+
+def job_flow(job_id: str, config: ClientConfig) -> Flow[Job]:
+    """``GET /jobs/{id}``."""
+    data = yield from call_json(Request("GET", f"/jobs/{job_id}"), config.retry)
+    return Job.from_json(data)
+
+
+def cancel_flow(job_id: str, config: ClientConfig) -> Flow[Job]:
+    """``DELETE /jobs/{id}``: the job as the server reports it after cancelling."""
+    response = yield from call(Request("DELETE", f"/jobs/{job_id}"), config.retry)
+    if response.status_code == 204 or not response.content:
+        return Job(id=job_id, status="cancelled")
+    return Job.from_json(json_of(response))
+
+
+def list_jobs_flow(config: ClientConfig, status: str | None = None) -> Flow[list[Job]]:
+    """``GET /jobs``: accepts a bare list or ``{"jobs": [...]}``/``{"items": [...]}``."""
+    params = {"status": status} if status else None
+    data = yield from call_json(Request("GET", "/jobs", params=params), config.retry)
+    if isinstance(data, Mapping):
+        data = data.get("jobs", data.get("items", []))
+    return [Job.from_json(item) for item in data]
+
+
+def wait_flow(
+    job_id: str,
+    config: ClientConfig,
+    timeout: float | None = None,
+    poll_interval: float = 0.25,
+    max_poll_interval: float = 2.0,
+    on_update: Callable[[Job], None] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> Flow[Job]:
+    """Poll ``GET /jobs/{id}`` until the job ends; return it (``job.result`` parsed).
+
+    Raises:
+        JobFailedError / JobCancelledError: the job ended without a result.
+        WaitTimeoutError: ``timeout`` seconds passed first (the job keeps running).
+    """
+    deadline = None if timeout is None else clock() + timeout
+    interval = poll_interval
+    while True:
+        job = yield from job_flow(job_id, config)
+        if on_update is not None:
+            on_update(job)
+        if job.status == "succeeded":
+            return job
+        if job.status == "failed":
+            raise JobFailedError(f"job {job.id} failed: {format_detail(job.error)}", job)
+        if job.status == "cancelled":
+            raise JobCancelledError(f"job {job.id} was cancelled", job)
+        pause = interval
+        if deadline is not None:
+            left = deadline - clock()
+            if left <= 0:
+                raise WaitTimeoutError(
+                    f"job {job.id} still {job.status} after {timeout:g} s", job
+                )
+            pause = min(pause, left)
+        yield Sleep(pause)
+        interval = min(interval * 1.5, max_poll_interval)
+
+
+def get_json_flow(path: str, config: ClientConfig, retry: bool = True) -> Flow[Any]:
+    """``GET path`` and its JSON (``retry=False``: one attempt, e.g. a health probe)."""
+    policy = config.retry if retry else RetryPolicy(max_attempts=1)
+    return (yield from call_json(Request("GET", path), policy))
+
+
+def get_text_flow(path: str, config: ClientConfig) -> Flow[str]:
+    """``GET path`` as text (``/metrics``)."""
+    response = yield from call(Request("GET", path), config.retry)
+    return response.text
+
+
+# ------------------------------------------------------------------------------ SSE
+
+
+@dataclass
+class SSEParser:
+    """Incremental ``text/event-stream`` parser: feed lines, get ``{"event", "data", "id"}``.
+
+    ``data`` is decoded as JSON when it parses, else kept as text.
+    """
+
+    _event: str = "message"
+    _data: list[str] = field(default_factory=list)
+    _id: str | None = None
+
+    def feed(self, line: str) -> dict[str, Any] | None:
+        """Consume one line (without its newline); return an event when a blank line ends one."""
+        if line == "":
+            if not self._data:
+                self._event = "message"
+                return None
+            text = "\n".join(self._data)
+            try:
+                data: Any = json.loads(text)
+            except ValueError:
+                data = text
+            event = {"event": self._event, "data": data, "id": self._id}
+            self._event, self._data = "message", []
+            return event
+        if line.startswith(":"):
+            return None
+        name, _, value = line.partition(":")
+        value = value[1:] if value.startswith(" ") else value
+        if name == "event":
+            self._event = value
+        elif name == "data":
+            self._data.append(value)
+        elif name == "id":
+            self._id = value
+        return None
+
+    def feed_lines(self, lines: Iterable[str]) -> list[dict[str, Any]]:
+        """Feed several lines; the completed events."""
+        return [e for e in (self.feed(line) for line in lines) if e is not None]

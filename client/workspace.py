@@ -1,0 +1,119 @@
+"""Reading workspaces, patches and patchsets, and their content-addressed ids (no pyhf needed)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any, Union
+
+from .exceptions import WorkspaceError
+
+__all__ = ["JSONSource", "digest", "load_json", "load_patches", "to_jsonable"]
+
+#: anything the client accepts as a workspace / patchset / patch: a mapping (a dict or a
+#: ``pyhf.Workspace``/``pyhf.PatchSet``-like object), a path, ``"-"`` for stdin, a text stream,
+#: or JSON text/bytes.
+JSONSource = Union[Mapping[str, Any], str, "os.PathLike[str]", IO[str], IO[bytes], bytes]
+
+
+def digest(obj: Any, algorithm: str = "sha256") -> str:
+    """The id pyhf gives a JSON object (``pyhf.utils.digest``), without importing pyhf.
+
+    ``hashlib.<algorithm>(json.dumps(obj, sort_keys=True, ensure_ascii=False).encode("utf8"))``;
+    equal to the ``digests`` a pyhf ``PatchSet`` records for its background workspace.
+    """
+    try:
+        text = json.dumps(to_jsonable(obj), sort_keys=True, ensure_ascii=False)
+    except (TypeError, ValueError) as exc:
+        raise WorkspaceError(f"object is not JSON-serialisable: {exc}") from exc
+    try:
+        hasher = hashlib.new(algorithm)
+    except ValueError as exc:
+        raise ValueError(f"{algorithm} is not provided by hashlib") from exc
+    hasher.update(text.encode("utf8"))
+    return hasher.hexdigest()
+
+
+def to_jsonable(obj: Any) -> Any:
+    """Plain ``dict``/``list`` copies of mappings and sequences (e.g. a ``pyhf.Workspace``).
+
+    Objects with a ``patch`` list and ``metadata`` (a ``pyhf.patchset.Patch``) or with
+    ``patches`` (a ``pyhf.PatchSet``) are turned into their JSON form as well.
+    """
+    if isinstance(obj, Mapping):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (str, bytes, int, float, bool)) or obj is None:
+        return obj
+    if isinstance(obj, Sequence):
+        return [to_jsonable(v) for v in obj]
+    if hasattr(obj, "tolist"):  # numpy scalars/arrays, if a caller built the spec with numpy
+        return obj.tolist()
+    # pyhf.PatchSet / pyhf.patchset.Patch are not mappings; rebuild their JSON form
+    if hasattr(obj, "patches") and hasattr(obj, "metadata"):
+        return {
+            "metadata": to_jsonable(obj.metadata),
+            "patches": [to_jsonable(p) for p in obj.patches],
+            "version": getattr(obj, "version", "1.0.0"),
+        }
+    if hasattr(obj, "patch") and hasattr(obj, "metadata"):
+        return {"metadata": to_jsonable(obj.metadata), "patch": to_jsonable(obj.patch)}
+    raise TypeError(f"cannot convert {type(obj).__name__} to JSON")
+
+
+def load_json(source: JSONSource, what: str = "workspace") -> Any:
+    """Read JSON from a mapping, a path (``"-"`` is stdin), a text/binary stream or JSON text.
+
+    Raises:
+        WorkspaceError: the file is missing or the content is not JSON.
+    """
+    if isinstance(source, Mapping) or hasattr(source, "patches"):
+        try:
+            return to_jsonable(source)
+        except TypeError as exc:
+            raise WorkspaceError(f"{what}: {exc}") from exc
+    if isinstance(source, bytes):
+        return _parse(source.decode("utf-8"), what, "<bytes>")
+    if hasattr(source, "read"):
+        text = source.read()  # type: ignore[union-attr]
+        if isinstance(text, bytes):
+            text = text.decode("utf-8")
+        return _parse(text, what, getattr(source, "name", "<stream>"))
+    if isinstance(source, (str, os.PathLike)):
+        name = os.fspath(source)
+        if name == "-":
+            return _parse(sys.stdin.read(), what, "<stdin>")
+        if isinstance(source, str) and source.lstrip().startswith(("{", "[")):
+            return _parse(source, what, "<string>")
+        path = Path(name)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError as exc:
+            raise WorkspaceError(f"{what} file not found: {name}") from exc
+        except OSError as exc:
+            raise WorkspaceError(f"cannot read {what} file {name}: {exc}") from exc
+        return _parse(text, what, name)
+    raise WorkspaceError(f"cannot read a {what} from {type(source).__name__}")
+
+
+def _parse(text: str, what: str, name: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise WorkspaceError(f"{what} {name} is not valid JSON: {exc}") from exc
+
+
+def load_patches(patches: Sequence[JSONSource] | None) -> list[Any]:
+    """Load a list of jsonpatches (each a list of operations, or a path to one)."""
+    if not patches:
+        return []
+    out = []
+    for patch in patches:
+        if isinstance(patch, list):
+            out.append(to_jsonable(patch))
+        else:
+            out.append(load_json(patch, "patch"))
+    return out

@@ -1,0 +1,206 @@
+"""Interpolation codes of pyhf, rewritten as basis functions times precomputed coefficients.
+
+Every code pyhf offers for ``histosys`` (additive: code0, code2, code4p) is linear in a
+small set of basis functions of the nuisance parameter ``alpha``::
+
+    delta(alpha) = sum_k basis_k(alpha) * coefficient_k(lo, nom, hi)
+
+so a whole model's histosys shift is one matrix product ``basis [B, K*J] @ C [K*J, Q]``
+with ``C`` computed once at load. The ``normsys`` codes (multiplicative: code1, code4) are
+evaluated in log space, ``log factor(alpha)``, so that many of them multiply by summation.
+
+The formulas follow what ``pyhf.interpolators`` computes, boundaries included (pyhf's code2
+is discontinuous at ``|alpha| = 1``, and so is ours).
+
+Example:
+    >>> import torch
+    >>> coeffs = histosys_coefficients("code0", lo=[[8.0]], nom=[[10.0]], hi=[[13.0]])
+    >>> alpha = torch.tensor([[0.5], [-1.0]], dtype=torch.float64)
+    >>> basis = histosys_basis("code0", alpha)          # [B, K, J]
+    >>> torch.einsum("bkj,kjq->bq", basis, torch.as_tensor(coeffs)).tolist()
+    [[1.5], [-2.0]]
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .errors import UnsupportedModelError
+
+HISTOSYS_CODES = ("code0", "code2", "code4p")
+NORMSYS_CODES = ("code1", "code4")
+
+
+def histosys_coefficients(code: str, lo, nom, hi) -> np.ndarray:
+    """Coefficients ``[K, ...]`` of the basis functions of ``code`` for histograms ``lo, nom, hi``."""
+    lo, nom, hi = (np.asarray(x, dtype=np.float64) for x in (lo, nom, hi))
+    delta_up = hi - nom
+    delta_dn = nom - lo
+    if code == "code0":
+        return np.stack([delta_up, delta_dn])
+    if code == "code2":
+        a = 0.5 * (hi + lo) - nom
+        b = 0.5 * (hi - lo)
+        return np.stack([a, b, b + 2 * a, b - 2 * a])
+    if code == "code4p":
+        s = 0.5 * (delta_up + delta_dn)
+        a = 0.0625 * (delta_up - delta_dn)
+        return np.stack([s, a, delta_up, delta_dn])
+    raise UnsupportedModelError(
+        f"histosys interpolation code {code!r} is not supported (supported: {HISTOSYS_CODES})"
+    )
+
+
+def histosys_basis(code: str, alpha: torch.Tensor) -> torch.Tensor:
+    """Basis functions ``[B, K, J]`` of ``code`` at ``alpha [B, J]``, matching histosys_coefficients."""
+    zero = torch.zeros_like(alpha)
+    if code == "code0":
+        positive = alpha > 0
+        return torch.stack(
+            [torch.where(positive, alpha, zero), torch.where(positive, zero, alpha)], 1
+        )
+    if code == "code2":
+        above = alpha > 1
+        below = alpha < -1
+        inside = torch.logical_not(above | below)
+        return torch.stack(
+            [
+                torch.where(inside, alpha * alpha, zero),
+                torch.where(inside, alpha, zero),
+                torch.where(above, alpha - 1, zero),
+                # pyhf's vectorised code2 extrapolates (b - 2a) * alpha below -1, not
+                # (b - 2a) * (alpha + 1) as its reference loop does: we follow what it computes
+                torch.where(below, alpha, zero),
+            ],
+            1,
+        )
+    if code == "code4p":
+        above = alpha > 1
+        below = alpha < -1
+        inside = torch.logical_not(above | below)
+        a2 = alpha * alpha
+        return torch.stack(
+            [
+                torch.where(inside, alpha, zero),
+                torch.where(inside, a2 * (a2 * (a2 * 3.0 - 10.0) + 15.0), zero),
+                torch.where(above, alpha, zero),
+                torch.where(below, alpha, zero),
+            ],
+            1,
+        )
+    raise UnsupportedModelError(f"histosys interpolation code {code!r} is not supported")
+
+
+def histosys_basis_derivative(code: str, alpha: torch.Tensor) -> torch.Tensor:
+    """``d basis / d alpha`` ``[B, K, J]``, the companion of :func:`histosys_basis`."""
+    zero, one = torch.zeros_like(alpha), torch.ones_like(alpha)
+    if code == "code0":
+        positive = alpha > 0
+        return torch.stack([torch.where(positive, one, zero), torch.where(positive, zero, one)], 1)
+    above = alpha > 1
+    below = alpha < -1
+    inside = torch.logical_not(above | below)
+    if code == "code2":
+        first = torch.where(inside, 2.0 * alpha, zero)
+        second = torch.where(inside, one, zero)
+    elif code == "code4p":
+        a2 = alpha * alpha
+        first = torch.where(inside, one, zero)
+        second = torch.where(inside, alpha * (a2 * (a2 * 18.0 - 40.0) + 30.0), zero)
+    else:
+        raise UnsupportedModelError(f"histosys interpolation code {code!r} is not supported")
+    return torch.stack(
+        [first, second, torch.where(above, one, zero), torch.where(below, one, zero)], 1
+    )
+
+
+# pyhf's closed-form inverse of the code4 system for alpha0 = 1 (pyhf.interpolators.code4)
+_CODE4_A_INVERSE = np.array(
+    [
+        [15.0 / 16, -15.0 / 16, -7.0 / 16, -7.0 / 16, 1.0 / 16, -1.0 / 16],
+        [3.0 / 2, 3.0 / 2, -9.0 / 16, 9.0 / 16, 1.0 / 16, 1.0 / 16],
+        [-5.0 / 8, 5.0 / 8, 5.0 / 8, 5.0 / 8, -1.0 / 8, 1.0 / 8],
+        [3.0 / -2, 3.0 / -2, -7.0 / -8, 7.0 / -8, -1.0 / 8, -1.0 / 8],
+        [3.0 / 16, -3.0 / 16, -3.0 / 16, -3.0 / 16, 1.0 / 16, -1.0 / 16],
+        [1.0 / 2, 1.0 / 2, -5.0 / 16, 5.0 / 16, 1.0 / 16, 1.0 / 16],
+    ]
+)
+
+
+def normsys_coefficients(code: str, lo, hi) -> np.ndarray:
+    """Coefficients ``[8, T]`` of the normsys factor for relative variations ``lo, hi``.
+
+    Rows: ``log(hi)``, ``log(lo)``, then (code4 only) the six polynomial coefficients used
+    for ``|alpha| < 1``. Non-positive variations have no logarithm and are refused.
+    """
+    lo = np.asarray(lo, dtype=np.float64)
+    hi = np.asarray(hi, dtype=np.float64)
+    if code not in NORMSYS_CODES:
+        raise UnsupportedModelError(
+            f"normsys interpolation code {code!r} is not supported (supported: {NORMSYS_CODES})"
+        )
+    if np.any(lo <= 0) or np.any(hi <= 0):
+        raise UnsupportedModelError(
+            "normsys with a non-positive 'hi' or 'lo' factor is not supported"
+        )
+    log_hi, log_lo = np.log(hi), np.log(lo)
+    poly = np.zeros((6, *hi.shape))
+    if code == "code4":
+        b = np.stack([hi - 1, lo - 1, log_hi * hi, -log_lo * lo, log_hi**2 * hi, log_lo**2 * lo])
+        poly = np.einsum("rc,c...->r...", _CODE4_A_INVERSE, b)
+    return np.concatenate([log_hi[None], log_lo[None], poly])
+
+
+def normsys_log_factor(
+    code: str, alpha: torch.Tensor, coefficients: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``log |factor|`` and ``factor < 0`` (as 0/1) at ``alpha [B, T]``, coefficients ``[8, T]``.
+
+    Extreme variations (``lo = 0.01, hi = 40`` occur in published workspaces) can drive the
+    code4 polynomial below zero; pyhf multiplies such factors as they are, so the sign is
+    carried separately to multiply exactly as pyhf does.
+    """
+    log_hi, log_lo = coefficients.select(0, 0), coefficients.select(0, 1)
+    up = alpha * log_hi
+    down = -alpha * log_lo
+    if code == "code1":
+        return torch.where(alpha > 0, up, down), torch.zeros_like(alpha)
+    # code4: exponential outside |alpha| < 1, a 6th-order polynomial inside. The polynomial is
+    # evaluated at the clamped alpha so that the branch not taken never produces NaN gradients.
+    inner = 1.0 + _code4_polynomial(alpha.clamp(-1.0, 1.0), coefficients)
+    outside_up, outside_down = alpha >= 1, alpha <= -1
+    log_abs = torch.where(outside_up, up, torch.where(outside_down, down, torch.log(inner.abs())))
+    negative = (torch.logical_not(outside_up | outside_down) & (inner < 0)).to(alpha.dtype)
+    return log_abs, negative
+
+
+def _code4_polynomial(alpha: torch.Tensor, coefficients: torch.Tensor) -> torch.Tensor:
+    """``sum_i c_i alpha^i`` for i = 1..6 (Horner), coefficients rows 2..7."""
+    poly = coefficients.select(0, 7) * alpha
+    for i in range(6, 1, -1):
+        poly = (poly + coefficients.select(0, i)) * alpha
+    return poly
+
+
+def _code4_polynomial_derivative(alpha: torch.Tensor, coefficients: torch.Tensor) -> torch.Tensor:
+    """``sum_i i c_i alpha^(i-1)`` for i = 1..6 (Horner)."""
+    derivative = 6.0 * coefficients.select(0, 7)
+    for i in range(6, 1, -1):
+        derivative = derivative * alpha + (i - 1) * coefficients.select(0, i)
+    return derivative
+
+
+def normsys_log_factor_derivative(
+    code: str, alpha: torch.Tensor, coefficients: torch.Tensor
+) -> torch.Tensor:
+    """``d log|factor| / d alpha`` at ``alpha [B, T]``, the companion of normsys_log_factor."""
+    log_hi, log_lo = coefficients.select(0, 0), coefficients.select(0, 1)
+    up = log_hi.expand_as(alpha)
+    down = -log_lo.expand_as(alpha)
+    if code == "code1":
+        return torch.where(alpha > 0, up, down)
+    inner_alpha = alpha.clamp(-1.0, 1.0)
+    inner = 1.0 + _code4_polynomial(inner_alpha, coefficients)
+    slope = _code4_polynomial_derivative(inner_alpha, coefficients) / inner
+    return torch.where(alpha >= 1, up, torch.where(alpha <= -1, down, slope))

@@ -1,0 +1,261 @@
+"""Host-side reading of a pyhf model into plain arrays: the precompute done once at load.
+
+pyhf parses and validates the workspace and fixes the parameter layout (``Model.config``:
+``par_order``, ``par_slice``, ``param_set``, ``suggested_*``, ``auxdata``); this module reads
+that layout and the model's ``spec`` through pyhf's public API and turns every modifier into
+numbers that the device kernel only has to multiply and add:
+
+- per sample, the nominal rates over all main bins, the histosys basis coefficients, the
+  normsys log-space coefficients (one entry per affected bin) and the parameter indices
+  of every plain multiplier (normfactor, lumi, shapefactor, staterror, shapesys);
+- per auxiliary datum, the parameter it constrains, its Normal sigma or Poisson scale.
+
+The result is an :class:`ElementLayout` (one model); :func:`pyhf_gpu_server.engine.model`
+stacks any number of them with equal ``structure_key`` onto one device.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyhf
+
+from .errors import UnsupportedModelError
+from .interpolation import histosys_coefficients, normsys_coefficients
+
+MULTIPLIER_TYPES = ("normfactor", "lumi", "shapefactor", "staterror", "shapesys")
+SUPPORTED_TYPES = (*MULTIPLIER_TYPES, "histosys", "normsys")
+
+
+@dataclass
+class SampleLayout:
+    """One sample's numbers over all main bins (zeros where a channel lacks the sample)."""
+
+    nominal: np.ndarray  # [N]
+    histosys: np.ndarray  # [K, J_h, N] basis coefficients per histosys parameter
+    normsys_param: np.ndarray  # [T] index into the normsys parameter list
+    normsys_bin: np.ndarray  # [T] main bin
+    normsys_coefficients: np.ndarray  # [8, T]
+    multipliers: list[list[int]]  # per bin, the parameter indices that multiply it
+
+    def fingerprint(self) -> bytes:
+        """Bytes that are equal exactly when two samples compute the same rates."""
+        digest = hashlib.sha256()
+        for array in (
+            self.nominal,
+            self.histosys,
+            self.normsys_param,
+            self.normsys_bin,
+            self.normsys_coefficients,
+        ):
+            digest.update(np.ascontiguousarray(array).tobytes())
+        digest.update(json.dumps(self.multipliers).encode())
+        return digest.digest()
+
+
+@dataclass
+class ElementLayout:
+    """Everything the device model needs from one pyhf model."""
+
+    structure_key: str
+    structure: dict[str, Any]
+    pyhf_model: pyhf.Model
+    samples: list[SampleLayout]
+    histosys_code: str
+    normsys_code: str
+    histosys_params: list[int]  # parameter index per histosys parameter
+    normsys_params: list[int]  # parameter index per normsys parameter
+    aux_param: np.ndarray  # [A] parameter constrained by each auxiliary datum
+    aux_is_poisson: np.ndarray  # [A] bool
+    aux_sigma: np.ndarray  # [A] Normal sigma (1 for Poisson slots)
+    aux_scale: np.ndarray  # [A] Poisson rate factor tau (1 for Normal slots)
+    init: np.ndarray  # [P]
+    bounds: np.ndarray  # [P, 2]
+    fixed: np.ndarray  # [P] bool
+    observed: np.ndarray  # [N + A]
+    name: str = "nominal"
+
+
+def interpolation_codes(model: pyhf.Model) -> tuple[str, str]:
+    """The (histosys, normsys) interpolation codes pyhf uses for ``model``.
+
+    A type missing from ``modifier_settings`` takes the default of pyhf's applier, as pyhf does.
+    """
+    settings = model.config.modifier_settings or {}
+
+    def code(mtype: str) -> str:
+        applier = pyhf.modifiers.histfactory_set[mtype][1]
+        default = inspect.signature(applier.__init__).parameters["interpcode"].default
+        return settings.get(mtype, {}).get("interpcode", default)
+
+    return code("histosys"), code("normsys")
+
+
+def _bin_offsets_of_per_bin_modifiers(config, spec) -> dict[str, dict[str, int]]:
+    """For staterror and shapesys: the parameter offset of each channel's first bin.
+
+    pyhf numbers such a parameter over the global bins of the channels that carry it.
+    """
+    carriers: dict[str, list[str]] = {}
+    for channel in spec["channels"]:
+        for sample in channel["samples"]:
+            for modifier in sample["modifiers"]:
+                if modifier["type"] in ("staterror", "shapesys"):
+                    names = carriers.setdefault(modifier["name"], [])
+                    if channel["name"] not in names:
+                        names.append(channel["name"])
+    offsets: dict[str, dict[str, int]] = {}
+    for name, channels in carriers.items():
+        offset = 0
+        offsets[name] = {}
+        for channel in config.channels:  # pyhf's (sorted) channel order
+            if channel in channels:
+                offsets[name][channel] = offset
+                offset += config.channel_nbins[channel]
+        if offset != config.param_set(name).n_parameters:
+            raise UnsupportedModelError(f"modifier {name!r}: unexpected parameter layout")
+    return offsets
+
+
+def _aux_layout(config) -> tuple[np.ndarray, ...]:
+    params, is_poisson, sigmas, scales = [], [], [], []
+    for name in config.auxdata_order:
+        parset = config.param_set(name)
+        start = config.par_slice(name).start
+        n = parset.n_parameters
+        params.extend(range(start, start + n))
+        if parset.pdf_type == "poisson":
+            is_poisson.extend([True] * n)
+            sigmas.extend([1.0] * n)
+            scales.extend(parset.factors)
+        elif parset.pdf_type == "normal":
+            is_poisson.extend([False] * n)
+            sigma = getattr(parset, "sigmas", None)
+            sigmas.extend(sigma if sigma is not None else [1.0] * n)
+            scales.extend([1.0] * n)
+        else:
+            raise UnsupportedModelError(
+                f"constraint type {parset.pdf_type!r} of parameter {name!r} is not supported"
+            )
+    if len(params) != len(config.auxdata):
+        raise UnsupportedModelError("auxiliary data layout does not match pyhf's")
+    return (
+        np.asarray(params, dtype=np.int64),
+        np.asarray(is_poisson, dtype=bool),
+        np.asarray(sigmas, dtype=np.float64),
+        np.asarray(scales, dtype=np.float64),
+    )
+
+
+def read_model(model: pyhf.Model, observed: list[float], name: str = "nominal") -> ElementLayout:
+    """Read a built pyhf model (and its observed data, aux included) into an ElementLayout."""
+    config = model.config
+    spec = model.spec
+    histosys_code, normsys_code = interpolation_codes(model)
+    n_main = config.nmaindata
+
+    histosys_names = [n for n, t in config.modifiers if t == "histosys"]
+    normsys_names = [n for n, t in config.modifiers if t == "normsys"]
+    unsupported = sorted({t for _, t in config.modifiers if t not in SUPPORTED_TYPES})
+    if unsupported:
+        raise UnsupportedModelError(f"modifier type(s) not supported by the engine: {unsupported}")
+    histosys_index = {n: j for j, n in enumerate(histosys_names)}
+    normsys_index = {n: j for j, n in enumerate(normsys_names)}
+    per_bin_offsets = _bin_offsets_of_per_bin_modifiers(config, spec)
+    n_basis = histosys_coefficients(histosys_code, [0.0], [0.0], [0.0]).shape[0]
+
+    samples = {
+        s: SampleLayout(
+            nominal=np.zeros(n_main),
+            histosys=np.zeros((n_basis, len(histosys_names), n_main)),
+            normsys_param=np.zeros(0, dtype=np.int64),
+            normsys_bin=np.zeros(0, dtype=np.int64),
+            normsys_coefficients=np.zeros((8, 0)),
+            multipliers=[[] for _ in range(n_main)],
+        )
+        for s in config.samples
+    }
+    normsys_entries: dict[str, list[tuple[int, int, float, float]]] = {s: [] for s in samples}
+    modifier_layout = []
+
+    for channel in spec["channels"]:
+        cname = channel["name"]
+        bins = config.channel_slices[cname]
+        nbins = config.channel_nbins[cname]
+        for sample in channel["samples"]:
+            layout = samples[sample["name"]]
+            nominal = np.asarray(sample["data"], dtype=np.float64)
+            layout.nominal[bins] = nominal
+            seen = set()
+            for modifier in sample["modifiers"]:
+                mname, mtype, mdata = modifier["name"], modifier["type"], modifier["data"]
+                if (mname, mtype) in seen:
+                    raise UnsupportedModelError(
+                        f"modifier {mname!r} ({mtype}) appears twice on sample "
+                        f"{sample['name']!r} in channel {cname!r}"
+                    )
+                seen.add((mname, mtype))
+                modifier_layout.append([cname, sample["name"], mname, mtype])
+                start = config.par_slice(mname).start
+                if mtype == "histosys":
+                    layout.histosys[:, histosys_index[mname], bins] = histosys_coefficients(
+                        histosys_code, mdata["lo_data"], nominal, mdata["hi_data"]
+                    )
+                elif mtype == "normsys":
+                    normsys_entries[sample["name"]].extend(
+                        (normsys_index[mname], b, mdata["lo"], mdata["hi"])
+                        for b in range(bins.start, bins.stop)
+                    )
+                else:
+                    if mtype in ("normfactor", "lumi"):
+                        indices = [start] * nbins
+                    elif mtype == "shapefactor":
+                        indices = [start + i for i in range(nbins)]
+                    else:  # staterror, shapesys: numbered over the carrying channels' bins
+                        offset = per_bin_offsets[mname][cname]
+                        indices = [start + offset + i for i in range(nbins)]
+                    for b, index in zip(range(bins.start, bins.stop), indices, strict=True):
+                        layout.multipliers[b].append(index)
+
+    for sname, entries in normsys_entries.items():
+        if entries:
+            params, bins_, lo, hi = (np.asarray(x) for x in zip(*entries, strict=True))
+            samples[sname].normsys_param = params.astype(np.int64)
+            samples[sname].normsys_bin = bins_.astype(np.int64)
+            samples[sname].normsys_coefficients = normsys_coefficients(normsys_code, lo, hi)
+
+    aux_param, aux_is_poisson, aux_sigma, aux_scale = _aux_layout(config)
+    structure = {
+        "channels": [[c, config.channel_nbins[c]] for c in config.channels],
+        "samples": list(config.samples),
+        "parameters": [[p, config.param_set(p).n_parameters] for p in config.par_order],
+        "modifiers": sorted(modifier_layout),
+        "poi": config.poi_name,
+        "interpolation": [histosys_code, normsys_code],
+        "aux": [aux_param.tolist(), aux_is_poisson.tolist()],
+    }
+    structure_key = hashlib.sha256(json.dumps(structure, sort_keys=True).encode()).hexdigest()
+    return ElementLayout(
+        structure_key=structure_key,
+        structure=structure,
+        pyhf_model=model,
+        samples=[samples[s] for s in config.samples],
+        histosys_code=histosys_code,
+        normsys_code=normsys_code,
+        histosys_params=[config.par_slice(n).start for n in histosys_names],
+        normsys_params=[config.par_slice(n).start for n in normsys_names],
+        aux_param=aux_param,
+        aux_is_poisson=aux_is_poisson,
+        aux_sigma=aux_sigma,
+        aux_scale=aux_scale,
+        init=np.asarray(config.suggested_init(), dtype=np.float64),
+        bounds=np.asarray(config.suggested_bounds(), dtype=np.float64),
+        fixed=np.asarray(config.suggested_fixed(), dtype=bool),
+        observed=np.asarray(observed, dtype=np.float64),
+        name=name,
+    )

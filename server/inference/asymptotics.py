@@ -1,0 +1,204 @@
+"""The asymptotic calculator of pyhf (``infer.calculators.AsymptoticCalculator``), batched.
+
+For each row (dataset, tested POI value ``mu``) pyhf runs, one by one: the unconditional
+and conditional fits to the data, the conditional fit at ``asimov_mu`` (0 for ``q``/``q~``,
+1 for ``q0``) that makes the Asimov dataset, and the two fits to the Asimov data. Here:
+
+- fits that depend only on the dataset (unconditional fit, Asimov fit, unconditional fit to
+  the Asimov data) run once per distinct dataset, not once per row;
+- the first call of :meth:`AsymptoticCalculator.teststatistic` runs all data fits in one
+  batched minimiser call and all Asimov fits in a second; later calls (new ``mu`` values,
+  e.g. while root-finding an upper limit) run their conditional fits in one call.
+
+The p-values follow pyhf's ``AsymptoticTestStatDistribution`` (``normal`` or
+``clipped_normal`` base distribution) and ``expected_pvalues`` (n_sigma = 2, 1, 0, -1, -2).
+
+Example:
+    >>> import torch
+    >>> clsb, clb, cls = pvalues(torch.tensor([0.5]), torch.tensor([1.5]))
+    >>> [round(v, 6) for v in (clsb.item(), clb.item(), cls.item())]
+    [0.02275, 0.308538, 0.073737]
+    >>> [round(v, 4) for v in expected_pvalues(torch.tensor([1.5]))[2][0].tolist()]
+    [0.0013, 0.0181, 0.0668, 0.1685, 0.3126]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .mle import FitOptions, FitRequest, fit_requests
+from .results import FitResults
+from .test_statistics import TEST_STATS, test_statistic
+
+__all__ = [
+    "N_SIGMA",
+    "AsymptoticCalculator",
+    "asimov_mu",
+    "asymptotic_teststat",
+    "expected_pvalues",
+    "pvalues",
+]
+
+N_SIGMA = (2.0, 1.0, 0.0, -1.0, -2.0)
+
+
+def asimov_mu(test_stat: str) -> float:
+    """The POI value of pyhf's Asimov dataset: 1 for ``q0``, else 0."""
+    return 1.0 if test_stat == "q0" else 0.0
+
+
+def asymptotic_teststat(test_stat: str, sqrtq: Tensor, sqrtq_asimov: Tensor) -> Tensor:
+    """pyhf's asymptotic test statistic from ``sqrt(q)`` and ``sqrt(q_A)``.
+
+    ``q``/``q0``: ``sqrt(q) - sqrt(q_A)``; ``q~``: the same where ``sqrt(q) <= sqrt(q_A)``,
+    else ``(q - q_A) / (2 sqrt(q_A))``.
+    """
+    linear = sqrtq - sqrtq_asimov
+    if test_stat in ("q", "q0"):
+        return linear
+    quadratic = (sqrtq**2 - sqrtq_asimov**2) / (2 * sqrtq_asimov)
+    return torch.where(sqrtq <= sqrtq_asimov, linear, quadratic)
+
+
+def _tail(value: Tensor, shift: Tensor | float, cutoff: Tensor | float) -> Tensor:
+    """Right-tail p-value of a unit normal shifted by ``shift`` (NaN below ``cutoff``)."""
+    p = torch.special.ndtr(-(value - shift))
+    return torch.where(value >= cutoff, p, torch.full_like(p, torch.nan))
+
+
+def pvalues(
+    teststat: Tensor, sqrtq_asimov: Tensor, calc_base_dist: str = "normal"
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(CLsb, CLb, CLs)`` of the observed asymptotic test statistic, per row."""
+    cutoff = _cutoff(sqrtq_asimov, calc_base_dist)
+    clsb = _tail(teststat, -sqrtq_asimov, cutoff)
+    clb = _tail(teststat, 0.0, cutoff)
+    return clsb, clb, clsb / clb
+
+
+def expected_pvalues(sqrtq_asimov: Tensor, calc_base_dist: str = "normal") -> tuple[Tensor, Tensor, Tensor]:
+    """``(CLsb, CLb, CLs)``, each ``[B, 5]``, at the background-only expected test
+    statistics for n_sigma = 2, 1, 0, -1, -2 (pyhf's order)."""
+    cutoff = _cutoff(sqrtq_asimov, calc_base_dist).unsqueeze(-1)
+    n = torch.tensor(N_SIGMA, dtype=sqrtq_asimov.dtype, device=sqrtq_asimov.device)
+    expected = torch.where(n > cutoff, n, cutoff)  # bkg-only distribution: shift 0
+    clsb = _tail(expected, -sqrtq_asimov.unsqueeze(-1), cutoff)
+    clb = _tail(expected, 0.0, cutoff)
+    return clsb, clb, clsb / clb
+
+
+def _cutoff(sqrtq_asimov: Tensor, calc_base_dist: str) -> Tensor:
+    if calc_base_dist == "normal":
+        return torch.full_like(sqrtq_asimov, -torch.inf)
+    if calc_base_dist == "clipped_normal":
+        return -sqrtq_asimov
+    raise ValueError(f"unknown base distribution for asymptotics {calc_base_dist!r}")
+
+
+@dataclass
+class AsymptoticStats:
+    """What one :meth:`AsymptoticCalculator.teststatistic` call yields, per row."""
+
+    teststat: Tensor
+    sqrtq_asimov: Tensor
+    fit_converged: dict[str, Tensor]
+
+
+class AsymptoticCalculator:
+    """Asymptotic CLs for many (dataset, mu) rows of one model.
+
+    Args:
+        model: a :class:`~pyhf_gpu_server.engine.HistFactoryModel`.
+        data: ``[D, N + A]`` distinct datasets (see
+            :func:`~pyhf_gpu_server.inference.rows.unique_datasets`).
+        element: ``[D]`` element of each dataset.
+        test_stat: ``"qtilde"``, ``"q"`` or ``"q0"``.
+        calc_base_dist: ``"normal"`` or ``"clipped_normal"`` (pyhf's option).
+        fit_kwargs: ``init``/``bounds``/``fixed`` (``[P]``-shaped) and ``options`` for the fits.
+    """
+
+    def __init__(
+        self,
+        model,
+        data: Tensor,
+        element: Tensor,
+        test_stat: str = "qtilde",
+        calc_base_dist: str = "normal",
+        **fit_kwargs,
+    ) -> None:
+        if test_stat not in TEST_STATS:
+            raise ValueError(f"unknown test statistic {test_stat!r}; expected one of {TEST_STATS}")
+        self.model = model
+        self.data = data
+        self.element = element
+        self.test_stat = test_stat
+        self.calc_base_dist = calc_base_dist
+        self.fit_kwargs = fit_kwargs
+        self.free_data: FitResults | None = None
+        self.free_asimov: FitResults | None = None
+        self.asimov_fit: FitResults | None = None
+        self.asimov_data: Tensor | None = None
+
+    @property
+    def options(self) -> FitOptions | None:
+        return self.fit_kwargs.get("options")
+
+    def _tested(self, mu: Tensor) -> Tensor:
+        return torch.zeros_like(mu) if self.test_stat == "q0" else mu
+
+    def teststatistic(self, mu: Tensor, index: Tensor) -> AsymptoticStats:
+        """Asymptotic test statistics ``[M]`` for POI values ``mu [M]`` on datasets ``index [M]``."""
+        model, tested = self.model, self._tested(mu)
+        data, element = self.data[index], self.element[index]
+        if self.free_data is None:
+            D = self.element.shape[0]
+            nan = torch.full((D,), torch.nan, dtype=model.dtype, device=model.device)
+            asimov_poi = torch.full((D,), asimov_mu(self.test_stat), dtype=model.dtype, device=model.device)
+            self.free_data, self.asimov_fit, fixed_data = fit_requests(
+                model,
+                [
+                    FitRequest(self.data, self.element, nan),
+                    FitRequest(self.data, self.element, asimov_poi),
+                    FitRequest(data, element, tested),
+                ],
+                **self.fit_kwargs,
+            )
+            self.asimov_data = model.expected_data(self.asimov_fit.bestfit, self.element)
+            self.free_asimov, fixed_asimov = fit_requests(
+                model,
+                [
+                    FitRequest(self.asimov_data, self.element, nan),
+                    FitRequest(self.asimov_data[index], element, tested),
+                ],
+                **self.fit_kwargs,
+            )
+        else:
+            fixed_data, fixed_asimov = fit_requests(
+                model,
+                [FitRequest(data, element, tested), FitRequest(self.asimov_data[index], element, tested)],
+                **self.fit_kwargs,
+            )
+        free_data, free_asimov = self.free_data.select(index), self.free_asimov.select(index)
+        q = test_statistic(self.test_stat, tested, fixed_data, free_data, model.poi_index)
+        q_asimov = test_statistic(self.test_stat, tested, fixed_asimov, free_asimov, model.poi_index)
+        sqrtq, sqrtq_asimov = torch.sqrt(q), torch.sqrt(q_asimov)
+        converged = {
+            "free_data": free_data.converged,
+            "fixed_data": fixed_data.converged,
+            "asimov": self.asimov_fit.converged[index],
+            "free_asimov": free_asimov.converged,
+            "fixed_asimov": fixed_asimov.converged,
+        }
+        teststat = asymptotic_teststat(self.test_stat, sqrtq, sqrtq_asimov)
+        return AsymptoticStats(teststat, sqrtq_asimov, converged)
+
+    def pvalues(self, stats: AsymptoticStats) -> tuple[Tensor, Tensor, Tensor]:
+        """Observed ``(CLsb, CLb, CLs)`` ``[M]``."""
+        return pvalues(stats.teststat, stats.sqrtq_asimov, self.calc_base_dist)
+
+    def expected_pvalues(self, stats: AsymptoticStats) -> tuple[Tensor, Tensor, Tensor]:
+        """Expected ``(CLsb, CLb, CLs)``, each ``[M, 5]`` in pyhf's band order."""
+        return expected_pvalues(stats.sqrtq_asimov, self.calc_base_dist)

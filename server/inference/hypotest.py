@@ -1,0 +1,173 @@
+"""CLs hypothesis tests (pyhf's ``infer.hypotest``) for many rows at once.
+
+A row is one (element, dataset, tested POI value). The rows of one call, e.g. a scan over
+``test_poi`` values, or every patch of a patchset, or both, share their batched fits: see
+:mod:`~pyhf_gpu_server.inference.asymptotics` and :mod:`~pyhf_gpu_server.inference.toys`.
+
+Example:
+    >>> import pyhf
+    >>> from pyhf_gpu_server.engine import HistFactoryModel
+    >>> spec = pyhf.simplemodels.uncorrelated_background([12.0, 11.0], [50.0, 52.0], [3.0, 7.0]).spec
+    >>> ws = {**spec, "observations": [{"name": "singlechannel", "data": [51.0, 48.0]}],
+    ...       "measurements": [{"name": "m", "config": {"poi": "mu", "parameters": []}}],
+    ...       "version": "1.0.0"}
+    >>> model = HistFactoryModel.from_workspace(ws)
+    >>> res = hypotest(model, [1.0, 2.0])
+    >>> [round(v, 6) for v in res.cls_obs.tolist()]
+    [0.052515, 0.000183]
+    >>> [round(v, 6) for v in res.to_pyhf_json(0)["CLs_exp"]]
+    [0.002606, 0.01382, 0.064453, 0.235256, 0.573036]
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from .asymptotics import AsymptoticCalculator
+from .mle import FitOptions, rows_data
+from .results import HypotestResults
+from .rows import rows_of, unique_datasets
+from .test_statistics import TEST_STATS
+
+__all__ = ["hypotest", "make_calculator", "prepare_rows", "run_calculator"]
+
+CalcType = Literal["asymptotics", "toybased"]
+
+
+def prepare_rows(model, test_poi, data: Tensor | None, element) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per-row POI values plus distinct datasets ``[D, N + A]``, their elements ``[D]`` and
+    each row's dataset index ``[B]``.
+
+    Without ``data``: rows from :func:`~pyhf_gpu_server.inference.rows.rows_of` (every element
+    when ``element`` is None) on the observed data. With ``data [B, N + A]``: one row per
+    dataset, ``test_poi`` and ``element`` broadcast to it.
+    """
+    if data is None:
+        poi, element = rows_of(model, test_poi, element)
+        rows, element = rows_data(model, None, element)
+    else:
+        rows, element = rows_data(model, data, element)
+        poi, element = rows_of(model, test_poi, element)
+        rows = rows.expand(poi.shape[0], -1) if rows.shape[0] == 1 else rows
+    datasets, elements, index = unique_datasets(rows, element)
+    return poi, datasets, elements, index
+
+
+def _check_model(model, test_stat: str) -> None:
+    if model.poi_index is None:
+        raise ValueError("No POI is defined. A POI is required to run a hypothesis test.")
+    if test_stat not in TEST_STATS:
+        raise ValueError(f"unknown test statistic {test_stat!r}; expected one of {TEST_STATS}")
+    if bool(model.fixed[:, model.poi_index].any()):
+        raise ValueError("the POI is fixed: profile-likelihood-ratio inference is impossible")
+
+
+def make_calculator(
+    model,
+    datasets: Tensor,
+    elements: Tensor,
+    *,
+    test_stat: str = "qtilde",
+    calctype: CalcType = "asymptotics",
+    calc_base_dist: str = "normal",
+    ntoys: int = 2000,
+    seed: int | None = None,
+    generator: torch.Generator | None = None,
+    init: Tensor | None = None,
+    bounds: Tensor | None = None,
+    fixed: Tensor | None = None,
+    options: FitOptions | None = None,
+):
+    """The calculator (asymptotic or toy-based) for ``datasets``; ``q~`` floors the POI at 0."""
+    _check_model(model, test_stat)
+    fit_kwargs = {"init": init, "bounds": bounds, "fixed": fixed, "options": options}
+    if test_stat == "qtilde":
+        fit_kwargs["poi_floor"] = 0.0
+    if calctype == "asymptotics":
+        return AsymptoticCalculator(model, datasets, elements, test_stat, calc_base_dist, **fit_kwargs)
+    if calctype == "toybased":
+        from .toys import ToyCalculator
+
+        if generator is None:
+            generator = torch.Generator(device=model.device)
+            generator.manual_seed(0 if seed is None else seed)
+        return ToyCalculator(model, datasets, elements, test_stat, ntoys, generator, **fit_kwargs)
+    raise ValueError(f"unknown calctype {calctype!r}; expected 'asymptotics' or 'toybased'")
+
+
+def hypotest(
+    model,
+    test_poi,
+    data: Tensor | None = None,
+    element=None,
+    *,
+    test_stat: str = "qtilde",
+    calctype: CalcType = "asymptotics",
+    calc_base_dist: str = "normal",
+    ntoys: int = 2000,
+    seed: int | None = None,
+    generator: torch.Generator | None = None,
+    init: Tensor | None = None,
+    bounds: Tensor | None = None,
+    fixed: Tensor | None = None,
+    options: FitOptions | None = None,
+) -> HypotestResults:
+    """CLs tests of ``B`` rows, each an (element, dataset, tested POI) triple.
+
+    Args:
+        model: a :class:`~pyhf_gpu_server.engine.HistFactoryModel`.
+        test_poi: float, ``[S]`` or ``[B]`` tested POI values.
+        data: None (observations) or ``[B, N + A]`` datasets.
+        element: None (every element, times every ``test_poi``) or ``[B]`` element indices.
+        test_stat: ``"qtilde"`` (default), ``"q"`` or ``"q0"``.
+        calctype: ``"asymptotics"`` or ``"toybased"``.
+        calc_base_dist: asymptotics only, ``"normal"`` or ``"clipped_normal"``.
+        ntoys, seed, generator: toys only; ``generator`` (a ``torch.Generator`` on the model's
+            device) wins over ``seed``.
+        init, bounds, fixed: ``[P]``-shaped overrides of the model's suggested values.
+        options: :class:`~pyhf_gpu_server.inference.mle.FitOptions`.
+
+    Returns:
+        :class:`~pyhf_gpu_server.inference.results.HypotestResults` (``to_pyhf_json(i)`` is
+        pyhf's ``{"CLs_obs", "CLs_exp"}``; for ``q0`` the observed value is ``p0`` = CLsb).
+    """
+    poi, datasets, elements, index = prepare_rows(model, test_poi, data, element)
+    calc = make_calculator(
+        model,
+        datasets,
+        elements,
+        test_stat=test_stat,
+        calctype=calctype,
+        calc_base_dist=calc_base_dist,
+        ntoys=ntoys,
+        seed=seed,
+        generator=generator,
+        init=init,
+        bounds=bounds,
+        fixed=fixed,
+        options=options,
+    )
+    return run_calculator(calc, poi, index)
+
+
+def run_calculator(calc, poi: Tensor, index: Tensor) -> HypotestResults:
+    """Observed and expected p-values of rows ``(poi [B], dataset index [B])`` from ``calc``."""
+    stats = calc.teststatistic(poi, index)
+    clsb, clb, cls = calc.pvalues(stats)
+    clsb_exp, clb_exp, cls_exp = calc.expected_pvalues(stats)
+    return HypotestResults(
+        poi=poi,
+        element=calc.element[index],
+        test_stat=calc.test_stat,
+        cls_obs=cls,
+        cls_exp=cls_exp,
+        clsb_obs=clsb,
+        clb_obs=clb,
+        clsb_exp=clsb_exp,
+        clb_exp=clb_exp,
+        teststat=stats.teststat,
+        fit_converged=stats.fit_converged,
+    )

@@ -1,0 +1,227 @@
+"""Result containers of the inference API: batched over rows, convertible to pyhf's JSON.
+
+All tensors of a result stay on the model's device; ``to_pyhf_json`` / ``to_json`` copy one
+row to the host as plain Python numbers.
+
+Example:
+    >>> import torch
+    >>> r = HypotestResults(
+    ...     poi=torch.tensor([1.0]), element=torch.tensor([0]), test_stat="qtilde",
+    ...     cls_obs=torch.tensor([0.25]), cls_exp=torch.tensor([[0.125, 0.25, 0.375, 0.5, 0.625]]),
+    ...     clsb_obs=torch.tensor([0.1]), clb_obs=torch.tensor([0.4]),
+    ...     clsb_exp=torch.zeros(1, 5), clb_exp=torch.ones(1, 5),
+    ...     teststat=torch.tensor([1.0]), fit_converged={"free_data": torch.tensor([True])})
+    >>> r.to_pyhf_json(0)
+    {'CLs_obs': 0.25, 'CLs_exp': [0.125, 0.25, 0.375, 0.5, 0.625]}
+    >>> r.converged.tolist(), r.non_converged()
+    ([True], [])
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "FitResults",
+    "HypotestResults",
+    "SignificanceResults",
+    "UpperLimitResults",
+    "group_parameters",
+]
+
+_INDEXED = re.compile(r"^(.*)\[(\d+)\]$")
+
+
+def group_parameters(labels: list[str], values: list[float]) -> dict[str, list[float]]:
+    """pyhf's ``{parameter set: [values]}`` from expanded labels such as ``"gamma[0]"``.
+
+    >>> group_parameters(["mu", "gamma[0]", "gamma[1]"], [1.0, 0.9, 1.1])
+    {'mu': [1.0], 'gamma': [0.9, 1.1]}
+    """
+    grouped: dict[str, list[float]] = {}
+    for label, value in zip(labels, values):
+        match = _INDEXED.match(label)
+        grouped.setdefault(match.group(1) if match else label, []).append(value)
+    return grouped
+
+
+@dataclass
+class FitResults:
+    """Maximum-likelihood fits of ``B`` rows (cabinetry's FitResults, batched).
+
+    Attributes:
+        bestfit: ``[B, P]`` best-fit parameters.
+        uncertainty: ``[B, P]`` ``sqrt(diag(inv(Hessian of the NLL)))`` (0 for fixed
+            parameters; NaN where the Hessian is not invertible, or not computed).
+        corr_mat: ``[B, P, P]`` correlation matrix (0 rows/columns for fixed parameters).
+        best_twice_nll: ``[B]`` ``-2 log L`` at the minimum.
+        converged: ``[B]`` bool; a failed fit is never reported as converged.
+        iterations: ``[B]`` minimiser iterations.
+        labels: parameter names (pyhf's ``par_names``).
+        element: ``[B]`` element index of each row.
+    """
+
+    bestfit: Tensor
+    uncertainty: Tensor
+    corr_mat: Tensor
+    best_twice_nll: Tensor
+    converged: Tensor
+    iterations: Tensor
+    labels: list[str]
+    element: Tensor
+
+    def __len__(self) -> int:
+        return self.bestfit.shape[0]
+
+    def select(self, index: Tensor | slice) -> FitResults:
+        """The rows ``index`` (a slice or an index tensor) as a new FitResults."""
+        return FitResults(
+            bestfit=self.bestfit[index],
+            uncertainty=self.uncertainty[index],
+            corr_mat=self.corr_mat[index],
+            best_twice_nll=self.best_twice_nll[index],
+            converged=self.converged[index],
+            iterations=self.iterations[index],
+            labels=self.labels,
+            element=self.element[index],
+        )
+
+    def to_pyhf_json(self, i: int = 0) -> dict:
+        """Row ``i`` as pyhf's fit output: ``{"mle_parameters": {...}, "twice_nll": float}``."""
+        values = self.bestfit[i].tolist()
+        return {
+            "mle_parameters": group_parameters(self.labels, values),
+            "twice_nll": float(self.best_twice_nll[i]),
+        }
+
+    def to_json(self, i: int = 0) -> dict:
+        """Row ``i`` with uncertainties and fit status, by parameter label."""
+        return {
+            **self.to_pyhf_json(i),
+            "uncertainties": group_parameters(self.labels, self.uncertainty[i].tolist()),
+            "converged": bool(self.converged[i]),
+            "iterations": int(self.iterations[i]),
+        }
+
+
+@dataclass
+class HypotestResults:
+    """CLs hypothesis tests of ``B`` rows (row: one element and one tested POI value).
+
+    ``*_exp`` tensors are ``[B, 5]`` in pyhf's order (expected -2, -1, 0, +1, +2 sigma
+    bands of CLs, i.e. ascending). ``fit_converged`` maps each fit of the test (e.g.
+    ``"free_data"``, ``"fixed_asimov"``) to a ``[B]`` bool; ``converged`` is their AND.
+    """
+
+    poi: Tensor
+    element: Tensor
+    test_stat: str
+    cls_obs: Tensor
+    cls_exp: Tensor
+    clsb_obs: Tensor
+    clb_obs: Tensor
+    clsb_exp: Tensor
+    clb_exp: Tensor
+    teststat: Tensor
+    fit_converged: dict[str, Tensor] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return self.cls_obs.shape[0]
+
+    @property
+    def converged(self) -> Tensor:
+        """``[B]`` bool: every fit behind the row converged."""
+        flags = torch.ones_like(self.cls_obs, dtype=torch.bool)
+        for value in self.fit_converged.values():
+            flags = flags & value
+        return flags
+
+    def non_converged(self) -> list[tuple[int, list[str]]]:
+        """``[(row, [names of its failed fits])]`` for every row with a failed fit."""
+        names = list(self.fit_converged)
+        if not names:
+            return []
+        table = torch.stack([self.fit_converged[n] for n in names], 1).cpu()
+        return [
+            (row, [n for n, ok in zip(names, flags) if not ok])
+            for row, flags in enumerate(table.tolist())
+            if not all(flags)
+        ]
+
+    def observed(self) -> Tensor:
+        """pyhf's first return value: CLs, or CLsb (= p0) for ``q0``."""
+        return self.clsb_obs if self.test_stat == "q0" else self.cls_obs
+
+    def expected(self) -> Tensor:
+        """pyhf's expected set ``[B, 5]``: CLs bands, or CLsb bands for ``q0``."""
+        return self.clsb_exp if self.test_stat == "q0" else self.cls_exp
+
+    def to_pyhf_json(self, i: int = 0) -> dict:
+        """Row ``i`` exactly as ``pyhf cls`` prints it: ``{"CLs_obs", "CLs_exp"}``."""
+        return {"CLs_obs": float(self.observed()[i]), "CLs_exp": self.expected()[i].tolist()}
+
+    def tail_probs(self, i: int = 0) -> list[float]:
+        """pyhf's ``return_tail_probs``: ``[CLsb, CLb]`` (``[CLb]`` for ``q0``)."""
+        if self.test_stat == "q0":
+            return [float(self.clb_obs[i])]
+        return [float(self.clsb_obs[i]), float(self.clb_obs[i])]
+
+
+@dataclass
+class UpperLimitResults:
+    """Upper limits of ``B`` elements at confidence level ``1 - level``.
+
+    Attributes:
+        obs: ``[B]`` observed limit on the POI.
+        exp: ``[B, 5]`` expected limits (pyhf's order: -2, -1, 0, +1, +2 sigma).
+        level: the CLs level (0.05 for 95% CL).
+        element: ``[B]`` element index of each row.
+        converged: ``[B]`` bool: every fit and every bracket of the row converged.
+        hypotests: the number of tested POI values per row.
+    """
+
+    obs: Tensor
+    exp: Tensor
+    level: float
+    element: Tensor
+    converged: Tensor
+    hypotests: Tensor
+
+    def to_json(self, i: int = 0) -> dict:
+        """Row ``i``: ``{"upper_limit_obs", "upper_limit_exp", "level"}``."""
+        return {
+            "upper_limit_obs": float(self.obs[i]),
+            "upper_limit_exp": self.exp[i].tolist(),
+            "level": self.level,
+        }
+
+
+@dataclass
+class SignificanceResults:
+    """Discovery significance (``q0``) of ``B`` elements.
+
+    ``p0_exp``/``z_exp`` are the median expected (Asimov at ``mu = 1``);
+    ``p0_exp_set`` is the ``[B, 5]`` band in pyhf's order.
+    """
+
+    p0_obs: Tensor
+    p0_exp: Tensor
+    z_obs: Tensor
+    z_exp: Tensor
+    p0_exp_set: Tensor
+    element: Tensor
+    converged: Tensor
+
+    def to_json(self, i: int = 0) -> dict:
+        """Row ``i``: ``{"p0_obs", "p0_exp", "z_obs", "z_exp", "p0_exp_set"}``."""
+        return {
+            "p0_obs": float(self.p0_obs[i]),
+            "p0_exp": float(self.p0_exp[i]),
+            "z_obs": float(self.z_obs[i]),
+            "z_exp": float(self.z_exp[i]),
+            "p0_exp_set": self.p0_exp_set[i].tolist(),
+        }

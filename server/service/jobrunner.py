@@ -1,0 +1,175 @@
+"""Runs asynchronous jobs from the durable :class:`JobStore` through the batching scheduler.
+
+Jobs are validated (planned) when submitted, so bad input is a 4xx at ``POST /jobs``, not a
+failed job. An inline workspace is stored on disk and the stored request refers to it by id, so
+a restart can re-plan the job. Workers claim the oldest queued job; on shutdown a running job
+goes back to ``queued`` and resumes at the next start (after a crash, at start-up).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from .errors import QueueFull, ServiceError, Unprocessable
+from .jobstore import JobStore
+from .operations import Operations, envelope_from, plan_request
+from .schemas import OPERATIONS
+from .workspace_store import WorkspaceStore
+
+log = logging.getLogger("pyhf_gpu_server.service.jobs")
+
+PURGE_INTERVAL_S = 600.0
+IDLE_POLL_S = 5.0
+
+
+class JobRunner:
+    """Worker tasks that take queued jobs and run them in the ``jobs`` lane."""
+
+    def __init__(
+        self,
+        store: JobStore,
+        workspaces: WorkspaceStore,
+        operations: Operations,
+        *,
+        concurrency: int,
+        max_queued: int,
+        result_ttl_s: float,
+    ) -> None:
+        """Run up to ``concurrency`` jobs at once; refuse new ones past ``max_queued``."""
+        self.store = store
+        self.workspaces = workspaces
+        self.operations = operations
+        self.concurrency = concurrency
+        self.max_queued = max_queued
+        self.result_ttl_s = result_ttl_s
+        self._wakeup = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._running: dict[str, asyncio.Task[None]] = {}
+        self._watchers: set[asyncio.Event] = set()
+
+    async def start(self) -> None:
+        """Re-queue jobs a crash left running, purge expired ones, start the workers."""
+        requeued = await asyncio.to_thread(self.store.requeue_interrupted)
+        if requeued:
+            log.info("re-queued interrupted jobs", extra={"jobs": requeued})
+        self._tasks = [
+            asyncio.create_task(self._worker(), name=f"job-worker-{i}")
+            for i in range(self.concurrency)
+        ]
+        self._tasks.append(asyncio.create_task(self._purge_forever(), name="job-purge"))
+
+    async def stop(self) -> None:
+        """Stop the workers; their running jobs go back to ``queued`` for the next start."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+
+    async def submit(self, document: Any) -> str:
+        """Validate and store a job (``{"operation": ..., ...}``); its id. 4xx on bad input."""
+        if not isinstance(document, dict) or "operation" not in document:
+            raise Unprocessable(
+                f"a job needs 'operation' (one of {', '.join(OPERATIONS)}) and the fields of "
+                "that operation's request"
+            )
+        request = dict(document)
+        operation = request.pop("operation")
+        if operation not in OPERATIONS:
+            raise Unprocessable(
+                f"unknown operation {operation!r}; use one of {', '.join(OPERATIONS)}"
+            )
+        counts = await asyncio.to_thread(self.store.counts)
+        if counts["queued"] >= self.max_queued:
+            raise QueueFull(f"{counts['queued']} jobs are queued (--max-queue); retry later", 10)
+        envelope = envelope_from(request, {}, operation)
+        plan = await asyncio.to_thread(plan_request, operation, envelope, self.workspaces, True)
+        if "workspace" in envelope:
+            envelope = {k: v for k, v in envelope.items() if k != "workspace"}
+            envelope["workspace_id"] = plan.source.workspace_digest
+        job_id = await asyncio.to_thread(self.store.create, operation, envelope, len(plan.rows))
+        self._wakeup.set()
+        self.changed()
+        return job_id
+
+    async def cancel(self, job_id: str) -> str | None:
+        """Cancel a job; its status before, or ``None`` if unknown."""
+        before = await asyncio.to_thread(self.store.cancel, job_id)
+        task = self._running.get(job_id)
+        if task is not None:
+            task.cancel()
+        self.changed()
+        return before
+
+    def watch(self) -> asyncio.Event:
+        """An event set whenever any job changes (for server-sent events); call :meth:`unwatch`."""
+        event = asyncio.Event()
+        self._watchers.add(event)
+        return event
+
+    def unwatch(self, event: asyncio.Event) -> None:
+        """Stop notifying ``event``."""
+        self._watchers.discard(event)
+
+    def changed(self) -> None:
+        """Wake every watcher."""
+        for event in self._watchers:
+            event.set()
+
+    async def _worker(self) -> None:
+        """Claim and run queued jobs, one at a time, until cancelled."""
+        while True:
+            self._wakeup.clear()
+            job_id = await asyncio.to_thread(self.store.claim_next)
+            if job_id is None:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wakeup.wait(), IDLE_POLL_S)
+                continue
+            self.changed()
+            task = asyncio.create_task(self._run(job_id), name=f"job-{job_id}")
+            self._running[job_id] = task
+            try:
+                await asyncio.wait({task})
+            except asyncio.CancelledError:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                self.store.requeue(job_id)
+                raise
+            finally:
+                self._running.pop(job_id, None)
+                self.changed()
+
+    async def _run(self, job_id: str) -> None:
+        """Plan and run one job; store its result, or its error as the 4xx detail."""
+        try:
+            operation, request = await asyncio.to_thread(self.store.request, job_id)
+            plan = await asyncio.to_thread(plan_request, operation, request, self.workspaces)
+
+            def progress(done: int, total: int) -> None:
+                self.store.progress(job_id, done, total)
+                self.changed()
+
+            result = await self.operations.run(plan, "jobs", progress)
+            await asyncio.to_thread(self.store.finish, job_id, result)
+        except ServiceError as exc:
+            await asyncio.to_thread(
+                self.store.fail, job_id, {"status": exc.status_code, "detail": exc.detail}
+            )
+        except Exception:
+            log.exception("job failed", extra={"job_id": job_id})
+            await asyncio.to_thread(
+                self.store.fail, job_id, {"status": 500, "detail": "internal error; see the log"}
+            )
+
+    async def _purge_forever(self) -> None:
+        """Delete finished jobs older than the result TTL, now and periodically."""
+        while True:
+            purged = await asyncio.to_thread(self.store.purge, self.result_ttl_s)
+            if purged:
+                log.info("purged expired jobs", extra={"jobs": purged})
+            await asyncio.sleep(PURGE_INTERVAL_S)

@@ -1,0 +1,76 @@
+"""Prometheus metrics, registered in a per-app :class:`~prometheus_client.CollectorRegistry`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class Metrics:
+    """The service's metrics. Create one per app; nothing is registered globally."""
+
+    def __init__(self) -> None:
+        """Create and register every metric in a fresh registry."""
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "pyhf_gpu_requests",
+            "HTTP requests answered, by route template, method and status",
+            ["route", "method", "status"],
+            registry=r,
+        )
+        self.latency = Histogram(
+            "pyhf_gpu_request_duration_seconds",
+            "HTTP request latency, by route template, method and status",
+            ["route", "method", "status"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "pyhf_gpu_queue_depth",
+            "hypotheses (rows) waiting for the device, by lane",
+            ["lane"],
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "pyhf_gpu_batch_size",
+            "hypotheses (rows) per engine call",
+            buckets=BATCH_BUCKETS,
+            registry=r,
+        )
+        self.batch_seconds = Histogram(
+            "pyhf_gpu_batch_duration_seconds",
+            "seconds per engine call",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.oom_splits = Counter(
+            "pyhf_gpu_oom_splits", "batches split in two after a device out-of-memory", registry=r
+        )
+        self.cache_hits = Counter("pyhf_gpu_model_cache_hits", "warm model cache hits", registry=r)
+        self.cache_misses = Counter(
+            "pyhf_gpu_model_cache_misses", "warm model cache misses (models built)", registry=r
+        )
+        self.cache_evictions = Counter(
+            "pyhf_gpu_model_cache_evictions", "models evicted from the warm cache", registry=r
+        )
+        self.cache_size = Gauge("pyhf_gpu_model_cache_size", "models in the warm cache", registry=r)
+        self.cache_bytes = Gauge(
+            "pyhf_gpu_model_cache_bytes", "tensor bytes held by warm models", registry=r
+        )
+        self.device_memory = Gauge(
+            "pyhf_gpu_device_memory_bytes",
+            "device memory in use (torch.cuda.memory_allocated; on cpu the warm models' bytes)",
+            registry=r,
+        )
+        self.jobs = Gauge(
+            "pyhf_gpu_jobs", "jobs in the job store, by status", ["status"], registry=r
+        )
+
+    def track_device_memory(self, read: Callable[[], float]) -> None:
+        """Read the device-memory gauge from ``read`` at every scrape."""
+        self.device_memory.set_function(read)

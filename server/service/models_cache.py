@@ -1,0 +1,160 @@
+"""The warm model cache: built engine models kept on the device, LRU by count and memory.
+
+Keys name everything a model depends on (workspace digest, measurement, patch digests, modifier
+settings, device, dtype). Concurrent requests for a model being built wait for that one build.
+Evicting a model drops the cache's reference and asks the device to release cached memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .metrics import Metrics
+
+
+def model_id(key: Hashable) -> str:
+    """A short stable id for a cache key (shown in results' meta and /info)."""
+    return hashlib.sha256(repr(key).encode()).hexdigest()[:16]
+
+
+def model_bytes(model: Any) -> int:
+    """Bytes of the distinct tensor storages a model holds (``model.tensors()`` when offered)."""
+    tensors = model.tensors().values() if hasattr(model, "tensors") else ()
+    storages: dict[int, int] = {}
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor):
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+@dataclass
+class CacheEntry:
+    """One warm model."""
+
+    model: Any
+    nbytes: int
+    build_s: float
+    hits: int = 0
+    created_at: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class CachedModel:
+    """What :meth:`ModelCache.get` answers."""
+
+    model: Any
+    model_id: str
+    hit: bool
+    build_s: float
+
+
+class ModelCache:
+    """LRU of built models, bounded by ``max_items`` and ``max_bytes`` of tensors."""
+
+    def __init__(
+        self,
+        executor: Executor,
+        metrics: Metrics,
+        *,
+        max_items: int,
+        max_bytes: int,
+        release_memory: Callable[[], None] = lambda: None,
+        on_built: Callable[[Any], object] | None = None,
+    ) -> None:
+        """Build models on ``executor`` (the device thread); ``on_built(model)`` after each."""
+        self._executor = executor
+        self._metrics = metrics
+        self.max_items = max_items
+        self.max_bytes = max_bytes
+        self._release_memory = release_memory
+        self._on_built = on_built
+        self._entries: OrderedDict[Hashable, CacheEntry] = OrderedDict()
+        self._building: dict[Hashable, asyncio.Future[CacheEntry]] = {}
+
+    async def get(self, key: Hashable, build: Callable[[], Any]) -> CachedModel:
+        """The model for ``key``, built with ``build()`` on the device thread on a miss."""
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._entries.move_to_end(key)
+            entry.hits += 1
+            self._metrics.cache_hits.inc()
+            return CachedModel(entry.model, model_id(key), True, 0.0)
+        pending = self._building.get(key)
+        if pending is not None:
+            entry = await asyncio.shield(pending)
+            self._metrics.cache_hits.inc()
+            return CachedModel(entry.model, model_id(key), True, 0.0)
+        return await self._build(key, build)
+
+    async def _build(self, key: Hashable, build: Callable[[], Any]) -> CachedModel:
+        """Build on the device thread; others asking meanwhile share the result."""
+        loop = asyncio.get_running_loop()
+        pending: asyncio.Future[CacheEntry] = loop.create_future()
+        self._building[key] = pending
+        self._metrics.cache_misses.inc()
+        start = time.perf_counter()
+        try:
+            model = await loop.run_in_executor(self._executor, build)
+        except BaseException as exc:
+            pending.set_exception(exc)
+            pending.exception()  # retrieved: nobody else may be waiting
+            raise
+        finally:
+            self._building.pop(key, None)
+        entry = CacheEntry(model, model_bytes(model), time.perf_counter() - start)
+        pending.set_result(entry)
+        self._insert(key, entry)
+        if self._on_built is not None:
+            self._on_built(model)
+        return CachedModel(model, model_id(key), False, entry.build_s)
+
+    def _insert(self, key: Hashable, entry: CacheEntry) -> None:
+        """Add ``entry``; evict least recently used models over the count or memory bound."""
+        self._entries[key] = entry
+        evicted = False
+        while len(self._entries) > 1 and (
+            len(self._entries) > self.max_items or self.total_bytes > self.max_bytes
+        ):
+            self._entries.popitem(last=False)
+            self._metrics.cache_evictions.inc()
+            evicted = True
+        if evicted:
+            self._executor.submit(self._release_memory)
+        self._metrics.cache_size.set(len(self._entries))
+        self._metrics.cache_bytes.set(self.total_bytes)
+
+    def clear(self) -> None:
+        """Drop every model."""
+        self._entries.clear()
+        self._metrics.cache_size.set(0)
+        self._metrics.cache_bytes.set(0)
+
+    @property
+    def total_bytes(self) -> int:
+        """Tensor bytes of all warm models."""
+        return sum(entry.nbytes for entry in self._entries.values())
+
+    def describe(self) -> list[dict[str, Any]]:
+        """The warm models, most recently used first (for /info)."""
+        return [
+            {
+                "model_id": model_id(key),
+                "elements": getattr(entry.model, "n_elements", None),
+                "parameters": getattr(entry.model, "n_pars", None),
+                "bytes": entry.nbytes,
+                "hits": entry.hits,
+                "build_ms": round(entry.build_s * 1000, 3),
+                "created_at": entry.created_at,
+            }
+            for key, entry in reversed(self._entries.items())
+        ]

@@ -1,0 +1,91 @@
+"""GET /healthz, /readyz (no auth), /info and /metrics."""
+
+from __future__ import annotations
+
+import sys
+from importlib import metadata
+from typing import Any
+
+import torch
+from fastapi import APIRouter, Depends, Response
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from ..dependencies import StateDep, require_token
+from ..state import device_name
+
+public = APIRouter(tags=["health"])
+private = APIRouter(tags=["health"], dependencies=[Depends(require_token)])
+
+
+@public.get("/healthz", summary="Liveness: the process answers")
+async def healthz() -> dict[str, str]:
+    """Always ``{"status": "ok"}`` while the event loop runs."""
+    return {"status": "ok"}
+
+
+@public.get("/readyz", summary="Readiness: the device works and the queue is not saturated")
+async def readyz(state: StateDep) -> JSONResponse:
+    """503 while the device is unusable or the interactive queue is full."""
+    problems = []
+    if not state.device_ok:
+        problems.append(f"device {state.device} failed its start-up check")
+    if state.scheduler.saturated:
+        problems.append("the request queue is full")
+    body = {"status": "unready" if problems else "ready", "problems": problems}
+    return JSONResponse(body, status_code=503 if problems else 200)
+
+
+def _version(package: str) -> str | None:
+    """An installed package's version."""
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+@private.get("/info", summary="Device, versions, limits and warm models")
+async def info(state: StateDep) -> dict[str, Any]:
+    """What this server runs on and holds."""
+    settings = state.settings
+    return {
+        "device": state.device,
+        "device_name": device_name(state.device),
+        "dtype": settings.dtype,
+        "compile": state.compiler is not None,
+        "versions": {
+            "pyhf-gpu": _version("pyhf-gpu"),
+            "torch": _version("torch"),
+            "pyhf": _version("pyhf"),
+            "fastapi": _version("fastapi"),
+            "python": sys.version.split()[0],
+            "cuda": torch.version.cuda,
+        },
+        "limits": {
+            "max_body_mb": settings.max_body_mb,
+            "max_batch_size": settings.max_batch_size,
+            "max_batch_delay_ms": settings.max_batch_delay_ms,
+            "max_queue": settings.max_queue,
+            "request_timeout_s": settings.request_timeout_s,
+            "result_ttl_hours": settings.result_ttl_hours,
+        },
+        "auth": bool(settings.api_token),
+        "queue": {
+            "interactive": state.scheduler.pending_rows("interactive"),
+            "jobs": state.scheduler.pending_rows("jobs"),
+        },
+        "batches_run": state.scheduler.batches_run,
+        "models": state.cache.describe(),
+        "device_memory_bytes": state.device_memory_bytes(),
+        "started_at": state.started_at,
+    }
+
+
+@private.get("/metrics", summary="Prometheus metrics", response_class=Response)
+async def metrics(state: StateDep) -> Response:
+    """The text exposition of this app's registry."""
+    counts = await run_in_threadpool(state.jobstore.counts)
+    for status, count in counts.items():
+        state.metrics.jobs.labels(status).set(count)
+    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

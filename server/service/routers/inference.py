@@ -1,0 +1,124 @@
+"""POST /cls, /fit, /upper-limit, /significance: one synchronous answer, computed in batches.
+
+The body is a bare workspace (as ``pyhf cls`` reads it; options in the query string) or an
+envelope ``{"workspace" | "workspace_id", "patches", "patchset", "patch_names", ...options}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse
+
+from ..dependencies import StateDep
+from ..errors import RequestTimeout
+from ..operations import Plan, envelope_from, parse_json, plan_request
+from ..schemas import (
+    ERROR_RESPONSES,
+    OPTION_MODELS,
+    REQUEST_MODELS,
+    ClsResult,
+    FitResult,
+    SignificanceResult,
+    UpperLimitResult,
+)
+from ..state import ServiceState
+
+router = APIRouter(tags=["inference"])
+
+_DESCRIPTIONS = {
+    "cls": (
+        "CLs of a hypothesis test, as `pyhf cls` prints it",
+        ClsResult,
+    ),
+    "fit": (
+        "Maximum-likelihood fit, as `pyhf fit --value` prints it, with uncertainties and corr_mat",
+        FitResult,
+    ),
+    "upper-limit": ("Observed and expected upper limits on the POI", UpperLimitResult),
+    "significance": (
+        "Discovery significance (p0 and Z), observed and expected",
+        SignificanceResult,
+    ),
+}
+_SHAPES = (
+    "One hypothesis answers one object; a list of `test_poi` answers a list; a `patchset` "
+    "answers `{patch_name: result}`. Every result carries `meta` (device, dtype, model id, "
+    "timings, fit status)."
+)
+
+
+async def plan_from_http(request: Request, operation: str, state: ServiceState) -> Plan:
+    """Read the body and query of ``request`` into a validated :class:`Plan` (4xx if bad)."""
+    body = await request.body()
+    query = {key: request.query_params.getlist(key) for key in request.query_params}
+
+    def plan() -> Plan:
+        document = parse_json(body, state.settings.max_json_depth)
+        envelope = envelope_from(document, query, operation)
+        return plan_request(operation, envelope, state.workspaces)
+
+    return await run_in_threadpool(plan)
+
+
+def _openapi(operation: str) -> dict[str, Any]:
+    """Request body and query parameters of ``operation`` for the OpenAPI document."""
+    envelope = REQUEST_MODELS[operation].model_json_schema()
+    bare = {
+        "type": "object",
+        "title": "Workspace",
+        "description": "a bare HistFactory workspace; options go in the query string",
+        "required": ["channels"],
+    }
+    options = OPTION_MODELS[operation].model_json_schema().get("properties", {})
+    names = ["measurement", *options]
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": {"anyOf": [envelope, bare]}}},
+        },
+        "parameters": [
+            {
+                "name": name,
+                "in": "query",
+                "required": False,
+                "description": "with a bare workspace body (`-` spellings accepted)",
+                "schema": options.get(name, {"type": "string"}),
+            }
+            for name in names
+        ],
+    }
+
+
+def _endpoint(operation: str):
+    """The handler of POST /<operation>."""
+
+    async def endpoint(request: Request, state: StateDep) -> JSONResponse:
+        plan = await plan_from_http(request, operation, state)
+        timeout = state.settings.request_timeout_s
+        try:
+            result = await asyncio.wait_for(state.operations.run(plan), timeout)
+        except TimeoutError:
+            raise RequestTimeout(
+                f"the request took longer than {timeout:g} s (--request-timeout-s); "
+                "submit it as a job with POST /jobs"
+            ) from None
+        return JSONResponse(result)
+
+    endpoint.__name__ = operation.replace("-", "_")
+    return endpoint
+
+
+for _operation, (_summary, _model) in _DESCRIPTIONS.items():
+    router.add_api_route(
+        f"/{_operation}",
+        _endpoint(_operation),
+        methods=["POST"],
+        summary=_summary,
+        description=_SHAPES,
+        responses={200: {"model": _model}, **ERROR_RESPONSES},
+        openapi_extra=_openapi(_operation),
+    )

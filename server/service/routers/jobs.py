@@ -1,0 +1,139 @@
+"""Asynchronous jobs: POST /jobs (202), GET /jobs, GET/DELETE /jobs/{id}, GET /jobs/{id}/events."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from ..dependencies import StateDep
+from ..errors import Conflict, NotFound
+from ..jobstore import FINAL_STATUSES
+from ..operations import parse_json
+from ..schemas import JobAccepted, JobList, JobStatus, JobView
+from ..state import ServiceState
+
+router = APIRouter(prefix="/jobs", tags=["jobs"])
+
+KEEPALIVE_S = 15.0
+
+
+async def _job(state: ServiceState, job_id: str, with_result: bool = True) -> dict[str, Any]:
+    """The job's view, or 404."""
+    view = await run_in_threadpool(state.jobstore.get, job_id, with_result)
+    if view is None:
+        raise NotFound(f"no job with id {job_id!r} (finished jobs expire after --result-ttl-hours)")
+    return view
+
+
+@router.post(
+    "",
+    status_code=202,
+    response_model=JobAccepted,
+    summary="Submit a cls, fit, upper-limit or significance request as a durable job",
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {
+                    "schema": {
+                        "type": "object",
+                        "required": ["operation"],
+                        "description": "{'operation': ..., plus the fields of that operation's "
+                        "envelope (workspace or workspace_id, patches/patchset, options)}",
+                    }
+                }
+            },
+        }
+    },
+)
+async def submit_job(request: Request, state: StateDep) -> JSONResponse:
+    """Validated now (4xx on bad input), stored in SQLite, run in the background."""
+    body = await request.body()
+    document = await run_in_threadpool(parse_json, body, state.settings.max_json_depth)
+    job_id = await state.jobs.submit(document)
+    url = f"/jobs/{job_id}"
+    return JSONResponse(
+        {"id": job_id, "status": "queued", "url": url}, status_code=202, headers={"Location": url}
+    )
+
+
+@router.get("", response_model=JobList, summary="List jobs, newest first")
+async def list_jobs(
+    state: StateDep,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 50,
+    status: Annotated[JobStatus | None, Query()] = None,
+) -> dict[str, Any]:
+    """Jobs without their results (fetch one for its result)."""
+    return {"jobs": await run_in_threadpool(state.jobstore.list, limit, status)}
+
+
+@router.get("/{job_id}", response_model=JobView, summary="Status, progress and result of a job")
+async def get_job(job_id: str, state: StateDep) -> dict[str, Any]:
+    """For a patchset the result is keyed by patch name; a failed job has ``error``."""
+    return await _job(state, job_id)
+
+
+@router.delete("/{job_id}", response_model=JobView, summary="Cancel a queued or running job")
+async def cancel_job(job_id: str, state: StateDep) -> dict[str, Any]:
+    """409 if the job already finished."""
+    before = await state.jobs.cancel(job_id)
+    if before is None:
+        raise NotFound(f"no job with id {job_id!r}")
+    if before in FINAL_STATUSES:
+        raise Conflict(f"job {job_id!r} already {before}; nothing to cancel")
+    return await _job(state, job_id, with_result=False)
+
+
+@router.get(
+    "/{job_id}/events",
+    summary="Progress as server-sent events",
+    response_class=StreamingResponse,
+    responses={200: {"content": {"text/event-stream": {}}}},
+)
+async def job_events(job_id: str, state: StateDep) -> StreamingResponse:
+    """``event: progress`` on every change, then one ``event: done`` with the final status."""
+    await _job(state, job_id, with_result=False)
+    return StreamingResponse(
+        _events(state, job_id),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+async def _events(state: ServiceState, job_id: str) -> AsyncIterator[str]:
+    """Server-sent events for one job until it finishes (or expires)."""
+    changed = state.jobs.watch()
+    last: tuple[Any, ...] | None = None
+    try:
+        while True:
+            view = await run_in_threadpool(state.jobstore.get, job_id, False)
+            if view is None:
+                yield _event("done", {"id": job_id, "status": "expired"})
+                return
+            snapshot = (view["status"], view["progress"]["done"], view["progress"]["total"])
+            if view["status"] in FINAL_STATUSES:
+                yield _event("done", view)
+                return
+            if snapshot != last:
+                yield _event("progress", view)
+                last = snapshot
+            changed.clear()
+            try:
+                await asyncio.wait_for(changed.wait(), KEEPALIVE_S)
+            except TimeoutError:
+                yield ": keep-alive\n\n"
+    finally:
+        with contextlib.suppress(Exception):
+            state.jobs.unwatch(changed)
+
+
+def _event(name: str, data: dict[str, Any]) -> str:
+    """One server-sent event."""
+    return f"event: {name}\ndata: {json.dumps(data)}\n\n"

@@ -1,0 +1,65 @@
+"""POST /workspaces (upload once, refer by id), GET /workspaces/{id}."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse
+
+from ..dependencies import StateDep
+from ..errors import Unprocessable
+from ..operations import parse_json
+from ..schemas import DIGEST_PATTERN, WorkspaceInfo
+from ..workspace_store import summarize
+
+router = APIRouter(prefix="/workspaces", tags=["workspaces"])
+
+
+@router.post(
+    "",
+    status_code=201,
+    response_model=WorkspaceInfo,
+    summary="Upload a workspace; its id is pyhf's sha256 digest",
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {"schema": {"type": "object", "required": ["channels"]}}
+            },
+        }
+    },
+)
+async def upload_workspace(request: Request, state: StateDep) -> JSONResponse:
+    """Validate and store a workspace under ``--data-dir``; later requests send ``workspace_id``."""
+    body = await request.body()
+
+    def store() -> dict:
+        document = parse_json(body, state.settings.max_json_depth)
+        if isinstance(document, dict) and set(document) == {"workspace"}:
+            document = document["workspace"]
+        if not isinstance(document, dict):
+            raise Unprocessable("the body must be a HistFactory workspace (a JSON object)")
+        digest = state.workspaces.admit(document, persist=True)
+        return summarize(digest, document, state.workspaces.size_of(digest))
+
+    info = await run_in_threadpool(store)
+    return JSONResponse(
+        info, status_code=201, headers={"Location": f"/workspaces/{info['workspace_id']}"}
+    )
+
+
+@router.get(
+    "/{workspace_id}", response_model=WorkspaceInfo, summary="Describe an uploaded workspace"
+)
+async def get_workspace(
+    workspace_id: Annotated[str, Path(pattern=DIGEST_PATTERN)], state: StateDep
+) -> dict:
+    """404 if the workspace was never uploaded (clients check before uploading)."""
+
+    def describe() -> dict:
+        spec = state.workspaces.get(workspace_id)
+        return summarize(workspace_id, spec, state.workspaces.size_of(workspace_id))
+
+    return await run_in_threadpool(describe)

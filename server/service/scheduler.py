@@ -1,0 +1,307 @@
+"""The batching queue: compatible work from every request and job becomes one engine call.
+
+Callers :meth:`Scheduler.submit` a :class:`WorkItem`: a batch key (same model, operation and
+options), a context (the model and options the runner needs) and rows (hypotheses). The
+dispatcher takes the oldest pending item, waits up to ``max_batch_delay`` for more rows with the
+same key (or until ``max_batch_size`` rows are there), and runs the rows as ONE call of the
+runner on the device thread (a single worker that owns the device). Each caller gets its own
+rows' results back. An item larger than ``max_batch_size`` runs in several chunks, with progress
+reported after each.
+
+Two lanes: ``interactive`` (HTTP requests) is always served before ``jobs`` (asynchronous jobs,
+not delayed for batching), and jobs run in chunks of at most ``max_batch_size`` rows, so a large
+patchset job delays an interactive request by at most one chunk.
+
+A device out-of-memory error splits the batch in halves and retries; a single row that still
+does not fit fails with 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from .errors import QueueFull, Unavailable
+from .metrics import Metrics
+
+log = logging.getLogger("pyhf_gpu_server.service.scheduler")
+
+Lane = Literal["interactive", "jobs"]
+LANES: tuple[Lane, ...] = ("interactive", "jobs")
+Runner = Callable[[Any, Sequence[Any]], list[Any]]
+ProgressCallback = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class RowOutcome:
+    """One row's result and the engine call that produced it."""
+
+    value: Any
+    batch_rows: int
+    compute_s: float
+
+
+@dataclass(eq=False)
+class WorkItem:
+    """Rows with one batch key, submitted by one caller; ``future`` resolves to their outcomes."""
+
+    key: Hashable
+    context: Any
+    rows: Sequence[Any]
+    lane: Lane
+    future: asyncio.Future[list[RowOutcome]]
+    on_progress: ProgressCallback | None = None
+    enqueued_at: float = field(default_factory=time.monotonic)
+    started_at: float | None = None
+    taken: int = 0
+    done: int = 0
+    outcomes: list[RowOutcome | None] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        """Whether the caller has its answer (or gave up)."""
+        return self.future.done()
+
+    @property
+    def remaining(self) -> int:
+        """Rows not yet handed to the device."""
+        return len(self.rows) - self.taken
+
+
+@dataclass(frozen=True)
+class _Slice:
+    """Rows ``start:stop`` of one item, as part of a batch."""
+
+    item: WorkItem
+    start: int
+    stop: int
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is torch's device out-of-memory error (either spelling)."""
+    oom_type = getattr(torch, "OutOfMemoryError", None)
+    if oom_type is not None and isinstance(exc, oom_type):
+        return True
+    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+
+
+class Scheduler:
+    """Collects rows into batches and runs them, one batch at a time, on the device executor."""
+
+    def __init__(
+        self,
+        runner: Runner,
+        executor: Executor,
+        metrics: Metrics,
+        *,
+        max_batch_size: int,
+        max_batch_delay_s: float,
+        max_pending: int,
+        release_memory: Callable[[], None] = lambda: None,
+    ) -> None:
+        """``runner(context, rows) -> results`` is called on ``executor`` (a single thread)."""
+        self._runner = runner
+        self._executor = executor
+        self._metrics = metrics
+        self.max_batch_size = max_batch_size
+        self.max_batch_delay_s = max_batch_delay_s
+        self.max_pending = max_pending
+        self._release_memory = release_memory
+        self._lanes: dict[Lane, deque[WorkItem]] = {lane: deque() for lane in LANES}
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.batches_run = 0
+
+    # ------------------------------------------------------------------ public
+    def start(self) -> None:
+        """Start the dispatcher on the running event loop."""
+        self._task = asyncio.get_running_loop().create_task(self._dispatch(), name="scheduler")
+
+    async def stop(self) -> None:
+        """Stop dispatching; callers still waiting get 503 (jobs resume at the next start)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for lane in LANES:
+            for item in self._lanes[lane]:
+                self._fail(item, Unavailable("the server is shutting down; retry shortly"))
+            self._lanes[lane].clear()
+        self._update_depth()
+
+    def submit(
+        self,
+        key: Hashable,
+        context: Any,
+        rows: Sequence[Any],
+        lane: Lane = "interactive",
+        on_progress: ProgressCallback | None = None,
+    ) -> WorkItem:
+        """Queue ``rows``; await ``item.future`` for their outcomes (in order).
+
+        Raises :class:`QueueFull` (429) when ``max_pending`` interactive items are waiting.
+        """
+        if lane == "interactive" and len(self._lanes["interactive"]) >= self.max_pending:
+            raise QueueFull(
+                f"{len(self._lanes['interactive'])} requests are waiting for the device "
+                f"(--max-queue {self.max_pending}); retry later or submit a job"
+            )
+        future: asyncio.Future[list[RowOutcome]] = asyncio.get_running_loop().create_future()
+        item = WorkItem(key, context, rows, lane, future, on_progress)
+        item.outcomes = [None] * len(rows)
+        if not rows:
+            future.set_result([])
+            return item
+        self._lanes[lane].append(item)
+        self._update_depth()
+        self._wakeup.set()
+        return item
+
+    def cancel(self, item: WorkItem) -> None:
+        """Drop the item's rows not yet run (its current chunk still finishes)."""
+        if not item.future.done():
+            item.future.cancel()
+        self._wakeup.set()
+
+    def pending_rows(self, lane: Lane) -> int:
+        """Rows of ``lane`` not yet handed to the device."""
+        return sum(item.remaining for item in self._lanes[lane] if not item.finished)
+
+    @property
+    def saturated(self) -> bool:
+        """Whether the interactive lane is full (new requests would get 429)."""
+        return len(self._lanes["interactive"]) >= self.max_pending
+
+    # ------------------------------------------------------------------ dispatching
+    async def _dispatch(self) -> None:
+        """Forever: pick the oldest item (interactive first), fill a batch, run it."""
+        while True:
+            head = self._head()
+            if head is None:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            if head.lane == "interactive":
+                await self._fill(head)
+            batch = self._take(head.key, head.lane)
+            if batch:
+                await self._run(batch)
+
+    def _head(self) -> WorkItem | None:
+        """The oldest live item of the highest-priority lane (dropping finished ones)."""
+        for lane in LANES:
+            queue = self._lanes[lane]
+            while queue and (queue[0].finished or queue[0].remaining == 0):
+                queue.popleft()
+            if queue:
+                return queue[0]
+        self._update_depth()
+        return None
+
+    async def _fill(self, head: WorkItem) -> None:
+        """Wait until ``max_batch_size`` rows share ``head``'s key or its delay is over."""
+        deadline = head.enqueued_at + self.max_batch_delay_s
+        while self._rows_with(head.key, head.lane) < self.max_batch_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            self._wakeup.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wakeup.wait(), remaining)
+
+    def _rows_with(self, key: Hashable, lane: Lane) -> int:
+        """Pending rows with batch key ``key`` in ``lane``."""
+        return sum(i.remaining for i in self._lanes[lane] if i.key == key and not i.finished)
+
+    def _take(self, key: Hashable, lane: Lane) -> list[_Slice]:
+        """Up to ``max_batch_size`` pending rows with ``key``, oldest items first."""
+        batch: list[_Slice] = []
+        room = self.max_batch_size
+        for item in self._lanes[lane]:
+            if room == 0:
+                break
+            if item.key != key or item.finished or item.remaining == 0:
+                continue
+            count = min(room, item.remaining)
+            batch.append(_Slice(item, item.taken, item.taken + count))
+            item.taken += count
+            room -= count
+        self._lanes[lane] = deque(i for i in self._lanes[lane] if i.remaining and not i.finished)
+        self._update_depth()
+        return batch
+
+    async def _run(self, batch: list[_Slice]) -> None:
+        """Run one batch on the device thread and hand each item its rows' outcomes."""
+        now = time.monotonic()
+        for part in batch:
+            if part.item.started_at is None:
+                part.item.started_at = now
+        rows = [row for part in batch for row in part.item.rows[part.start : part.stop]]
+        context = batch[0].item.context
+        loop = asyncio.get_running_loop()
+        try:
+            outcomes = await loop.run_in_executor(self._executor, self._execute, context, rows)
+        except Exception as exc:
+            for part in batch:
+                self._fail(part.item, exc)
+            return
+        finally:
+            self.batches_run += 1
+        offsets = itertools.accumulate((p.stop - p.start for p in batch), initial=0)
+        for part, offset in zip(batch, offsets, strict=False):
+            self._deliver(part, outcomes[offset : offset + part.stop - part.start])
+
+    def _execute(self, context: Any, rows: Sequence[Any]) -> list[RowOutcome]:
+        """On the device thread: one engine call; on out-of-memory, halves (recursively)."""
+        self._metrics.batch_size.observe(len(rows))
+        start = time.perf_counter()
+        try:
+            values = self._runner(context, rows)
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            self._release_memory()
+            if len(rows) == 1:
+                raise Unavailable(
+                    "the device ran out of memory for a single hypothesis; "
+                    "try float32, a smaller model, or another device"
+                ) from None
+            self._metrics.oom_splits.inc()
+            log.warning("device out of memory; splitting the batch", extra={"rows": len(rows)})
+            half = len(rows) // 2
+            return self._execute(context, rows[:half]) + self._execute(context, rows[half:])
+        seconds = time.perf_counter() - start
+        self._metrics.batch_seconds.observe(seconds)
+        return [RowOutcome(value, len(rows), seconds) for value in values]
+
+    def _deliver(self, part: _Slice, outcomes: list[RowOutcome]) -> None:
+        """Store a slice's outcomes; report progress; resolve the item when all rows are in."""
+        item = part.item
+        if item.finished:
+            return
+        item.outcomes[part.start : part.stop] = outcomes
+        item.done += len(outcomes)
+        if item.on_progress is not None:
+            item.on_progress(item.done, len(item.rows))
+        if item.done == len(item.rows):
+            item.future.set_result([o for o in item.outcomes if o is not None])
+
+    def _fail(self, item: WorkItem, exc: BaseException) -> None:
+        """Resolve ``item`` with ``exc`` (unless it already has an answer)."""
+        if not item.future.done():
+            item.future.set_exception(exc)
+
+    def _update_depth(self) -> None:
+        """Publish the pending rows per lane."""
+        for lane in LANES:
+            self._metrics.queue_depth.labels(lane).set(self.pending_rows(lane))

@@ -1,0 +1,189 @@
+"""Service settings: one immutable object, read from the command line and ``PYHF_GPU_*`` variables.
+
+Nothing here is process-wide: :func:`pyhf_gpu_server.service.app.create_app` receives a
+:class:`Settings` and everything (device, dtype, limits) flows from it to the parts that need it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ENV_PREFIX = "PYHF_GPU_"
+DEVICE_CHOICES = ("auto", "cpu", "cuda", "cuda:N")
+DTYPE_CHOICES = ("float64", "float32")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def default_data_dir() -> Path:
+    """``$XDG_DATA_HOME/pyhf-gpu`` (``~/.local/share/pyhf-gpu`` when unset)."""
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "pyhf-gpu"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything the service is configured with. Field ``x_y`` is ``--x-y`` / ``PYHF_GPU_X_Y``."""
+
+    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
+    port: int = field(default=8000, metadata={"help": "TCP port"})
+    device: str = field(
+        default="auto", metadata={"help": "auto (cuda when available), cpu, cuda or cuda:N"}
+    )
+    dtype: str = field(default="float64", metadata={"help": "float64 or float32"})
+    compile: str = field(
+        default="auto",
+        metadata={
+            "help": "torch.compile warm models in the background: auto (on for cuda), on, off"
+        },
+    )
+    data_dir: Path = field(
+        default_factory=default_data_dir,
+        metadata={"help": "uploaded workspaces and the job database (SQLite) live here"},
+    )
+    max_body_mb: float = field(
+        default=64.0, metadata={"help": "largest request body, also after gzip decompression"}
+    )
+    max_batch_size: int = field(
+        default=64, metadata={"help": "most hypotheses in one engine call (1 turns batching off)"}
+    )
+    max_batch_delay_ms: float = field(
+        default=5.0, metadata={"help": "how long the scheduler waits to fill a batch"}
+    )
+    max_queue: int = field(
+        default=256,
+        metadata={"help": "pending interactive requests (and queued jobs) before 429"},
+    )
+    max_concurrent_jobs: int = field(
+        default=2, metadata={"help": "asynchronous jobs worked on at the same time"}
+    )
+    model_cache_size: int = field(default=32, metadata={"help": "most models kept warm"})
+    model_cache_memory_mb: float = field(
+        default=4096.0, metadata={"help": "most device memory (MiB) held by warm models"}
+    )
+    request_timeout_s: float = field(
+        default=300.0, metadata={"help": "an interactive request answers 504 after this"}
+    )
+    result_ttl_hours: float = field(
+        default=168.0, metadata={"help": "finished jobs and their results are kept this long"}
+    )
+    max_json_depth: int = field(default=64, metadata={"help": "deepest JSON nesting accepted"})
+    graceful_timeout_s: float = field(
+        default=30.0,
+        metadata={"help": "on SIGTERM, how long in-flight requests may finish before exit"},
+    )
+    api_token: str | None = field(
+        default=None,
+        repr=False,
+        metadata={"help": "when set, every route but /healthz and /readyz needs this Bearer token"},
+    )
+    log_level: str = field(default="info", metadata={"help": "debug, info, warning or error"})
+
+    def __post_init__(self) -> None:
+        """Check values that argparse/env parsing cannot (ranges, choices)."""
+        problems = []
+        if self.device not in ("auto", "cpu", "cuda") and not _is_cuda_index(self.device):
+            problems.append(f"device {self.device!r} is not one of {', '.join(DEVICE_CHOICES)}")
+        if self.dtype not in DTYPE_CHOICES:
+            problems.append(f"dtype {self.dtype!r} is not one of {', '.join(DTYPE_CHOICES)}")
+        if self.compile not in ("auto", "on", "off"):
+            problems.append(f"compile {self.compile!r} is not one of auto, on, off")
+        if self.log_level.lower() not in LOG_LEVELS:
+            problems.append(f"log_level {self.log_level!r} is not one of {', '.join(LOG_LEVELS)}")
+        for name in (
+            "max_body_mb",
+            "max_batch_size",
+            "max_queue",
+            "max_concurrent_jobs",
+            "model_cache_size",
+            "model_cache_memory_mb",
+            "request_timeout_s",
+            "result_ttl_hours",
+            "max_json_depth",
+            "graceful_timeout_s",
+        ):
+            if getattr(self, name) <= 0:
+                problems.append(f"{name} must be positive, not {getattr(self, name)}")
+        if self.max_batch_delay_ms < 0:
+            problems.append("max_batch_delay_ms must not be negative")
+        if problems:
+            raise ValueError("; ".join(problems))
+        object.__setattr__(self, "data_dir", Path(self.data_dir))
+        object.__setattr__(self, "log_level", self.log_level.lower())
+
+    @property
+    def max_body_bytes(self) -> int:
+        """:attr:`max_body_mb` in bytes."""
+        return int(self.max_body_mb * 1024 * 1024)
+
+    def compile_enabled(self, device: str) -> bool:
+        """Whether to compile on ``device``: ``auto`` compiles on CUDA only (slow on CPU)."""
+        return self.compile == "on" or (self.compile == "auto" and device.startswith("cuda"))
+
+    def resolve_device(self, cuda_available: bool) -> str:
+        """The concrete torch device: ``auto`` becomes ``cuda`` when available, else ``cpu``."""
+        if self.device == "auto":
+            return "cuda" if cuda_available else "cpu"
+        return self.device
+
+
+def _is_cuda_index(device: str) -> bool:
+    """Whether ``device`` reads ``cuda:N``."""
+    prefix, _, index = device.partition(":")
+    return prefix == "cuda" and index.isdigit()
+
+
+def env_name(field_name: str) -> str:
+    """The environment variable of a settings field: ``max_body_mb`` -> ``PYHF_GPU_MAX_BODY_MB``."""
+    return ENV_PREFIX + field_name.upper()
+
+
+def _field_type(f: dataclasses.Field[Any]) -> type:
+    """The Python type a field's text value converts to."""
+    annotation = str(f.type)
+    for name, kind in (("int", int), ("float", float), ("Path", Path)):
+        if annotation == name:
+            return kind
+    return str
+
+
+def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    """The ``pyhf-gpu-server`` argument parser; defaults come from ``PYHF_GPU_*`` variables."""
+    environ = os.environ if environ is None else environ
+    parser = argparse.ArgumentParser(
+        prog="pyhf-gpu-server",
+        description="HistFactory fitting service (pyhf-compatible answers, batched on a GPU).",
+        epilog=f"Every option can also be set as an environment variable {ENV_PREFIX}<OPTION>, "
+        "e.g. PYHF_GPU_DEVICE=cuda:1 or PYHF_GPU_API_TOKEN=secret.",
+    )
+    for f in dataclasses.fields(Settings):
+        kind = _field_type(f)
+        default = environ.get(env_name(f.name))
+        help_text = f"{f.metadata.get('help', '')} (env {env_name(f.name)})"
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"),
+            dest=f.name,
+            type=kind,
+            default=default or None,  # argparse converts a text default with `type`
+            help=help_text,
+        )
+    return parser
+
+
+def settings_from_args(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> Settings:
+    """Settings from the command line, then ``PYHF_GPU_*`` variables, then the defaults."""
+    parser = build_parser(environ)
+    namespace = parser.parse_args(argv)
+    given = {k: v for k, v in vars(namespace).items() if v is not None}
+    try:
+        return Settings(**given)
+    except ValueError as exc:
+        parser.error(str(exc))
+        raise  # pragma: no cover - parser.error exits

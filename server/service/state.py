@@ -1,0 +1,172 @@
+"""Everything one running app owns: device, stores, cache, scheduler, job runner.
+
+Created in the app's lifespan from its :class:`Settings` and closed on shutdown; nothing lives at
+module level, so two apps in one process (tests) do not share device settings or state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import platform
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+from pyhf_gpu_server.engine import KernelCache
+
+from .compiling import BackgroundCompiler
+from .jobrunner import JobRunner
+from .jobstore import JobStore
+from .metrics import Metrics
+from .models_cache import ModelCache
+from .operations import Operations, run_rows
+from .scheduler import Scheduler
+from .settings import Settings
+from .workspace_store import WorkspaceStore
+
+log = logging.getLogger("pyhf_gpu_server.service")
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32}
+
+
+def resolve_device(settings: Settings) -> str:
+    """The torch device the settings ask for; ``ValueError`` if CUDA is asked but absent."""
+    device = settings.resolve_device(torch.cuda.is_available())
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {device}: torch.cuda.is_available() is False")
+        index = torch.device(device).index or 0
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"--device {device}: only {torch.cuda.device_count()} CUDA devices")
+    return device
+
+
+def device_name(device: str) -> str:
+    """A human name of the device (the GPU model, or the CPU)."""
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return platform.processor() or platform.machine() or "cpu"
+
+
+@dataclass
+class ServiceState:
+    """The parts of a running service."""
+
+    settings: Settings
+    device: str
+    dtype: torch.dtype
+    metrics: Metrics
+    executor: ThreadPoolExecutor
+    workspaces: WorkspaceStore
+    jobstore: JobStore
+    cache: ModelCache
+    scheduler: Scheduler
+    operations: Operations
+    jobs: JobRunner
+    compiler: BackgroundCompiler | None
+    started_at: float
+    device_ok: bool = False
+
+    @classmethod
+    async def open(cls, settings: Settings, metrics: Metrics) -> ServiceState:
+        """Create the parts, check the device, start the scheduler and job workers."""
+        device = resolve_device(settings)
+        dtype = DTYPES[settings.dtype]
+        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pyhf-gpu-device")
+        release = _memory_releaser(device)
+        compiler = (
+            BackgroundCompiler(KernelCache(), executor)
+            if settings.compile_enabled(device)
+            else None
+        )
+        workspaces = WorkspaceStore(settings.data_dir / "workspaces")
+        jobstore = JobStore(settings.data_dir / "jobs.sqlite3")
+        cache = ModelCache(
+            executor,
+            metrics,
+            max_items=settings.model_cache_size,
+            max_bytes=int(settings.model_cache_memory_mb * 1024 * 1024),
+            release_memory=release,
+            on_built=None if compiler is None else compiler.submit,
+        )
+        scheduler = Scheduler(
+            run_rows,
+            executor,
+            metrics,
+            max_batch_size=settings.max_batch_size,
+            max_batch_delay_s=settings.max_batch_delay_ms / 1000,
+            max_pending=settings.max_queue,
+            release_memory=release,
+        )
+        operations = Operations(cache, scheduler, device, dtype)
+        jobs = JobRunner(
+            jobstore,
+            workspaces,
+            operations,
+            concurrency=settings.max_concurrent_jobs,
+            max_queued=settings.max_queue,
+            result_ttl_s=settings.result_ttl_hours * 3600,
+        )
+        state = cls(
+            settings=settings,
+            device=device,
+            dtype=dtype,
+            metrics=metrics,
+            executor=executor,
+            workspaces=workspaces,
+            jobstore=jobstore,
+            cache=cache,
+            scheduler=scheduler,
+            operations=operations,
+            jobs=jobs,
+            compiler=compiler,
+            started_at=time.time(),
+        )
+        metrics.track_device_memory(state.device_memory_bytes)
+        state.device_ok = await state.check_device()
+        scheduler.start()
+        await jobs.start()
+        log.info(
+            "service started",
+            extra={"device": device, "dtype": settings.dtype, "data_dir": str(settings.data_dir)},
+        )
+        return state
+
+    async def close(self) -> None:
+        """Stop taking work; running jobs go back to ``queued``; free the device thread."""
+        await self.jobs.stop()
+        await self.scheduler.stop()
+        if self.compiler is not None:
+            self.compiler.shutdown()
+        self.executor.shutdown(wait=True, cancel_futures=True)
+        self.cache.clear()
+        self.jobstore.close()
+        log.info("service stopped")
+
+    async def check_device(self) -> bool:
+        """Whether a small computation on the device works (run on the device thread)."""
+
+        def probe() -> bool:
+            return float(torch.ones(4, device=self.device, dtype=self.dtype).sum()) == 4.0
+
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.executor, probe)
+        except Exception:
+            log.exception("the device does not work", extra={"device": self.device})
+            return False
+
+    def device_memory_bytes(self) -> float:
+        """Device memory in use: allocated CUDA memory, or the warm models' bytes on CPU."""
+        if self.device.startswith("cuda"):
+            return float(torch.cuda.memory_allocated(torch.device(self.device)))
+        return float(self.cache.total_bytes)
+
+
+def _memory_releaser(device: str) -> Callable[[], None]:
+    """What frees cached device memory after evictions and out-of-memory errors."""
+    if device.startswith("cuda"):
+        return torch.cuda.empty_cache
+    return lambda: None

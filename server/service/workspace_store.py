@@ -1,0 +1,157 @@
+"""Workspace checks and the store of uploaded workspaces (files under ``--data-dir``).
+
+A workspace's id is pyhf's digest, ``pyhf.utils.digest(workspace)`` (sha256 of its sorted JSON).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyhf
+
+from .errors import NotFound, Unprocessable, translate
+
+# per-bin modifier data that must have one entry per bin of its channel
+_PER_BIN_MODIFIERS = {
+    "shapesys": ("data",),
+    "staterror": ("data",),
+    "histosys": ("lo_data", "hi_data"),
+}
+
+
+def validate_workspace(spec: Any) -> None:
+    """Raise :class:`Unprocessable` (422) unless ``spec`` is a usable HistFactory workspace.
+
+    Checks pyhf's JSON schema (pyhf's message and JSON path), then what the schema leaves open:
+    observations for every channel, equal bin counts, non-negative observed counts.
+    """
+    if not isinstance(spec, dict) or "channels" not in spec:
+        raise Unprocessable("the workspace is not a HistFactory workspace: it has no 'channels'")
+    try:
+        pyhf.schema.validate(spec, "workspace.json")
+    except pyhf.exceptions.InvalidSpecification as exc:
+        raise translate(exc, "workspace") from None
+    problems = list(_content_problems(spec))
+    if problems:
+        raise Unprocessable("invalid workspace: " + "; ".join(problems[:20]))
+
+
+def _content_problems(spec: dict[str, Any]) -> Iterator[str]:
+    """Bin-count mismatches, missing or unknown observations, negative counts."""
+    observed = {obs["name"]: (i, obs["data"]) for i, obs in enumerate(spec["observations"])}
+    channel_names = set()
+    for c, channel in enumerate(spec["channels"]):
+        name = channel["name"]
+        channel_names.add(name)
+        nbins = len(channel["samples"][0]["data"]) if channel["samples"] else 0
+        for s, sample in enumerate(channel["samples"]):
+            where = f"channels[{c}].samples[{s}]"
+            if len(sample["data"]) != nbins:
+                yield f"{where}.data has {len(sample['data'])} bins, channel {name!r} has {nbins}"
+            for m, modifier in enumerate(sample["modifiers"]):
+                for key in _PER_BIN_MODIFIERS.get(modifier["type"], ()):
+                    values = modifier["data"][key] if key != "data" else modifier["data"]
+                    if len(values) != nbins:
+                        yield (
+                            f"{where}.modifiers[{m}] ({modifier['name']!r}) {key} has "
+                            f"{len(values)} bins, channel {name!r} has {nbins}"
+                        )
+        if name not in observed:
+            yield f"channel {name!r} has no entry in 'observations'"
+            continue
+        o, data = observed[name]
+        if len(data) != nbins:
+            yield f"observations[{o}].data has {len(data)} bins, channel {name!r} has {nbins}"
+        negative = [i for i, value in enumerate(data) if value < 0]
+        if negative:
+            yield f"observations[{o}].data has negative counts at bins {negative[:10]}"
+    for name, (o, _) in observed.items():
+        if name not in channel_names:
+            yield f"observations[{o}] names channel {name!r}, which does not exist"
+
+
+def workspace_digest(spec: dict[str, Any]) -> str:
+    """pyhf's sha256 digest of a workspace: its id."""
+    return pyhf.utils.digest(spec)
+
+
+class WorkspaceStore:
+    """Validated workspaces by digest: uploaded ones on disk, recent ones also in memory."""
+
+    def __init__(self, directory: Path, memory_items: int = 16) -> None:
+        """Keep files in ``directory`` and up to ``memory_items`` parsed workspaces in memory."""
+        self.directory = directory
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._memory: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._memory_items = memory_items
+        self._lock = threading.Lock()
+
+    def admit(self, spec: dict[str, Any], persist: bool) -> str:
+        """Validate ``spec`` (once per digest), keep it, write it to disk if ``persist``; its id."""
+        digest = workspace_digest(spec)
+        with self._lock:
+            known = digest in self._memory
+        if not known and not self._path(digest).exists():
+            validate_workspace(spec)
+        if persist and not self._path(digest).exists():
+            self._write(digest, spec)
+        self._remember(digest, spec)
+        return digest
+
+    def get(self, digest: str) -> dict[str, Any]:
+        """The workspace with id ``digest``; :class:`NotFound` (404) if it was never uploaded."""
+        path = self._path(digest)
+        if not path.exists():
+            raise NotFound(
+                f"workspace {digest!r} is not stored here; upload it with POST /workspaces"
+            )
+        with self._lock:
+            if digest in self._memory:
+                self._memory.move_to_end(digest)
+                return self._memory[digest]
+        spec = json.loads(path.read_text())
+        self._remember(digest, spec)
+        return spec
+
+    def size_of(self, digest: str) -> int:
+        """Bytes of the stored file."""
+        return self._path(digest).stat().st_size
+
+    def _remember(self, digest: str, spec: dict[str, Any]) -> None:
+        """Put ``spec`` in the in-memory LRU."""
+        with self._lock:
+            self._memory[digest] = spec
+            self._memory.move_to_end(digest)
+            while len(self._memory) > self._memory_items:
+                self._memory.popitem(last=False)
+
+    def _path(self, digest: str) -> Path:
+        """Where workspace ``digest`` is stored."""
+        return self.directory / f"{digest}.json"
+
+    def _write(self, digest: str, spec: dict[str, Any]) -> None:
+        """Write atomically (temporary file, fsync, rename)."""
+        target = self._path(digest)
+        tmp = target.with_suffix(f".tmp{threading.get_ident()}")
+        with tmp.open("w") as handle:
+            json.dump(spec, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+
+
+def summarize(digest: str, spec: dict[str, Any], size: int) -> dict[str, Any]:
+    """The public description of a stored workspace (WorkspaceInfo)."""
+    return {
+        "workspace_id": digest,
+        "digest": {"sha256": digest},
+        "measurements": [m["name"] for m in spec.get("measurements", [])],
+        "channels": [c["name"] for c in spec.get("channels", [])],
+        "bytes": size,
+    }

@@ -1,0 +1,142 @@
+"""Small hand-built workspaces that exercise every modifier type and measurement setting."""
+
+from __future__ import annotations
+
+import copy
+
+
+def all_modifiers_workspace() -> dict:
+    """Two channels; normfactor, lumi, shapefactor, staterror (one bin without uncertainty,
+    one shared by both channels), shapesys (one bin without nominal), normsys and histosys
+    on several samples; measurement inits, bounds, fixed parameters and lumi settings."""
+    sr = {
+        "name": "SR",
+        "samples": [
+            {
+                "name": "signal",
+                "data": [3.0, 5.0, 2.0],
+                "modifiers": [
+                    {"name": "mu", "type": "normfactor", "data": None},
+                    {"name": "lumi", "type": "lumi", "data": None},
+                    {"name": "sig_norm", "type": "normsys", "data": {"hi": 1.1, "lo": 0.85}},
+                ],
+            },
+            {
+                "name": "bkg1",
+                "data": [20.0, 15.0, 10.0],
+                "modifiers": [
+                    {"name": "lumi", "type": "lumi", "data": None},
+                    {
+                        "name": "jes",
+                        "type": "histosys",
+                        "data": {"hi_data": [22.0, 16.5, 10.2], "lo_data": [18.5, 14.0, 9.1]},
+                    },
+                    {"name": "xsec", "type": "normsys", "data": {"hi": 1.2, "lo": 0.9}},
+                    {"name": "stat_shared", "type": "staterror", "data": [1.5, 0.0, 1.1]},
+                    {"name": "shape_free", "type": "shapefactor", "data": None},
+                ],
+            },
+            {
+                "name": "bkg2",
+                "data": [8.0, 0.0, 4.0],
+                "modifiers": [
+                    {
+                        "name": "jes",
+                        "type": "histosys",
+                        "data": {"hi_data": [9.0, 0.0, 4.5], "lo_data": [7.5, 0.0, 3.0]},
+                    },
+                    {"name": "xsec", "type": "normsys", "data": {"hi": 1.05, "lo": 0.7}},
+                    {"name": "extreme", "type": "normsys", "data": {"hi": 40.0, "lo": 0.01}},
+                    {"name": "bkg2_shape", "type": "shapesys", "data": [1.0, 0.5, 0.8]},
+                    {"name": "stat_shared", "type": "staterror", "data": [0.9, 0.0, 0.6]},
+                ],
+            },
+        ],
+    }
+    cr = {
+        "name": "CR",
+        "samples": [
+            {
+                "name": "bkg1",
+                "data": [100.0, 80.0],
+                "modifiers": [
+                    {"name": "lumi", "type": "lumi", "data": None},
+                    {
+                        "name": "jes",
+                        "type": "histosys",
+                        "data": {"hi_data": [104.0, 85.0], "lo_data": [97.0, 78.0]},
+                    },
+                    {"name": "xsec", "type": "normsys", "data": {"hi": 1.2, "lo": 0.9}},
+                    {"name": "stat_shared", "type": "staterror", "data": [4.0, 3.0]},
+                    {"name": "bkg1_norm", "type": "normfactor", "data": None},
+                ],
+            },
+            {
+                "name": "bkg2",
+                "data": [30.0, 25.0],
+                "modifiers": [
+                    {
+                        "name": "res",
+                        "type": "histosys",
+                        "data": {"hi_data": [33.0, 26.0], "lo_data": [28.0, 25.5]},
+                    },
+                    {"name": "bkg1_norm", "type": "normfactor", "data": None},
+                    {"name": "stat_shared", "type": "staterror", "data": [2.0, 1.5]},
+                ],
+            },
+        ],
+    }
+    return {
+        "channels": [sr, cr],
+        "observations": [
+            {"name": "SR", "data": [33.0, 22.0, 15.0]},
+            {"name": "CR", "data": [128.0, 109.0]},
+        ],
+        "measurements": [
+            {
+                "name": "meas",
+                "config": {
+                    "poi": "mu",
+                    "parameters": [
+                        {
+                            "name": "lumi",
+                            "auxdata": [1.0],
+                            "sigmas": [0.025],
+                            "bounds": [[0.8, 1.2]],
+                            "inits": [1.0],
+                        },
+                        {"name": "mu", "bounds": [[0.0, 8.0]], "inits": [0.7]},
+                        {"name": "jes", "inits": [0.3], "bounds": [[-4.0, 4.0]]},
+                        {"name": "res", "fixed": True, "inits": [0.2]},
+                        {"name": "bkg1_norm", "bounds": [[0.5, 2.0]]},
+                    ],
+                },
+            },
+            {
+                "name": "other_poi",
+                "config": {
+                    "poi": "bkg1_norm",
+                    "parameters": [
+                        {
+                            "name": "lumi",
+                            "auxdata": [0.98],
+                            "sigmas": [0.04],
+                            "bounds": [[0.5, 1.5]],
+                            "inits": [0.98],
+                        }
+                    ],
+                },
+            },
+        ],
+        "version": "1.0.0",
+    }
+
+
+def with_signal_scale(workspace: dict, scale: float) -> dict:
+    """A copy whose signal sample is scaled: same structure, other numbers."""
+    result = copy.deepcopy(workspace)
+    for channel in result["channels"]:
+        for sample in channel["samples"]:
+            if sample["name"] == "signal":
+                sample["data"] = [scale * x for x in sample["data"]]
+    return result

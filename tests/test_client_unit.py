@@ -1,0 +1,503 @@
+"""Unit tests of the thin client: the sans-IO layer, both clients (MockTransport) and the CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import io
+import json
+from pathlib import Path
+
+import click
+import httpx
+import pyhf_gpu_client as pgc
+import pytest
+from click.testing import CliRunner
+from pyhf_gpu_client import cli, protocol
+from pyhf_gpu_client.results import CLsResult, FitResult, Job, parse_result, result_to_json
+
+from tests.client_support import (
+    CLS_ANSWER,
+    FakeService,
+    body_of,
+    mock_client_factory,
+    simple_workspace,
+)
+
+SHARED = Path("/work/shared/workspaces/atlas-susy-2018-31-sbottom-B")
+
+
+def make_client(service: FakeService, **kwargs) -> pgc.Client:
+    return pgc.Client("http://fake", transport=httpx.MockTransport(service), backoff=0.0, **kwargs)
+
+
+# ---------------------------------------------------------------------- digest & inputs
+
+
+def test_digest_is_pyhfs_without_pyhf():
+    pyhf = pytest.importorskip("pyhf")
+    ws = simple_workspace()
+    assert pgc.digest(ws) == pyhf.utils.digest(ws)
+    assert pgc.digest({"a": 2.0, "b": 3.0, "c": 1.0}) == (
+        "a38f6093800189b79bc22ef677baf90c75705af2cfc7ff594159eca54eaa7928"
+    )
+
+
+@pytest.mark.skipif(not SHARED.exists(), reason="shared workspaces not present")
+def test_digest_matches_patchset_record():
+    ws = json.loads((SHARED / "BkgOnly.json").read_text())
+    ps = json.loads((SHARED / "patchset.json").read_text())
+    assert pgc.digest(ws) == ps["metadata"]["digests"]["sha256"]
+
+
+def test_load_json_sources(tmp_path, monkeypatch):
+    ws = simple_workspace()
+    path = tmp_path / "ws.json"
+    path.write_text(json.dumps(ws))
+    assert pgc.load_json(path) == ws
+    assert pgc.load_json(str(path)) == ws
+    assert pgc.load_json(json.dumps(ws)) == ws
+    assert pgc.load_json(io.StringIO(json.dumps(ws))) == ws
+    monkeypatch.setattr("sys.stdin", io.StringIO(json.dumps(ws)))
+    assert pgc.load_json("-") == ws
+    with pytest.raises(pgc.WorkspaceError, match="not found"):
+        pgc.load_json(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(pgc.WorkspaceError, match="not valid JSON"):
+        pgc.load_json(tmp_path / "bad.json")
+
+
+def test_pyhf_workspace_object_is_accepted():
+    pyhf = pytest.importorskip("pyhf")
+    model = pyhf.simplemodels.uncorrelated_background([5.0], [50.0], [7.0])
+    spec = {
+        "channels": model.spec["channels"],
+        "observations": [{"name": "singlechannel", "data": [52.0]}],
+        "measurements": [{"name": "m", "config": {"poi": "mu", "parameters": []}}],
+        "version": "1.0.0",
+    }
+    ws = pyhf.Workspace(spec)
+    service = FakeService()
+    with make_client(service) as client:
+        client.cls(ws)
+    assert body_of(service.requests[0])["workspace"] == json.loads(json.dumps(spec))
+
+
+# ------------------------------------------------------------------------- sans-IO flows
+
+
+def drive(flow, answers):
+    """Run a flow by hand: feed ``answers`` to its requests, record sleeps."""
+    sleeps, sent = [], []
+    answers = list(answers)
+    outcome = None
+    while True:
+        try:
+            command = flow.send(outcome)
+        except StopIteration as stop:
+            return stop.value, sent, sleeps
+        outcome = None
+        if isinstance(command, protocol.Sleep):
+            sleeps.append(command.seconds)
+        else:
+            sent.append(command)
+            outcome = answers.pop(0)
+
+
+def test_call_honours_retry_after_and_is_bounded():
+    policy = protocol.RetryPolicy(max_attempts=3, backoff=0.01)
+    req = protocol.Request("GET", "/info")
+    ok = httpx.Response(200, json={"x": 1}, request=httpx.Request("GET", "http://h/info"))
+    busy = httpx.Response(429, headers={"Retry-After": "7"}, json={"detail": "queue full"})
+    down = httpx.Response(503, headers={"Retry-After": "2"}, json={"detail": "busy"})
+    result, sent, sleeps = drive(protocol.call(req, policy), [busy, down, ok])
+    assert result.json() == {"x": 1}
+    assert len(sent) == 3 and sleeps == [7.0, 2.0]
+    with pytest.raises(pgc.RateLimitedError) as info:
+        drive(protocol.call(req, policy), [busy, busy, busy])
+    assert info.value.status == 429 and info.value.retry_after == 7.0
+
+
+def test_retry_after_http_date_and_backoff():
+    assert protocol.parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT", now=1445412470.0) == 10.0
+    assert protocol.parse_retry_after("soon") is None
+    policy = protocol.RetryPolicy(backoff=1.0, max_backoff=4.0, max_retry_after=60)
+    assert 0.5 <= policy.delay(1) <= 1.0
+    assert 2.0 <= policy.delay(5) <= 4.0
+    assert policy.delay(1, retry_after=600) == 60
+
+
+def test_transport_errors_are_retried_then_raised():
+    service = FakeService(
+        script={
+            "GET /info": [
+                httpx.ConnectError("refused"),
+                httpx.ConnectError("refused"),
+                httpx.Response(200, json={"version": "x"}),
+            ]
+        }
+    )
+    with make_client(service) as client:
+        assert client.info() == {"version": "x"}
+    assert len(service.requests) == 3
+    service = FakeService(script={"GET /info": [httpx.ConnectError("refused")]})
+    with make_client(service, retries=2) as client, pytest.raises(pgc.TransportError):
+        client.info()
+    assert len(service.requests) == 3
+    # a read timeout may have reached the server: not retried, reported as a timeout
+    service = FakeService(script={"POST /cls": [httpx.ReadTimeout("slow")]})
+    with make_client(service) as client, pytest.raises(pgc.TimeoutError, match="--timeout"):
+        client.cls(simple_workspace())
+    assert len(service.requests) == 1
+
+
+def test_error_mapping_and_detail():
+    detail = [{"loc": ["body", "test_stat"], "msg": "Input should be 'q' or 'qtilde'"}]
+    cases = {
+        400: pgc.BadRequestError,
+        401: pgc.AuthenticationError,
+        404: pgc.NotFoundError,
+        422: pgc.BadRequestError,
+        500: pgc.ServerError,
+    }
+    for status, exc_type in cases.items():
+        service = FakeService(
+            script={"POST /cls": [httpx.Response(status, json={"detail": detail})]}
+        )
+        with make_client(service) as client, pytest.raises(exc_type) as info:
+            client.cls(simple_workspace())
+        assert info.value.status == status
+        assert info.value.message == "test_stat: Input should be 'q' or 'qtilde'"
+    service = FakeService(script={"GET /info": [httpx.Response(502, text="bad gateway")]})
+    with make_client(service) as client, pytest.raises(pgc.ServerError, match="bad gateway"):
+        client.info()
+
+
+# ------------------------------------------------------------------------ request shape
+
+
+def test_envelope_auth_and_gzip():
+    service = FakeService()
+    with make_client(service, token="s3cret") as client:
+        client.config.compress_min_bytes = 100
+        result = client.cls(simple_workspace(), test_poi=1.5, test_stat="q", ntoys=None)
+    assert isinstance(result, CLsResult)
+    assert result.cls_obs == CLS_ANSWER["CLs_obs"] and result.meta == {"device": "cpu"}
+    assert result.to_pyhf_json() == CLS_ANSWER
+    request = service.requests[0]
+    assert request.headers["authorization"] == "Bearer s3cret"
+    assert request.headers["content-encoding"] == "gzip"
+    body = json.loads(gzip.decompress(request.content))
+    assert body["workspace"] == simple_workspace()
+    assert body["test_poi"] == 1.5 and body["test_stat"] == "q"
+    assert "ntoys" not in body and "patches" not in body
+    with make_client(service) as client:
+        client.health()
+    assert "authorization" not in service.requests[-1].headers
+    assert "content-encoding" not in service.requests[-1].headers
+
+
+def test_large_workspace_uploaded_once_and_patches_sent_alone():
+    service = FakeService()
+    ws = simple_workspace()
+    patch = [{"op": "replace", "path": "/channels/0/samples/0/data", "value": [6.0]}]
+    with make_client(service, upload_threshold=100) as client:
+        client.cls(ws, patches=[patch])
+        client.cls(ws, test_poi=[0.5, 1.0])
+    wid = pgc.digest(ws)
+    assert service.paths() == [
+        f"GET /workspaces/{wid}",
+        "POST /workspaces",
+        "POST /cls",
+        "POST /cls",
+    ]
+    body = body_of(service.requests[2])
+    assert body == {
+        "workspace_id": wid,
+        "patches": [patch],
+        "test_poi": 1.0,
+        "test_stat": "qtilde",
+        "calctype": "asymptotics",
+    }
+    # a new client asks first, and does not upload what the server already has
+    with make_client(service, upload_threshold=100) as client:
+        scan = client.cls(ws, test_poi=[0.5, 1.0])
+    assert service.paths()[4:] == [f"GET /workspaces/{wid}", "POST /cls"]
+    assert [r.test_poi for r in scan] == [0.5, 1.0]
+
+
+def test_forgotten_workspace_is_uploaded_again():
+    service = FakeService()
+    ws = simple_workspace()
+    with make_client(service, upload_threshold=100) as client:
+        client.cls(ws)
+        service.workspaces.clear()  # the server lost it (restart, eviction)
+        client.cls(ws)
+    assert service.paths()[3:] == [
+        "POST /cls",
+        f"GET /workspaces/{pgc.digest(ws)}",
+        "POST /workspaces",
+        "POST /cls",
+    ]
+
+
+def test_patchset_batch_shape(tmp_path):
+    service = FakeService()
+    patchset = {
+        "metadata": {
+            "name": "ps",
+            "digests": {},
+            "labels": [],
+            "description": "",
+            "references": {},
+        },
+        "version": "1.0.0",
+        "patches": [{"metadata": {"name": n, "values": []}, "patch": []} for n in ("a", "b", "c")],
+    }
+    path = tmp_path / "ps.json"
+    path.write_text(json.dumps(patchset))
+    with make_client(service) as client:
+        results = client.run_patchset(simple_workspace(), path, patch_names=["a", "c"])
+    assert set(results) == {"a", "c"} and all(isinstance(r, CLsResult) for r in results.values())
+    assert body_of(service.requests[0])["patch_names"] == ["a", "c"]
+
+
+def test_parse_result_shapes():
+    fit = {
+        "mle_parameters": {"mu": [0.5], "b": [1.0, 1.1]},
+        "twice_nll": 23.2,
+        "uncertainties": {"mu": [0.1], "b": [0.2, 0.2]},
+        "corr_mat": [[1, 0, 0], [0, 1, 0], [0, 0, 1]],
+        "meta": {"device": "cpu"},
+    }
+    parsed = parse_result("fit", fit)
+    assert isinstance(parsed, FitResult)
+    assert parsed.to_pyhf_json(value=False) == {"mle_parameters": fit["mle_parameters"]}
+    assert parsed.to_pyhf_json() == {"mle_parameters": fit["mle_parameters"], "twice_nll": 23.2}
+    assert "corr_mat" in parsed.to_pyhf_json(uncertainties=True)
+    batch = parse_result("fit", {"p1": fit, "p2": fit})
+    assert result_to_json(batch, value=False) == {
+        "p1": {"mle_parameters": fit["mle_parameters"]},
+        "p2": {"mle_parameters": fit["mle_parameters"]},
+    }
+    ul = parse_result(
+        "upper-limit",
+        {"upper_limit_obs": 1.2, "upper_limit_exp": [1] * 5, "level": 0.05, "meta": {}},
+    )
+    assert result_to_json(ul) == {
+        "upper_limit_obs": 1.2,
+        "upper_limit_exp": [1.0] * 5,
+        "level": 0.05,
+    }
+    answer = {"p0_obs": 0.1, "p0_exp": 0.2, "z_obs": 1.28, "z_exp": 0.84,
+              "p0_exp_set": [0.01, 0.05, 0.2, 0.4, 0.5]}
+    sig = parse_result("significance", {**answer, "meta": {}})
+    assert sig.z_obs == 1.28 and sig.p0_exp == 0.2 and result_to_json(sig) == answer
+    other = parse_result("significance", {"p0": 0.1, "p0_exp": 0.2, "Z": 1.28, "Z_exp": 0.8})
+    assert other.z_obs == 1.28 and set(result_to_json(other)) == {"p0", "p0_exp", "Z", "Z_exp"}
+    with pytest.raises(ValueError):
+        parse_result("cls", 3)
+
+
+# ---------------------------------------------------------------------------------- jobs
+
+
+def _job(status, done=0, result=None, error=None):
+    return httpx.Response(
+        200,
+        json={
+            "id": "j1",
+            "operation": "cls",
+            "status": status,
+            "progress": {"done": done, "total": 4},
+            "result": result,
+            "error": error,
+        },
+    )
+
+
+def test_submit_wait_with_progress():
+    service = FakeService(
+        script={
+            "POST /jobs": [
+                httpx.Response(202, json={"id": "j1", "status": "queued", "url": "/jobs/j1"})
+            ],
+            "GET /jobs/j1": [
+                _job("queued"),
+                _job("running", 2),
+                _job("succeeded", 4, {**CLS_ANSWER, "meta": {}}),
+            ],
+        }
+    )
+    seen = []
+    with make_client(service) as client:
+        job = client.submit("cls", simple_workspace(), test_poi=[1.0])
+        assert job.id == "j1" and job.status == "queued"
+        done = client.wait(job, poll_interval=0.001, on_update=seen.append)
+    assert body_of(service.requests[0])["operation"] == "cls"
+    assert [j.progress for j in seen] == [0.0, 0.5, 1.0]
+    assert isinstance(done.result, CLsResult) and done.done
+
+
+def test_wait_failures():
+    service = FakeService(script={"GET /jobs/j1": [_job("failed", error="no POI")]})
+    with make_client(service) as client, pytest.raises(pgc.JobFailedError, match="no POI"):
+        client.wait("j1")
+    service = FakeService(script={"GET /jobs/j1": [_job("cancelled")]})
+    with make_client(service) as client, pytest.raises(pgc.JobCancelledError):
+        client.wait("j1")
+    service = FakeService(script={"GET /jobs/j1": [_job("running", 1)]})
+    with make_client(service) as client, pytest.raises(pgc.WaitTimeoutError) as info:
+        client.wait("j1", timeout=0.05, poll_interval=0.01)
+    assert info.value.job.status == "running"
+
+
+def test_jobs_list_cancel_and_sse():
+    service = FakeService(
+        script={
+            "GET /jobs": [httpx.Response(200, json={"jobs": [_job("running").json()]})],
+            "DELETE /jobs/j1": [_job("cancelled")],
+        }
+    )
+    with make_client(service) as client:
+        assert [j.status for j in client.jobs()] == ["running"]
+        assert client.cancel("j1").status == "cancelled"
+    parser = protocol.SSEParser()
+    events = parser.feed_lines(
+        ["event: progress", 'data: {"done": 1, "total": 2}', "", ": ping", "data: plain", ""]
+    )
+    assert events == [
+        {"event": "progress", "data": {"done": 1, "total": 2}, "id": None},
+        {"event": "message", "data": "plain", "id": None},
+    ]
+
+
+def test_async_client_same_api():
+    service = FakeService(
+        script={
+            "POST /cls": [
+                httpx.Response(503, headers={"Retry-After": "0"}, json={"detail": "x"}),
+                httpx.Response(200, json={**CLS_ANSWER, "meta": {}}),
+            ],
+        }
+    )
+
+    async def main():
+        async with pgc.AsyncClient("http://fake", transport=httpx.MockTransport(service)) as c:
+            one = await c.cls(simple_workspace())
+            health = await c.health()
+            return one, health
+
+    one, health = asyncio.run(main())
+    assert one.to_pyhf_json() == CLS_ANSWER and health == {"status": "ok"}
+    assert service.paths() == ["POST /cls", "POST /cls", "GET /healthz"]
+    assert pgc.AsyncClient.cls.__doc__ == pgc.Client.cls.__doc__
+
+
+def test_env_configuration(monkeypatch):
+    monkeypatch.setenv("PYHF_GPU_SERVER", "gpu-node:9000/")
+    monkeypatch.setenv("PYHF_GPU_API_TOKEN", "tok")
+    client = pgc.Client()
+    assert client.config.server == "http://gpu-node:9000"
+    assert client.config.headers()["Authorization"] == "Bearer tok"
+    client.close()
+
+
+# ----------------------------------------------------------------------------------- CLI
+
+
+def test_parse_test_poi():
+    assert cli.parse_test_poi(["1.0"]) == 1.0
+    assert cli.parse_test_poi(["1", "2"]) == [1.0, 2.0]
+    assert cli.parse_test_poi(["0.5,1.5"]) == [0.5, 1.5]
+    assert cli.parse_test_poi(["0:2:5"]) == [0.0, 0.5, 1.0, 1.5, 2.0]
+    assert cli.parse_test_poi(["3:3:1"]) == [3.0]
+    for bad in (["x"], ["0:1"], ["0:1:0"]):
+        with pytest.raises(click.BadParameter) as info:
+            cli.parse_test_poi(bad)
+        assert "--test-poi" in info.value.format_message()
+
+
+@pytest.fixture
+def fake_cli(monkeypatch):
+    service = FakeService()
+    monkeypatch.setattr(cli, "_client", mock_client_factory(service))
+    return service
+
+
+def test_cli_prints_pyhf_json(fake_cli, tmp_path):
+    ws = tmp_path / "ws.json"
+    ws.write_text(json.dumps(simple_workspace()))
+    runner = CliRunner()
+    res = runner.invoke(cli.main, ["cls", str(ws), "--backend", "jax", "--optimizer", "minuit"])
+    assert res.exit_code == 0, res.output
+    assert res.output == json.dumps(CLS_ANSWER, indent=4, sort_keys=True) + "\n"
+    res = runner.invoke(cli.main, ["cls", "--test-poi", "0:1:3"], input=ws.read_text())
+    assert res.exit_code == 0, res.output
+    assert [e["test_poi"] for e in json.loads(res.output)] == [0.0, 0.5, 1.0]
+    out = tmp_path / "out.json"
+    res = runner.invoke(cli.main, ["cls", str(ws), "--output-file", str(out)])
+    assert res.exit_code == 0 and res.output == ""
+    assert out.read_text() == json.dumps(CLS_ANSWER, indent=4, sort_keys=True)
+
+
+def test_cli_errors_are_one_line(fake_cli, tmp_path):
+    fake_cli.script["POST /cls"] = [
+        httpx.Response(422, json={"detail": "invalid workspace at channels: [] is too short"})
+    ]
+    ws = tmp_path / "ws.json"
+    ws.write_text(json.dumps(simple_workspace()))
+    runner = CliRunner()
+    res = runner.invoke(cli.main, ["cls", str(ws)])
+    assert res.exit_code == 1
+    assert "422: invalid workspace at channels" in res.output
+    assert "Traceback" not in res.output and res.exception.__class__ is SystemExit
+    res = runner.invoke(cli.main, ["cls", str(tmp_path / "nope.json")])
+    assert res.exit_code == 1 and "not found" in res.output
+    res = runner.invoke(cli.main, ["fit", str(ws), "--patch-name", "x"])
+    assert res.exit_code == 2 and "--patchset" in res.output
+
+
+def test_cli_unreachable_exit_code(tmp_path):
+    ws = tmp_path / "ws.json"
+    ws.write_text(json.dumps(simple_workspace()))
+    res = CliRunner().invoke(
+        cli.main, ["--server", "http://127.0.0.1:9", "--retries", "0", "cls", str(ws)]
+    )
+    assert res.exit_code == 3 and "cannot connect" in res.output
+
+
+def test_cli_jobs_plain_progress(monkeypatch, tmp_path):
+    service = FakeService(
+        script={
+            "POST /jobs": [
+                httpx.Response(202, json={"id": "j1", "status": "queued", "url": "/jobs/j1"})
+            ],
+            "GET /jobs/j1": [
+                _job("running", 1),
+                _job("running", 1),
+                _job("running", 3),
+                _job("succeeded", 4, {**CLS_ANSWER, "meta": {}}),
+            ],
+        }
+    )
+    monkeypatch.setattr(cli, "_client", mock_client_factory(service))
+    ws = tmp_path / "ws.json"
+    ws.write_text(json.dumps(simple_workspace()))
+    runner = CliRunner()
+    res = runner.invoke(cli.main, ["jobs", "submit", "cls", str(ws)])
+    assert res.exit_code == 0 and res.output == "j1\n"
+    res = runner.invoke(cli.main, ["jobs", "wait", "j1"])
+    assert res.exit_code == 0, res.output
+    lines = res.stderr.splitlines()
+    assert lines == ["job j1: running 25%", "job j1: running 75%", "job j1: succeeded 100%"]
+    assert json.loads(res.stdout) == CLS_ANSWER
+
+
+def test_progress_bar_on_terminal():
+    stream = io.StringIO()
+    bar = cli.Progress(stream, tty=True)
+    bar(Job(id="abc", status="running", progress=0.5))
+    bar.close()
+    assert stream.getvalue().startswith("\rabc [" + "#" * 15 + "-" * 15 + "]  50% running")
+    assert stream.getvalue().endswith("\n")

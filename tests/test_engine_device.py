@@ -1,0 +1,98 @@
+"""Device hygiene: every tensor of a model lives on the model's device.
+
+Under torch's FakeTensorMode a ``cuda`` tensor exists on a CPU-only machine, and any op that
+mixes it with a cpu tensor raises the error of the bug this project was born from.
+"""
+
+from __future__ import annotations
+
+import pyhf
+import pytest
+import torch
+from conftest import shared_workspace
+from hand_built import all_modifiers_workspace
+from pyhf_gpu_server.engine import HistFactoryModel
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+MIXED_DEVICES = "Expected all tensors to be on the same device"
+
+
+def assert_all_on(model: HistFactoryModel, device: str) -> None:
+    tensors = model.tensors()
+    assert len(tensors) >= 15
+    for name, tensor in tensors.items():
+        assert tensor.device == torch.device(device), name
+        if tensor.is_floating_point():
+            assert tensor.dtype == model.dtype, name
+
+
+def small_patchset_model(device: str) -> HistFactoryModel:
+    workspace, patchset, _ = shared_workspace("atlas-susy-2018-31-sbottom-B")
+    names = [p["metadata"]["name"] for p in patchset["patches"]][:3]
+    return HistFactoryModel.from_patchset(workspace, patchset, patch_names=names, device=device)
+
+
+def test_fake_cuda_really_catches_mixed_devices():
+    """The check is only worth something if FakeTensorMode raises the original error here."""
+    with FakeTensorMode():
+        on_cuda = torch.ones(3, device="cuda")
+        with pytest.raises(RuntimeError, match=MIXED_DEVICES):
+            torch.einsum("i,i->", on_cuda, torch.ones(3))
+        with pytest.raises(RuntimeError, match=MIXED_DEVICES):
+            on_cuda + torch.ones(3)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda device: HistFactoryModel.from_workspace(all_modifiers_workspace(), device=device),
+        small_patchset_model,
+    ],
+    ids=["all-modifiers", "sbottom-B-patchset"],
+)
+def test_model_evaluates_on_fake_cuda(build):
+    with FakeTensorMode():
+        model = build("cuda")
+        assert_all_on(model, "cuda:0")
+        element = torch.arange(model.n_elements, device="cuda").repeat(4)
+        pars = model.init.index_select(0, element)
+        data = model.observed.index_select(0, element)
+        outputs = [
+            model.expected_data(pars, element),
+            model.logpdf(pars, data, element),
+            *model.twice_nll_gradient_and_fisher(pars, data, element),
+            *model.expected_main_jacobian(pars, element),
+        ]
+        for output in outputs:
+            assert isinstance(output, FakeTensor)
+            assert output.device == torch.device("cuda:0")
+        # a cpu tensor sneaking in is caught
+        with pytest.raises(RuntimeError, match=MIXED_DEVICES):
+            model.logpdf(pars, torch.zeros(data.shape, dtype=model.dtype), element)
+
+
+def test_every_tensor_on_the_model_device_and_dtype():
+    for dtype in (torch.float64, torch.float32):
+        model = HistFactoryModel.from_workspace(all_modifiers_workspace(), dtype=dtype)
+        assert_all_on(model, "cpu")
+        assert model.logpdf(model.init, model.observed).dtype == dtype
+
+
+def test_float32_is_close_to_float64():
+    model64 = small_patchset_model("cpu")
+    model32 = model64.to(dtype=torch.float32)
+    element = torch.arange(model64.n_elements)
+    value64 = model64.logpdf(model64.init, model64.observed, element)
+    value32 = model32.logpdf(model32.init, model32.observed, element)
+    torch.testing.assert_close(value32.double(), value64, rtol=1e-5, atol=1e-3)
+
+
+def test_no_process_wide_backend_state():
+    """Models of different dtypes coexist; pyhf's global backend is never touched."""
+    before = pyhf.get_backend()[0]
+    model64 = HistFactoryModel.from_workspace(all_modifiers_workspace())
+    model32 = model64.to(dtype=torch.float32)
+    assert model64.logpdf(model64.init, model64.observed).dtype == torch.float64
+    assert model32.logpdf(model32.init, model32.observed).dtype == torch.float32
+    assert pyhf.get_backend()[0] is before
+    assert before.name == "numpy"

@@ -1,0 +1,142 @@
+"""The engine's expected_data and logpdf equal pyhf's numpy backend to relative 1e-10."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyhf
+import pytest
+import torch
+from conftest import reference_patches, shared_workspace
+from hand_built import all_modifiers_workspace
+from pyhf_gpu_server.engine import HistFactoryModel
+
+RTOL = 1e-10
+N_RANDOM = 20
+
+
+def parameter_points(model: pyhf.Model, seed: int) -> np.ndarray:
+    """The suggested init, then random points inside the bounds: half anywhere in the box,
+    half in its central fifth around the init (where every rate is surely positive)."""
+    rng = np.random.default_rng(seed)
+    init = np.asarray(model.config.suggested_init())
+    bounds = np.asarray(model.config.suggested_bounds())
+    anywhere = rng.uniform(bounds[:, 0], bounds[:, 1], size=(N_RANDOM // 2, len(init)))
+    low = init + 0.1 * (bounds[:, 0] - init)
+    high = init + 0.1 * (bounds[:, 1] - init)
+    central = rng.uniform(low, high, size=(N_RANDOM - N_RANDOM // 2, len(init)))
+    return np.vstack([init, anywhere, central])
+
+
+def assert_matches_pyhf(engine: HistFactoryModel, reference: pyhf.Model, data, seed: int = 0):
+    points = parameter_points(reference, seed)
+    data = np.asarray(data, dtype=np.float64)
+    expected_ref = np.stack([reference.expected_data(p) for p in points])
+    logpdf_ref = np.array([reference.logpdf(p, data)[0] for p in points])
+
+    pars = torch.tensor(points, dtype=torch.float64)
+    batch_data = torch.tensor(data, dtype=torch.float64).expand(len(points), -1)
+    expected = engine.expected_data(pars).numpy()
+    logpdf = engine.logpdf(pars, batch_data).numpy()
+
+    np.testing.assert_allclose(expected, expected_ref, rtol=RTOL, atol=1e-12)
+    np.testing.assert_allclose(logpdf, logpdf_ref, rtol=RTOL, equal_nan=True)
+    central = slice(1 + N_RANDOM // 2, None)
+    assert np.isfinite(logpdf[0]) and np.all(np.isfinite(logpdf[central]))
+
+
+@pytest.fixture(scope="module")
+def shared_models(shared_name):
+    workspace, patchset, _ = shared_workspace(shared_name)
+    patchset = pyhf.PatchSet(patchset)
+    return [
+        HistFactoryModel.from_workspace(workspace, patches=[patchset[name]])
+        for name in reference_patches(shared_name)
+    ]
+
+
+def test_shared_workspaces_match_pyhf(shared_models):
+    assert len(shared_models) >= 3
+    for seed, model in enumerate(shared_models):
+        assert_matches_pyhf(model, model.pyhf_model, model.observed[0].numpy(), seed)
+
+
+def test_observed_data_is_pyhfs(shared_name, shared_models):
+    workspace, patchset, _ = shared_workspace(shared_name)
+    name = reference_patches(shared_name)[0]
+    patched = pyhf.PatchSet(patchset).apply(pyhf.Workspace(workspace), name)
+    reference = patched.model()
+    np.testing.assert_array_equal(shared_models[0].observed[0].numpy(), patched.data(reference))
+    np.testing.assert_array_equal(
+        shared_models[0].init[0].numpy(), reference.config.suggested_init()
+    )
+    np.testing.assert_array_equal(
+        shared_models[0].bounds[0].numpy(), reference.config.suggested_bounds()
+    )
+    assert shared_models[0].fixed[0].tolist() == reference.config.suggested_fixed()
+    assert shared_models[0].par_names == reference.config.par_names
+    assert shared_models[0].poi_index == reference.config.poi_index
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: pyhf.simplemodels.uncorrelated_background([5.0, 7.0], [50.0, 52.0], [3.0, 7.0]),
+        lambda: pyhf.simplemodels.correlated_background(
+            [5.0, 2.0], [50.0, 60.0], [55.0, 59.0], [44.0, 61.0]
+        ),
+    ],
+    ids=["uncorrelated_background", "correlated_background"],
+)
+def test_simplemodels_match_pyhf(build):
+    reference = build()
+    data = [53.0, 61.0, *reference.config.auxdata]
+    workspace = pyhf.Workspace.build(reference, data)
+    engine = HistFactoryModel.from_workspace(workspace)
+    assert_matches_pyhf(engine, reference, data)
+
+
+SETTINGS = [
+    None,
+    {"normsys": {"interpcode": "code1"}, "histosys": {"interpcode": "code0"}},
+    {"normsys": {"interpcode": "code4"}, "histosys": {"interpcode": "code2"}},
+    {"normsys": {"interpcode": "code1"}, "histosys": {"interpcode": "code4p"}},
+    {"normsys": {"interpcode": "code4"}, "histosys": {"interpcode": "code0"}},
+    {"normsys": {"interpcode": "code1"}},  # histosys falls back to pyhf's applier default
+]
+
+
+@pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: str(s))
+@pytest.mark.parametrize("measurement", ["meas", "other_poi"])
+def test_every_modifier_and_code_matches_pyhf(settings, measurement):
+    workspace = pyhf.Workspace(all_modifiers_workspace())
+    kwargs = {} if settings is None else {"modifier_settings": settings}
+    reference = workspace.model(measurement_name=measurement, **kwargs)
+    engine = HistFactoryModel.from_workspace(
+        workspace, measurement=measurement, modifier_settings=settings
+    )
+    types = {t for _, t in reference.config.modifiers}
+    assert types == {
+        "normfactor",
+        "lumi",
+        "shapefactor",
+        "staterror",
+        "shapesys",
+        "normsys",
+        "histosys",
+    }
+    assert_matches_pyhf(engine, reference, workspace.data(reference))
+
+
+def test_alpha_grid_crosses_every_interpolation_boundary():
+    """Every nuisance parameter swept over [-3, 3] (both sides of |alpha| = 1 and 0)."""
+    workspace = pyhf.Workspace(all_modifiers_workspace())
+    for settings in SETTINGS[1:5]:
+        reference = workspace.model(modifier_settings=settings)
+        engine = HistFactoryModel.from_workspace(workspace, modifier_settings=settings)
+        grid = np.linspace(-3.0, 3.0, 25)
+        points = np.tile(reference.config.suggested_init(), (len(grid), 1))
+        for name in ("jes", "res", "xsec", "sig_norm", "extreme"):
+            points[:, reference.config.par_slice(name)] = grid[:, None]
+        expected_ref = np.stack([reference.expected_data(p) for p in points])
+        expected = engine.expected_data(torch.tensor(points)).numpy()
+        np.testing.assert_allclose(expected, expected_ref, rtol=RTOL, atol=1e-12)

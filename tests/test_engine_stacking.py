@@ -1,0 +1,102 @@
+"""Stacked models (a patchset in one batched model) equal their patches built one at a time."""
+
+from __future__ import annotations
+
+import pyhf
+import pytest
+import torch
+from conftest import shared_workspace
+from hand_built import all_modifiers_workspace, with_signal_scale
+from pyhf_gpu_server.engine import HistFactoryModel, IncompatibleModelsError
+
+N_PATCHES = 4
+
+
+@pytest.fixture(scope="module")
+def patchset_models(shared_name):
+    workspace, patchset, _ = shared_workspace(shared_name)
+    names = [p["metadata"]["name"] for p in patchset["patches"]][:N_PATCHES]
+    stacked = HistFactoryModel.from_patchset(workspace, patchset, patch_names=names)
+    singles = [
+        HistFactoryModel.from_workspace(workspace, patches=[pyhf.PatchSet(patchset)[name]])
+        for name in names
+    ]
+    return stacked, singles
+
+
+def test_stacked_patchset_equals_single_patches(patchset_models):
+    stacked, singles = patchset_models
+    assert stacked.n_elements == len(singles)
+    assert stacked.element_names == [s.element_names[0] for s in singles]
+    # background samples are shared between the patches: far fewer variants than samples
+    assert stacked.n_variants < sum(s.n_variants for s in singles)
+    generator = torch.Generator().manual_seed(7)
+    rows = 4 * stacked.n_elements
+    element = torch.arange(rows) % stacked.n_elements
+    low, high = stacked.bounds[0, :, 0], stacked.bounds[0, :, 1]
+    init = stacked.init[0]
+    pars = init + 0.1 * (
+        torch.rand(rows, stacked.n_pars, generator=generator, dtype=torch.float64) - 0.5
+    ) * (high - low)
+    pars = torch.maximum(torch.minimum(pars, high), low)
+    data = stacked.observed[element]
+    expected = stacked.expected_data(pars, element)
+    logpdf = stacked.logpdf(pars, data, element)
+    for row in range(rows):
+        single = singles[int(element[row])]
+        torch.testing.assert_close(
+            expected[row], single.expected_data(pars[row : row + 1])[0], rtol=1e-12, atol=1e-12
+        )
+        torch.testing.assert_close(
+            logpdf[row],
+            single.logpdf(pars[row : row + 1], data[row : row + 1])[0],
+            rtol=1e-12,
+            atol=0,
+        )
+        torch.testing.assert_close(stacked.init[int(element[row])], single.init[0])
+        torch.testing.assert_close(stacked.observed[int(element[row])], single.observed[0])
+
+
+def test_stack_of_models_equals_from_patchset(patchset_models):
+    stacked, singles = patchset_models
+    restacked = HistFactoryModel.stack(singles)
+    assert restacked.structure_key == stacked.structure_key
+    element = torch.arange(restacked.n_elements)
+    pars = restacked.init
+    torch.testing.assert_close(
+        restacked.expected_data(pars, element), stacked.expected_data(pars, element)
+    )
+
+
+def test_same_structure_other_numbers_stack():
+    base = all_modifiers_workspace()
+    models = [HistFactoryModel.from_workspace(with_signal_scale(base, s)) for s in (0.5, 1.0, 2.0)]
+    assert len({m.structure_key for m in models}) == 1
+    stacked = HistFactoryModel.stack(models)
+    assert stacked.n_elements == 3
+    element = torch.tensor([2, 0, 1])
+    pars = stacked.init[element]
+    for row, e in enumerate(element.tolist()):
+        torch.testing.assert_close(
+            stacked.expected_data(pars, element)[row],
+            models[e].expected_data(pars[row : row + 1])[0],
+        )
+
+
+def test_different_structures_never_mix():
+    base = HistFactoryModel.from_workspace(all_modifiers_workspace())
+    other = HistFactoryModel.from_workspace(all_modifiers_workspace(), measurement="other_poi")
+    settings = HistFactoryModel.from_workspace(
+        all_modifiers_workspace(), modifier_settings={"normsys": {"interpcode": "code1"}}
+    )
+    simple = HistFactoryModel.from_workspace(
+        pyhf.Workspace.build(
+            pyhf.simplemodels.uncorrelated_background([1.0], [2.0], [0.5]), [2.0, 16.0]
+        )
+    )
+    for model in (other, settings, simple):
+        assert model.structure_key != base.structure_key
+        with pytest.raises(IncompatibleModelsError, match="different structure"):
+            HistFactoryModel.stack([base, model])
+    with pytest.raises(IncompatibleModelsError, match="devices or dtypes"):
+        HistFactoryModel.stack([base, base.to(dtype=torch.float32)])

@@ -1,0 +1,85 @@
+"""Jobs are never lost: they survive ``kill -9`` and SIGTERM, in a real SQLite (WAL) file."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from service_support import ServerProcess, simple_workspace, wait_for_job
+
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
+
+# one row per engine call, one job at a time: the jobs take long enough to be interrupted
+ARGS = ["--max-batch-size", "1", "--max-concurrent-jobs", "1"]
+
+
+def submit_jobs(client: httpx.Client, count: int) -> list[str]:
+    """``count`` CLs jobs with 6 hypotheses each."""
+    ids = []
+    for i in range(count):
+        response = client.post(
+            "/jobs",
+            json={
+                "operation": "cls",
+                "workspace": simple_workspace((5.0 + i, 10.0)),
+                "test_poi": [0.5, 1.0, 1.5, 2.0, 2.5, 3.0],
+            },
+        )
+        assert response.status_code == 202, response.text
+        ids.append(response.json()["id"])
+    return ids
+
+
+def stored_statuses(data_dir: Path) -> dict[str, str]:
+    """Job statuses read straight from the SQLite file."""
+    with sqlite3.connect(data_dir / "jobs.sqlite3") as db:
+        assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        return dict(db.execute("SELECT id, status FROM jobs").fetchall())
+
+
+def wait_until_running(client: httpx.Client, job_ids: list[str], timeout_s: float = 120) -> None:
+    """Until some job is running."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(client.get(f"/jobs/{j}").json()["status"] == "running" for j in job_ids):
+            return
+        time.sleep(0.05)
+    raise AssertionError("no job started")
+
+
+def test_jobs_survive_kill_9_and_sigterm(tmp_path: Path) -> None:
+    first = ServerProcess(tmp_path, ARGS).start()
+    with first.client() as client:
+        job_ids = submit_jobs(client, 4)
+        wait_until_running(client, job_ids)
+    first.kill()
+    before = stored_statuses(tmp_path)
+    assert set(before) == set(job_ids)
+    unfinished = [j for j, s in before.items() if s in ("queued", "running")]
+    assert unfinished, f"every job finished before the kill: {before}"
+
+    second = ServerProcess(tmp_path, ARGS).start()
+    with second.client() as client:
+        more = submit_jobs(client, 2)
+        wait_until_running(client, more)
+        # SIGTERM: graceful (uvicorn re-raises the signal after its shutdown, hence -15)
+        assert second.stop() in (0, -15)
+    assert "service stopped" in second.log()
+    after_term = stored_statuses(tmp_path)
+    assert not any(s == "failed" for s in after_term.values()), after_term
+    assert all(s != "running" for s in after_term.values()), "running jobs went back to queued"
+
+    third = ServerProcess(tmp_path, ARGS).start()
+    try:
+        with third.client() as client:
+            for job_id in job_ids + more:
+                view = wait_for_job(client, job_id, timeout_s=300)
+                assert view["status"] == "succeeded", view
+                assert len(view["result"]) == 6
+    finally:
+        third.stop()
+    if "running" in before.values():
+        assert "re-queued interrupted jobs" in second.log()

@@ -1,0 +1,198 @@
+"""The batching scheduler with a stand-in runner: batching, lanes, splitting, OOM, cancel."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+from pyhf_gpu_server.service.errors import QueueFull, Unavailable
+from pyhf_gpu_server.service.metrics import Metrics
+from pyhf_gpu_server.service.scheduler import Scheduler, is_out_of_memory
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Recorder:
+    """A runner that squares rows and records every call (and its thread)."""
+
+    def __init__(self, delay_s: float = 0.0, oom_above: int | None = None) -> None:
+        self.calls: list[tuple[Any, list[Any]]] = []
+        self.threads: set[str] = set()
+        self.delay_s = delay_s
+        self.oom_above = oom_above
+
+    def __call__(self, context: Any, rows: list[Any]) -> list[Any]:
+        self.calls.append((context, list(rows)))
+        self.threads.add(threading.current_thread().name)
+        if self.oom_above is not None and len(rows) > self.oom_above:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        time.sleep(self.delay_s)
+        return [row * row for row in rows]
+
+
+def make(runner: Recorder, **kwargs: Any) -> tuple[Scheduler, Metrics]:
+    """A started scheduler with defaults overridable by ``kwargs``."""
+    metrics = Metrics()
+    options = {"max_batch_size": 64, "max_batch_delay_s": 0.02, "max_pending": 100, **kwargs}
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="device")
+    scheduler = Scheduler(runner, executor, metrics, **options)
+    scheduler.start()
+    return scheduler, metrics
+
+
+def batch_count(metrics: Metrics) -> float:
+    """How many engine calls the histogram saw."""
+    return metrics.registry.get_sample_value("pyhf_gpu_batch_size_count") or 0.0
+
+
+def test_concurrent_items_share_one_call_and_get_their_own_rows() -> None:
+    async def scenario() -> None:
+        runner = Recorder()
+        scheduler, metrics = make(runner)
+        items = [scheduler.submit("key", "ctx", [i, i + 100]) for i in range(10)]
+        results = await asyncio.gather(*(item.future for item in items))
+        assert [[o.value for o in r] for r in results] == [
+            [i * i, (i + 100) ** 2] for i in range(10)
+        ]
+        assert len(runner.calls) == 1 and len(runner.calls[0][1]) == 20
+        assert all(o.batch_rows == 20 for r in results for o in r)
+        assert batch_count(metrics) == 1
+        assert runner.threads == {"device_0"}
+        await scheduler.stop()
+
+    asyncio.run(scenario())
+
+
+def test_different_keys_do_not_mix_and_large_items_are_chunked() -> None:
+    async def scenario() -> None:
+        runner = Recorder()
+        scheduler, _ = make(runner, max_batch_size=4)
+        progress: list[tuple[int, int]] = []
+        big = scheduler.submit(
+            "a", "A", list(range(10)), on_progress=lambda d, t: progress.append((d, t))
+        )
+        other = scheduler.submit("b", "B", [7])
+        assert [o.value for o in await big.future] == [i * i for i in range(10)]
+        assert [o.value for o in await other.future] == [49]
+        assert sorted(len(rows) for _, rows in runner.calls) == [1, 2, 4, 4]
+        assert all(ctx == "A" for ctx, rows in runner.calls if len(rows) != 1)
+        assert progress == [(4, 10), (8, 10), (10, 10)]
+        await scheduler.stop()
+
+    asyncio.run(scenario())
+
+
+def test_batching_off_runs_one_row_per_call() -> None:
+    async def scenario() -> None:
+        runner = Recorder()
+        scheduler, metrics = make(runner, max_batch_size=1)
+        items = [scheduler.submit("k", None, [i]) for i in range(5)]
+        await asyncio.gather(*(i.future for i in items))
+        assert batch_count(metrics) == 5
+        await scheduler.stop()
+
+    asyncio.run(scenario())
+
+
+def test_interactive_work_overtakes_a_queued_job() -> None:
+    async def scenario() -> None:
+        runner = Recorder(delay_s=0.01)
+        scheduler, _ = make(runner, max_batch_size=2, max_batch_delay_s=0.0)
+        job = scheduler.submit("job", "J", list(range(20)), lane="jobs")
+        await asyncio.sleep(0.015)  # the job's first chunk is running
+        request = scheduler.submit("req", "R", [3])
+        await request.future
+        assert not job.future.done()
+        order = [ctx for ctx, _ in runner.calls]
+        assert order.index("R") <= 2, order
+        await job.future
+        await scheduler.stop()
+
+    asyncio.run(scenario())
+
+
+def test_out_of_memory_splits_then_503_for_a_single_row() -> None:
+    async def scenario() -> None:
+        runner = Recorder(oom_above=2)
+        scheduler, metrics = make(runner)
+        item = scheduler.submit("k", None, list(range(8)))
+        assert [o.value for o in await item.future] == [i * i for i in range(8)]
+        assert metrics.registry.get_sample_value("pyhf_gpu_oom_splits_total") == 3
+        runner.oom_above = 0
+        failing = scheduler.submit("k", None, [1])
+        with pytest.raises(Unavailable):
+            await failing.future
+        await scheduler.stop()
+
+    asyncio.run(scenario())
+
+
+def test_runner_errors_reach_every_caller_of_the_batch() -> None:
+    def broken(context: Any, rows: list[Any]) -> list[Any]:
+        raise ValueError("bad model")
+
+    async def scenario() -> None:
+        metrics = Metrics()
+        scheduler = Scheduler(
+            broken,
+            ThreadPoolExecutor(1),
+            metrics,
+            max_batch_size=8,
+            max_batch_delay_s=0.01,
+            max_pending=10,
+        )
+        scheduler.start()
+        items = [scheduler.submit("k", None, [i]) for i in range(3)]
+        for item in items:
+            with pytest.raises(ValueError, match="bad model"):
+                await item.future
+        await scheduler.stop()
+
+    asyncio.run(scenario())
+
+
+def test_full_queue_answers_429_and_cancel_drops_rows() -> None:
+    async def scenario() -> None:
+        runner = Recorder(delay_s=0.05)
+        scheduler, _ = make(runner, max_pending=2, max_batch_size=1, max_batch_delay_s=0.0)
+        first = scheduler.submit("k", None, [1])
+        await asyncio.sleep(0.01)  # running now
+        second = scheduler.submit("k", None, [2])
+        third = scheduler.submit("k", None, [3])
+        assert scheduler.saturated
+        with pytest.raises(QueueFull) as caught:
+            scheduler.submit("k", None, [4])
+        assert caught.value.status_code == 429 and "Retry-After" in caught.value.headers
+        scheduler.cancel(second)
+        await first.future
+        await third.future
+        assert [rows for _, rows in runner.calls] == [[1], [3]]
+        await scheduler.stop()
+
+    asyncio.run(scenario())
+
+
+def test_stop_fails_waiting_callers_with_503() -> None:
+    async def scenario() -> None:
+        runner = Recorder(delay_s=0.05)
+        scheduler, _ = make(runner, max_batch_size=1, max_batch_delay_s=0.0)
+        scheduler.submit("k", None, [1])
+        waiting = scheduler.submit("k", None, [2])
+        await asyncio.sleep(0.01)
+        await scheduler.stop()
+        with pytest.raises(Unavailable):
+            await waiting.future
+
+    asyncio.run(scenario())
+
+
+def test_out_of_memory_detection() -> None:
+    assert is_out_of_memory(RuntimeError("CUDA out of memory."))
+    assert not is_out_of_memory(RuntimeError("shape mismatch"))
+    oom = getattr(__import__("torch"), "OutOfMemoryError", None)
+    if oom is not None:
+        assert is_out_of_memory(oom("x"))

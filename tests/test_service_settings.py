@@ -1,0 +1,81 @@
+"""Settings from flags and PYHF_GPU_* variables; JSON log lines; the JSON body parser."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+from pyhf_gpu_server.service.errors import BadRequest, Unprocessable
+from pyhf_gpu_server.service.logs import JsonFormatter
+from pyhf_gpu_server.service.operations import envelope_from, parse_json
+from pyhf_gpu_server.service.settings import Settings, env_name, settings_from_args
+
+
+def test_flags_environment_and_defaults() -> None:
+    env = {"PYHF_GPU_DEVICE": "cuda:1", "PYHF_GPU_MAX_BODY_MB": "8", "PYHF_GPU_API_TOKEN": "s3"}
+    settings = settings_from_args(["--port", "9000", "--max-body-mb", "16"], env)
+    assert settings.port == 9000
+    assert settings.max_body_mb == 16.0  # the flag wins over the environment
+    assert settings.device == "cuda:1"
+    assert settings.api_token == "s3"
+    assert settings.max_batch_delay_ms == 5.0
+    assert "s3" not in repr(settings)
+
+
+def test_every_field_has_a_flag_and_a_variable() -> None:
+    import dataclasses
+
+    names = [f.name for f in dataclasses.fields(Settings)]
+    for name in ("device", "dtype", "data_dir", "max_body_mb", "max_batch_size", "api_token"):
+        assert name in names
+    assert env_name("data_dir") == "PYHF_GPU_DATA_DIR"
+    settings = settings_from_args([], {env_name(n): "7" for n in ("max_queue", "port")})
+    assert settings.max_queue == 7 and settings.port == 7
+    assert isinstance(settings_from_args(["--data-dir", "/tmp/x"], {}).data_dir, Path)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--device", "tpu"], ["--dtype", "float16"], ["--max-batch-size", "0"], ["--port", "x"]],
+)
+def test_bad_settings_exit_with_a_message(argv: list[str], capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exited:
+        settings_from_args(argv, {})
+    assert exited.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_auto_device() -> None:
+    assert Settings(device="auto").resolve_device(cuda_available=False) == "cpu"
+    assert Settings(device="auto").resolve_device(cuda_available=True) == "cuda"
+    assert Settings(device="cuda:2").resolve_device(cuda_available=True) == "cuda:2"
+
+
+def test_json_log_line_keeps_extra_fields() -> None:
+    record = logging.LogRecord("x", logging.INFO, __file__, 1, "request", (), None)
+    record.request_id = "abc"
+    record.duration_ms = 1.5
+    line = json.loads(JsonFormatter().format(record))
+    assert line["msg"] == "request" and line["request_id"] == "abc" and line["duration_ms"] == 1.5
+
+
+def test_parser_rejects_non_finite_and_deep_json() -> None:
+    assert parse_json(b'{"a": [1, 2.5]}', 64) == {"a": [1, 2.5]}
+    for bad in (b"[NaN]", b"[-Infinity]", b"[1e400]"):
+        with pytest.raises(Unprocessable):
+            parse_json(bad, 64)
+    with pytest.raises(Unprocessable, match="deeper than 3"):
+        parse_json(b"[[[[1]]]]", 3)
+    with pytest.raises(BadRequest):
+        parse_json(b"{", 64)
+
+
+def test_envelope_from_bare_workspace_and_query() -> None:
+    envelope = envelope_from({"channels": []}, {"test-poi": ["1", "2"], "ntoys": ["5"]}, "cls")
+    assert envelope == {"workspace": {"channels": []}, "test_poi": ["1", "2"], "ntoys": "5"}
+    given = envelope_from({"workspace_id": "x", "ntoys": 9}, {"ntoys": ["5"]}, "cls")
+    assert given["ntoys"] == 9  # the body wins
+    with pytest.raises(Unprocessable, match="level"):
+        envelope_from({"channels": []}, {"level": ["0.1"]}, "fit")

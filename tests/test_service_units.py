@@ -1,0 +1,128 @@
+"""Warm model cache (LRU by count and bytes, shared builds), background compile, job store."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from pyhf_gpu_server.service.compiling import BackgroundCompiler
+from pyhf_gpu_server.service.jobstore import JobStore
+from pyhf_gpu_server.service.metrics import Metrics
+from pyhf_gpu_server.service.models_cache import ModelCache, model_bytes
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class FakeModel:
+    """Holds one tensor of ``n`` float64 values; records compile switch-over."""
+
+    def __init__(self, n: int) -> None:
+        self.values = torch.zeros(n, dtype=torch.float64)
+        self.compiled_with: Any = None
+        self.switch_thread = ""
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"values": self.values, "view": self.values[:1]}
+
+    def enable_compile(self, kernels: Any) -> None:
+        self.compiled_with = kernels
+        self.switch_thread = threading.current_thread().name
+
+
+def test_model_bytes_counts_shared_storage_once() -> None:
+    assert model_bytes(FakeModel(100)) == 800
+
+
+def test_cache_is_lru_by_count_and_bytes_and_shares_builds() -> None:
+    async def scenario() -> None:
+        metrics = Metrics()
+        builds: list[str] = []
+        executor = ThreadPoolExecutor(1)
+        cache = ModelCache(executor, metrics, max_items=3, max_bytes=8 * 250)
+
+        def builder(name: str, n: int = 10):
+            def build() -> FakeModel:
+                builds.append(name)
+                time.sleep(0.05)
+                return FakeModel(n)
+
+            return build
+
+        first = await asyncio.gather(*(cache.get("a", builder("a")) for _ in range(5)))
+        assert builds == ["a"] and not first[0].hit and all(r.hit for r in first[1:])
+        assert len({id(r.model) for r in first}) == 1
+        for key in ("b", "c", "d"):
+            await cache.get(key, builder(key))
+        assert [m["model_id"] for m in cache.describe()] == [
+            r.model_id for r in [await cache.get(k, builder(k)) for k in ("b", "c", "d")]
+        ][::-1]
+        assert (await cache.get("a", builder("a"))).hit is False  # evicted by count
+        await cache.get("big", builder("big", 240))
+        assert len(cache.describe()) <= 2 and cache.total_bytes <= 8 * 250
+        sample = metrics.registry.get_sample_value
+        assert sample("pyhf_gpu_model_cache_evictions_total") >= 2
+        assert sample("pyhf_gpu_model_cache_size") == len(cache.describe())
+
+        def broken() -> FakeModel:
+            raise ValueError("cannot build")
+
+        with pytest.raises(ValueError):
+            await cache.get("bad", broken)
+        assert "bad" not in [m["model_id"] for m in cache.describe()]
+
+    asyncio.run(scenario())
+
+
+def test_background_compile_switches_on_the_device_thread() -> None:
+    class Kernels:
+        def __init__(self) -> None:
+            self.warm_thread = ""
+
+        def warm(self, model: Any) -> None:
+            self.warm_thread = threading.current_thread().name
+
+    device = ThreadPoolExecutor(1, thread_name_prefix="device")
+    kernels = Kernels()
+    compiler = BackgroundCompiler(kernels, device)
+    model = FakeModel(1)
+    compiler.submit(model).result(timeout=10)
+    assert model.compiled_with is kernels
+    assert kernels.warm_thread.startswith("pyhf-gpu-compile")
+    assert model.switch_thread.startswith("device")
+
+    class Failing(Kernels):
+        def warm(self, model: Any) -> None:
+            raise RuntimeError("no compiler")
+
+    eager = FakeModel(1)
+    BackgroundCompiler(Failing(), device).submit(eager).result(timeout=10)
+    assert eager.compiled_with is None
+    compiler.shutdown()
+
+
+def test_job_store_lifecycle_in_sqlite_wal(tmp_path: Path) -> None:
+    store = JobStore(tmp_path / "jobs.sqlite3")
+    first = store.create("cls", {"workspace_id": "x"}, total=3)
+    second = store.create("fit", {"workspace_id": "y"}, total=1)
+    assert store.claim_next() == first
+    store.progress(first, 2, 3)
+    assert store.get(first)["progress"] == {"done": 2, "total": 3}
+    assert store.requeue_interrupted() == 1  # as after a crash
+    assert store.claim_next() == first
+    assert store.finish(first, {"CLs_obs": 0.5})
+    assert store.get(first)["result"] == {"CLs_obs": 0.5}
+    assert store.cancel(second) == "queued" and store.get(second)["status"] == "cancelled"
+    assert store.claim_next() is None
+    assert [j["id"] for j in store.list(10)] == [second, first]
+    assert store.counts()["succeeded"] == 1
+    assert store.purge(older_than_s=-1) == 2
+    store.close()
+    with sqlite3.connect(tmp_path / "jobs.sqlite3") as db:
+        assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
