@@ -157,7 +157,7 @@ def test_fit_matches_pyhf(server, files, value):
     res = client_cli(server, "fit", str(files / "ws.json"), *flag)
     assert res.exit_code == 0, res.output
     ours = assert_pyhf_format(res.stdout)
-    assert_close(ours, theirs, tol=1e-3 if not value else TOL)
+    assert_close(ours, theirs)
     assert ("twice_nll" in ours) == value
 
 

@@ -40,12 +40,28 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import Tensor
 
-__all__ = ["BatchedObjective", "MinimizeOptions", "MinimizeResult", "minimize"]
+__all__ = ["BatchedObjective", "Derivatives", "MinimizeOptions", "MinimizeResult", "minimize"]
+
+
+class Derivatives(NamedTuple):
+    """What :meth:`BatchedObjective.derivatives` returns (a plain ``(f, g, H)`` tuple works too).
+
+    For an objective ``sum_i phi_i(lambda_i(x))`` whose ``H`` is the Gauss-Newton part
+    ``J^T diag(phi'') J`` (plus any exact curvature), ``J [R, N, P]`` (the Jacobian of the
+    ``lambda_i``) and ``r [R, N]`` (the ``phi_i'``) let the minimiser learn the missing
+    ``sum_i r_i Hess(lambda_i)`` by secant updates (Dennis, Gay and Welsch's NL2SOL update).
+    """
+
+    f: Tensor
+    g: Tensor
+    H: Tensor
+    J: Tensor | None = None
+    r: Tensor | None = None
 
 
 class BatchedObjective(Protocol):
@@ -60,8 +76,9 @@ class BatchedObjective(Protocol):
         """Objective ``[R]`` at ``x [R, P]``."""
         ...
 
-    def derivatives(self, x: Tensor, rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Value ``[R]``, gradient ``[R, P]`` and a symmetric curvature matrix ``[R, P, P]``."""
+    def derivatives(self, x: Tensor, rows: Tensor) -> Derivatives | tuple[Tensor, Tensor, Tensor]:
+        """Value ``[R]``, gradient ``[R, P]`` and a symmetric curvature matrix ``[R, P, P]``
+        (optionally with the Gauss-Newton pieces, see :class:`Derivatives`)."""
         ...
 
 
@@ -80,6 +97,8 @@ class MinimizeOptions:
             a grid; it costs objective values only, no extra factorisation).
         max_damping: a row whose ``lambda`` grows past this without an accepted step stops.
         bound_tol: distance to a bound under which a parameter counts as sitting on it.
+        secant: learn the second-order term missing from a Gauss-Newton curvature by secant
+            updates (when the objective provides ``J`` and ``r``, see :class:`Derivatives`).
     """
 
     max_iter: int = 200
@@ -90,6 +109,7 @@ class MinimizeOptions:
     step_lengths: tuple[float, ...] = (1.0, 0.5, 0.25)
     max_damping: float = 1e12
     bound_tol: float = 1e-12
+    secant: bool = True
 
 
 @dataclass
@@ -125,10 +145,40 @@ class _State:
     decrement: Tensor
     converged: Tensor
     failed: Tensor
+    S: Tensor | None = None  # learnt second-order part of the curvature (secant updates)
+    J: Tensor | None = None
+    r: Tensor | None = None
 
     def select(self, keep: Tensor) -> _State:
         """The sub-state of the rows where ``keep`` (bool ``[R]``) is true."""
-        return _State(**{k: getattr(self, k)[keep] for k in self.__dataclass_fields__})
+        fields = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        return _State(**{k: None if v is None else v[keep] for k, v in fields.items()})
+
+
+def _as_derivatives(result: Derivatives | tuple) -> Derivatives:
+    return result if isinstance(result, Derivatives) else Derivatives(*result)
+
+
+def _secant_update(S: Tensor, step: Tensor, y: Tensor, y_sharp: Tensor) -> Tensor:
+    """Dennis-Gay-Welsch (NL2SOL) update of the second-order term ``S`` with sizing.
+
+    ``step``: ``x_new - x_old``; ``y``: gradient change; ``y_sharp = (J_new - J_old)^T r_new``,
+    the change that ``S`` should explain: ``S_new step = y_sharp``. Rows where ``y.step`` is
+    not positive keep their ``S``.
+    """
+    Ss = torch.einsum("rpq,rq->rp", S, step)
+    sSs = (step * Ss).sum(-1)
+    sy_sharp = (step * y_sharp).sum(-1)
+    tau = torch.where(sSs.abs() > 0, (sy_sharp.abs() / sSs.abs()).clamp(max=1.0), torch.ones_like(sSs))
+    S = S * tau.view(-1, 1, 1)
+    v = y_sharp - Ss * tau.unsqueeze(-1)
+    ys = (y * step).sum(-1)
+    valid = ys > 1e-12 * y.norm(dim=-1) * step.norm(dim=-1)
+    ys = torch.where(valid, ys, torch.ones_like(ys)).view(-1, 1, 1)
+    outer = v.unsqueeze(-1) * y.unsqueeze(-2)
+    update = (outer + outer.transpose(1, 2)) / ys
+    update = update - (step * v).sum(-1).view(-1, 1, 1) * y.unsqueeze(-1) * y.unsqueeze(-2) / ys**2
+    return torch.where(valid.view(-1, 1, 1), S + update, S)
 
 
 def _movable(x: Tensor, g: Tensor, lo: Tensor, hi: Tensor, free: Tensor, bound_tol: float) -> Tensor:
@@ -138,26 +188,38 @@ def _movable(x: Tensor, g: Tensor, lo: Tensor, hi: Tensor, free: Tensor, bound_t
     return free & ~at_lo & ~at_hi
 
 
-def _damped_steps(H: Tensor, g: Tensor, movable: Tensor, lams: Tensor) -> tuple[Tensor, Tensor]:
-    """Steps ``p [K, R, P]`` solving ``(H + lam_k |diag H|) p = -g`` on the movable parameters.
+def _damped_steps(Hs: Tensor, g: Tensor, movable: Tensor, lams: Tensor) -> tuple[Tensor, Tensor]:
+    """Steps ``p [K, R, P]`` solving ``(H_k + lam_k |diag H_k|) p = -g`` on the movable
+    parameters, for curvature matrices ``Hs [K, R, P, P]`` and dampings ``lams [K, R]``.
 
     Rows and columns of non-movable parameters are replaced by the identity, so their step
     is zero. ``ok [K, R]`` is false where the damped matrix is not positive definite (or
-    ``H`` is not finite).
+    not finite).
     """
-    m = movable.to(H.dtype)
-    finite = torch.isfinite(H.sum((-2, -1)) + g.sum(-1))
-    Hm = torch.nan_to_num(H, nan=0.0, posinf=0.0, neginf=0.0) * (m[:, :, None] * m[:, None, :])
-    Hm.diagonal(dim1=-2, dim2=-1).add_(1 - m)
-    diag = Hm.diagonal(dim1=-2, dim2=-1).abs()
-    scale = torch.clamp(diag, min=1e-10 * (1 + diag.amax(-1, keepdim=True))) * m
-    A = Hm.unsqueeze(0).repeat(lams.shape[0], 1, 1, 1)  # [K, R, P, P]
-    A.diagonal(dim1=-2, dim2=-1).add_(lams.unsqueeze(-1) * scale)
+    m = movable.to(Hs.dtype)
+    finite = torch.isfinite(Hs.sum((-2, -1)) + g.sum(-1))
+    A = torch.nan_to_num(Hs, nan=0.0, posinf=0.0, neginf=0.0) * (m[:, :, None] * m[:, None, :])
+    diag = A.diagonal(dim1=-2, dim2=-1)
+    scale = torch.clamp(diag.abs(), min=1e-10 * (1 + diag.abs().amax(-1, keepdim=True))) * m
+    diag.add_(lams.unsqueeze(-1) * scale + (1 - m))
     L, info = torch.linalg.cholesky_ex(A)
-    rhs = torch.nan_to_num(-g * m).unsqueeze(-1).expand(lams.shape[0], -1, -1, 1)
+    rhs = torch.nan_to_num(-g * m).unsqueeze(-1).expand(Hs.shape[0], -1, -1, 1)
     p = torch.cholesky_solve(rhs, L).squeeze(-1)
     ok = (info == 0) & finite & torch.isfinite(p.sum(-1))
     return torch.where(ok.unsqueeze(-1), p * m, torch.zeros_like(p)), ok
+
+
+def _candidates(s: _State, options: MinimizeOptions) -> tuple[Tensor, Tensor]:
+    """Curvature matrices ``[K, R, P, P]`` and dampings ``[K, R]`` of the trial steps:
+    pure Gauss-Newton/Newton first (its step defines the decrement), then the damped ones,
+    then, with a learnt ``S``, the secant-corrected Newton step."""
+    factors = torch.tensor((0.0, *options.damping_factors), dtype=s.x.dtype, device=s.x.device)
+    lams = factors[:, None] * s.lam[None, :]
+    Hs = s.H.unsqueeze(0).expand(len(factors), -1, -1, -1)
+    if s.S is not None:
+        Hs = torch.cat([Hs, (s.H + s.S).unsqueeze(0)])
+        lams = torch.cat([lams, torch.zeros_like(lams[:1])])
+    return Hs, lams
 
 
 def _iterate(
@@ -171,44 +233,59 @@ def _iterate(
     """One damped-Newton iteration of every running row of ``s`` (in place on ``s``)."""
     running = ~(s.converged | s.failed)
     movable = _movable(s.x, s.g, lo, hi, free, options.bound_tol)
-    factors = torch.tensor((0.0, *options.damping_factors), dtype=s.x.dtype, device=s.x.device)
-    lams = factors[:, None] * s.lam[None, :]  # [K, R]
-    steps, ok = _damped_steps(s.H, s.g, movable, lams)
+    Hs, lams = _candidates(s, options)
+    steps, ok = _damped_steps(Hs, s.g, movable, lams)
     s.decrement = torch.where(ok[0], -(s.g * steps[0]).sum(-1), torch.full_like(s.f, torch.inf))
     tol = torch.clamp(64 * torch.finfo(s.f.dtype).eps * (1 + s.f.abs()), min=options.tol)
     newly_converged = running & ok[0] & (s.decrement <= tol)
 
+    # every candidate at every step length: objective values only
     alphas = torch.tensor(options.step_lengths, dtype=s.x.dtype, device=s.x.device)
+    n_alpha = alphas.shape[0]
     steps = (alphas.view(1, -1, 1, 1) * steps.unsqueeze(1)).flatten(0, 1)  # [K * S, R, P]
-    ok = ok.repeat_interleave(alphas.shape[0], dim=0)
-    lams = lams.repeat_interleave(alphas.shape[0], dim=0)
-    alpha_of = alphas.repeat(len(factors))
+    ok = ok.repeat_interleave(n_alpha, dim=0)
+    lams = lams.repeat_interleave(n_alpha, dim=0)
+    alpha_of = alphas.repeat(steps.shape[0] // n_alpha)
     K, R, P = steps.shape
-    trial = torch.minimum(torch.maximum(s.x.unsqueeze(0) + steps, lo), hi)  # [K, R, P]
+    trial = torch.minimum(torch.maximum(s.x.unsqueeze(0) + steps, lo), hi)
     f_trial = objective.value(trial.reshape(K * R, P), s.rows.repeat(K)).reshape(K, R)
     f_trial = torch.where(ok & torch.isfinite(f_trial), f_trial, torch.full_like(f_trial, torch.inf))
     best_f, best_k = f_trial.min(0)
     accept = running & ~newly_converged & (best_f < s.f)
 
+    x_old = s.x
     x_new = trial.gather(0, best_k.view(1, R, 1).expand(1, R, P)).squeeze(0)
-    lam_best = lams.gather(0, best_k.view(1, R)).squeeze(0)
-    alpha_best = alpha_of[best_k]
     s.x = torch.where(accept.unsqueeze(-1), x_new, s.x)
-    # a full step: trust the model more; a shortened one: damp more; none: damp much more
-    shrunk = torch.clamp(torch.maximum(lam_best, s.lam / 16) / 4, min=1e-15)
-    raised = torch.maximum(lam_best, s.lam) * 2 / alpha_best
-    new_lam = torch.where(alpha_best >= 1, shrunk, raised)
-    s.lam = torch.where(accept, new_lam, s.lam * options.damping_factors[-1] * 16)
+    s.lam = torch.where(accept, _adapted_damping(s.lam, lams, alpha_of, best_k), s.lam * 256)
     s.iterations = s.iterations + (running & ~newly_converged).long()
     s.converged = s.converged | newly_converged
     stalled = running & ~newly_converged & ~accept & (s.lam > options.max_damping)
     s.failed = s.failed | stalled
-
-    f, g, H = objective.derivatives(s.x, s.rows)
-    s.f = torch.where(accept, f, s.f)
-    s.g = torch.where(accept.unsqueeze(-1), g, s.g)
-    s.H = torch.where(accept.view(R, 1, 1), H, s.H)
+    _adopt(s, _as_derivatives(objective.derivatives(s.x, s.rows)), accept, s.x - x_old)
     return s
+
+
+def _adapted_damping(lam: Tensor, lams: Tensor, alpha_of: Tensor, best_k: Tensor) -> Tensor:
+    """After an accepted step: a full step trusts the model more, a shortened one less."""
+    lam_best = lams.gather(0, best_k.view(1, -1)).squeeze(0)
+    alpha_best = alpha_of[best_k]
+    shrunk = torch.clamp(torch.maximum(lam_best, lam / 16) / 4, min=1e-15)
+    raised = torch.maximum(lam_best, lam) * 2 / alpha_best
+    return torch.where(alpha_best >= 1, shrunk, raised)
+
+
+def _adopt(s: _State, d: Derivatives, accept: Tensor, step: Tensor) -> None:
+    """Take the new derivatives on the accepted rows, updating the secant term ``S``."""
+    a1, a2 = accept.unsqueeze(-1), accept.view(-1, 1, 1)
+    if s.S is not None and d.J is not None:
+        y = d.g - s.g
+        y_sharp = torch.einsum("rnp,rn->rp", d.J - s.J, d.r)
+        s.S = torch.where(a2, _secant_update(s.S, step, y, y_sharp), s.S)
+        s.J = torch.where(a2, d.J, s.J)
+        s.r = torch.where(a1, d.r, s.r)
+    s.f = torch.where(accept, d.f, s.f)
+    s.g = torch.where(a1, d.g, s.g)
+    s.H = torch.where(a2, d.H, s.H)
 
 
 def minimize(
@@ -255,18 +332,22 @@ def minimize(
     x0 = torch.where(free, torch.minimum(torch.maximum(init, lo), hi), init)
     rows = torch.arange(B, device=device)
 
-    f, g, H = objective.derivatives(x0, rows)
+    d = _as_derivatives(objective.derivatives(x0, rows))
+    f = d.f
     s = _State(
         rows=rows,
         x=x0,
         f=f,
-        g=g,
-        H=H,
+        g=d.g,
+        H=d.H,
         lam=torch.full((B,), options.damping, dtype=dtype, device=device),
         iterations=torch.zeros(B, dtype=torch.long, device=device),
         decrement=torch.full((B,), torch.inf, dtype=dtype, device=device),
         converged=torch.zeros(B, dtype=torch.bool, device=device),
         failed=~torch.isfinite(f),
+        S=None if d.J is None or not options.secant else torch.zeros_like(d.H),
+        J=d.J,
+        r=d.r,
     )
     out = MinimizeResult(
         x=x0.clone(),

@@ -37,6 +37,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from .minimize import Derivatives
+
 __all__ = ["CURVATURES", "Curvature", "TwiceNLL"]
 
 Curvature = Literal["hessian", "gauss-newton", "fisher"]
@@ -65,8 +67,9 @@ class TwiceNLL:
         """``-2 log L`` ``[R]`` at ``x [R, P]`` for the rows ``rows`` of the batch."""
         return self.model.twice_nll(x, self.data[rows], self.element[rows])
 
-    def derivatives(self, x: Tensor, rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Value ``[R]``, gradient ``[R, P]`` and curvature ``[R, P, P]`` at ``x``."""
+    def derivatives(self, x: Tensor, rows: Tensor) -> Derivatives:
+        """Value ``[R]``, gradient ``[R, P]`` and curvature ``[R, P, P]`` at ``x`` (for
+        ``"gauss-newton"`` also the rate Jacobian and residuals, for secant updates)."""
         if self.curvature == "hessian":
             return self._exact(x, rows)
         return self._jacobian_based(x, rows)
@@ -75,7 +78,7 @@ class TwiceNLL:
         """The exact Hessian ``[R, P, P]`` of ``-2 log L`` (used for uncertainties)."""
         return self._exact(x, rows)[2]
 
-    def _exact(self, x: Tensor, rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _exact(self, x: Tensor, rows: Tensor) -> Derivatives:
         """Exact derivatives: forward-over-reverse for the Poisson main terms, closed form for
         the constraint terms (each constrains one parameter, so their Hessian is diagonal)."""
         model = self.model
@@ -98,9 +101,9 @@ class TwiceNLL:
         g = gradient(x).index_add(1, model.constraint.param, cg)
         diag = torch.zeros_like(g).index_add(1, model.constraint.param, ch)
         H = 0.5 * (H + H.transpose(1, 2)) + torch.diag_embed(diag)
-        return model.twice_nll(x, data, element), g, H
+        return Derivatives(model.twice_nll(x, data, element), g, H)
 
-    def _jacobian_based(self, x: Tensor, rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _jacobian_based(self, x: Tensor, rows: Tensor) -> Derivatives:
         model = self.model
         data, element = self.data[rows], self.element[rows]
         n_main = model.n_main
@@ -128,7 +131,9 @@ class TwiceNLL:
         diag = torch.zeros_like(g).index_add(1, model.constraint.param, ch)
         H = H + torch.diag_embed(diag)
         f = model.twice_nll(x, data, element)
-        return f, g, H
+        if self.curvature == "gauss-newton":
+            return Derivatives(f, g, H, J, residual)
+        return Derivatives(f, g, H)
 
     def _constraint_derivatives(self, x: Tensor, aux: Tensor, element: Tensor) -> tuple[Tensor, Tensor]:
         """Exact first and second derivatives ``[R, A]`` of the constraint terms of ``-2 log L``
