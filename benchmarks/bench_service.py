@@ -72,7 +72,8 @@ def bench_setting(
             patchset = load(args.workspace, "patchset.json")
             patch = next(p for p in patchset["patches"] if p["metadata"]["name"] == args.patch)
             body = {"workspace_id": workspace_id.json()["workspace_id"], "patches": [patch]}
-            client.post("/cls", json=body).raise_for_status()  # build and warm the model
+            for _ in range(3):  # build and warm the model
+                client.post("/cls", json=body).raise_for_status()
             for clients in CONCURRENCY:
                 requests = max(clients, args.requests)
                 before = metric_value(client.get("/metrics").text, "pyhf_gpu_batch_size_count")

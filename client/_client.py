@@ -290,9 +290,7 @@ class _ClientBase:
         ``on_update`` is called with every polled state (progress reporting).
         Raises :class:`JobFailedError`, :class:`JobCancelledError` or :class:`WaitTimeoutError`.
         """
-        return p.wait_flow(
-            _job_id(job), self.config, timeout, poll_interval, on_update=on_update
-        )
+        return p.wait_flow(_job_id(job), self.config, timeout, poll_interval, on_update=on_update)
 
     @_api
     def job(self, job: Job | str) -> p.Flow[Job]:

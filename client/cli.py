@@ -364,7 +364,12 @@ def _output(result: Any, kwargs: dict[str, Any]) -> None:
     )
 
 
-_METHODS = {"cls": "cls", "fit": "fit", "upper-limit": "upper_limit", "significance": "significance"}
+_METHODS = {
+    "cls": "cls",
+    "fit": "fit",
+    "upper-limit": "upper_limit",
+    "significance": "significance",
+}
 
 
 def _run_blocking(operation: str) -> Callable[..., None]:
@@ -513,7 +518,9 @@ def jobs_status(job_id: str) -> None:
 )
 @click.option("--value/--no-value", default=True, help="For fit jobs: print twice_nll.")
 @connection_options
-def jobs_wait(job_id: str, wait_timeout: float | None, output_file: str | None, value: bool) -> None:
+def jobs_wait(
+    job_id: str, wait_timeout: float | None, output_file: str | None, value: bool
+) -> None:
     """Wait for a job (progress on stderr), then print its result as pyhf JSON."""
     with _errors(), _client(click.get_current_context()) as client:
         job = _wait(client, job_id, wait_timeout)

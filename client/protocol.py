@@ -38,6 +38,7 @@ from .exceptions import (
     TimeoutError,
     TransportError,
     WaitTimeoutError,
+    WorkspaceError,
     format_detail,
 )
 from .results import OPERATIONS, Job, Result, parse_result
@@ -71,7 +72,7 @@ T = TypeVar("T")
 class Request:
     """One HTTP request to the service, described, not sent.
 
-    ``body`` is any JSON value (encoded by :meth:`ClientConfig.encode`); ``_NO_BODY`` means none.
+    ``body`` is any JSON value (encoded by :meth:`ClientConfig.encode`) when ``has_body``.
     """
 
     method: str
@@ -178,7 +179,11 @@ class ClientConfig:
         """The extra headers and body bytes of ``request`` (JSON, gzip when large enough)."""
         if not request.has_body:
             return {}, None
-        content = json.dumps(request.body, separators=(",", ":"), allow_nan=False).encode("utf-8")
+        try:
+            text = json.dumps(request.body, separators=(",", ":"), allow_nan=False)
+        except ValueError as exc:  # NaN / Infinity: not JSON, and no likelihood can use them
+            raise WorkspaceError(f"the request contains a non-finite number: {exc}") from exc
+        content = text.encode("utf-8")
         headers = {"Content-Type": "application/json"}
         if self.compress and len(content) >= self.compress_min_bytes:
             content = gzip.compress(content, compresslevel=6, mtime=0)
@@ -491,9 +496,7 @@ def wait_flow(
         if deadline is not None:
             left = deadline - clock()
             if left <= 0:
-                raise WaitTimeoutError(
-                    f"job {job.id} still {job.status} after {timeout:g} s", job
-                )
+                raise WaitTimeoutError(f"job {job.id} still {job.status} after {timeout:g} s", job)
             pause = min(pause, left)
         yield Sleep(pause)
         interval = min(interval * 1.5, max_poll_interval)

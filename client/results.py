@@ -130,7 +130,9 @@ class FitResult:
 
         With ``uncertainties=True`` the ``uncertainties`` and ``corr_mat`` keys are added.
         """
-        out: dict[str, Any] = {"mle_parameters": {k: list(v) for k, v in self.mle_parameters.items()}}
+        out: dict[str, Any] = {
+            "mle_parameters": {k: list(v) for k, v in self.mle_parameters.items()}
+        }
         if value and self.twice_nll is not None:
             out["twice_nll"] = self.twice_nll
         if uncertainties:
@@ -228,7 +230,9 @@ class SignificanceResult:
             used.append(name or names[0])
             raw = data.get(name) if name else None
             values[attr] = (
-                _floats(raw) if isinstance(raw, list) else (math.nan if raw is None else _float(raw))
+                _floats(raw)
+                if isinstance(raw, list)
+                else (math.nan if raw is None else _float(raw))
             )
         return cls(
             **values,
@@ -302,7 +306,8 @@ def result_to_json(result: Any, *, value: bool = True, uncertainties: bool = Fal
         return out
     if isinstance(result, Mapping):
         return {
-            k: result_to_json(v, value=value, uncertainties=uncertainties) for k, v in result.items()
+            k: result_to_json(v, value=value, uncertainties=uncertainties)
+            for k, v in result.items()
         }
     return result
 

@@ -29,7 +29,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log_config=None,
         log_level=settings.log_level,
         access_log=False,
-        timeout_graceful_shutdown=int(settings.graceful_timeout_s),
+        timeout_graceful_shutdown=max(1, round(settings.graceful_timeout_s)),
         proxy_headers=False,
     )
     return 0

@@ -134,6 +134,7 @@ class StubReply:
     status: int
     body: Any
     headers: dict[str, str] = field(default_factory=dict)
+    delay_s: float = 0.0
 
 
 @contextmanager
@@ -162,6 +163,7 @@ def stub_server(replies: list[StubReply]) -> Iterator[tuple[str, list[dict[str, 
                     }
                 )
                 reply = replies.pop(0) if len(replies) > 1 else replies[0]
+            time.sleep(reply.delay_s)
             payload = json.dumps(reply.body).encode()
             self.send_response(reply.status)
             self.send_header("Content-Type", "application/json")

@@ -63,3 +63,12 @@ def test_other_4xx_is_not_retried(tmp_path):
         res = CliRunner().invoke(cli.main, ["cls", str(ws), "--server", url, "--token", "t"])
     assert res.exit_code == 1 and "401: missing or wrong Bearer token" in res.output
     assert len(log) == 1 and log[0]["headers"]["Authorization"] == "Bearer t"
+
+
+def test_timeout_option(tmp_path):
+    ws = tmp_path / "ws.json"
+    ws.write_text(json.dumps(simple_workspace()))
+    with stub_server([StubReply(200, CLS_ANSWER, delay_s=2.0)]) as (url, log):
+        res = CliRunner().invoke(cli.main, ["cls", str(ws), "--server", url, "--timeout", "0.3"])
+    assert res.exit_code == 3 and "did not answer in time" in res.output
+    assert len(log) == 1  # a read timeout is not retried: the server may still be computing

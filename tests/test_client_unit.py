@@ -168,6 +168,8 @@ def test_error_mapping_and_detail():
             client.cls(simple_workspace())
         assert info.value.status == status
         assert info.value.message == "test_stat: Input should be 'q' or 'qtilde'"
+    with make_client(FakeService()) as client, pytest.raises(pgc.WorkspaceError, match="finite"):
+        client.cls({**simple_workspace(), "nan": float("nan")})
     service = FakeService(script={"GET /info": [httpx.Response(502, text="bad gateway")]})
     with make_client(service) as client, pytest.raises(pgc.ServerError, match="bad gateway"):
         client.info()
@@ -289,8 +291,13 @@ def test_parse_result_shapes():
         "upper_limit_exp": [1.0] * 5,
         "level": 0.05,
     }
-    answer = {"p0_obs": 0.1, "p0_exp": 0.2, "z_obs": 1.28, "z_exp": 0.84,
-              "p0_exp_set": [0.01, 0.05, 0.2, 0.4, 0.5]}
+    answer = {
+        "p0_obs": 0.1,
+        "p0_exp": 0.2,
+        "z_obs": 1.28,
+        "z_exp": 0.84,
+        "p0_exp_set": [0.01, 0.05, 0.2, 0.4, 0.5],
+    }
     sig = parse_result("significance", {**answer, "meta": {}})
     assert sig.z_obs == 1.28 and sig.p0_exp == 0.2 and result_to_json(sig) == answer
     other = parse_result("significance", {"p0": 0.1, "p0_exp": 0.2, "Z": 1.28, "Z_exp": 0.8})

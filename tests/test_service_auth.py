@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -67,8 +68,12 @@ def test_slow_request_times_out_with_504(server: ServerProcess) -> None:
 def test_request_ids_and_json_access_log(server: ServerProcess) -> None:
     response = httpx.get(server.url + "/healthz", headers={"X-Request-ID": "test-id-42"})
     assert response.headers["X-Request-ID"] == "test-id-42"
-    lines = [json.loads(line) for line in server.log().splitlines() if line.startswith("{")]
-    access = [line for line in lines if line.get("request_id") == "test-id-42"]
+    deadline = time.monotonic() + 5
+    access: list[dict] = []
+    while not access and time.monotonic() < deadline:  # the line is written after the answer
+        time.sleep(0.05)
+        lines = [json.loads(line) for line in server.log().splitlines() if line.startswith("{")]
+        access = [line for line in lines if line.get("request_id") == "test-id-42"]
     assert access and access[0]["status"] == 200 and "duration_ms" in access[0]
 
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 import copy
 import gzip
 import json
+import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,9 @@ TRACEBACK_MARKERS = ("Traceback", 'File "', "site-packages")
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     data_dir = tmp_path_factory.mktemp("bad-inputs")
-    with running_server(data_dir, ["--max-body-mb", "1"]) as started:
+    # a one-request queue that waits 1.5 s to fill a batch: back-pressure is easy to provoke
+    args = ["--max-body-mb", "1", "--max-queue", "1", "--max-batch-delay-ms", "1500"]
+    with running_server(data_dir, args) as started:
         yield started
 
 
@@ -357,3 +361,20 @@ def test_still_healthy_after_bad_inputs(
 def test_data_dir_holds_real_files(server: ServerProcess, uploaded: str) -> None:
     assert (Path(server.data_dir) / "workspaces" / f"{uploaded}.json").is_file()
     assert (Path(server.data_dir) / "jobs.sqlite3").is_file()
+
+
+def test_full_queue_answers_429_and_readyz_503(client: httpx.Client, server: ServerProcess) -> None:
+    body = {"workspace": simple_workspace((2.0, 3.0)), "test_poi": 1.0}
+    assert client.post("/cls", json=body).status_code == 200  # builds the model
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        waiting = pool.submit(client.post, "/cls", json=body)
+        deadline = time.monotonic() + 10
+        while httpx.get(server.url + "/readyz").status_code != 503:
+            assert time.monotonic() < deadline, "the queue never filled"
+            time.sleep(0.05)
+        refused = client.post("/cls", json=body)
+        assert refused.status_code == 429, refused.text
+        assert int(refused.headers["Retry-After"]) >= 1
+        assert "--max-queue" in refused.json()["detail"]
+        assert waiting.result().status_code == 200
+    assert httpx.get(server.url + "/readyz").status_code == 200

@@ -7,8 +7,11 @@ pyhf parity (reference.json within 1e-4), batching of concurrent requests (read 
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -64,18 +67,47 @@ def close(a: Any, b: Any, tolerance: float) -> bool:
     return abs(a - b) <= tolerance
 
 
-def test_curl_style_cls_matches_pyhf(client: httpx.Client) -> None:
-    """A bare patched workspace, options in the query string, as `curl --data @ws.json` sends."""
+def post_file_like_curl(server: ServerProcess, path: str, file: Path) -> tuple[int, str]:
+    """``curl -s -X POST URL --data-binary @file`` (httpx when curl is not installed)."""
+    curl = shutil.which("curl")
+    if curl is None:
+        response = httpx.post(server.url + path, content=file.read_bytes(), timeout=120)
+        return response.status_code, response.text
+    done = subprocess.run(
+        [
+            curl,
+            "-s",
+            "-X",
+            "POST",
+            "-H",
+            "Content-Type: application/json",
+            "--data-binary",
+            f"@{file}",
+            "-w",
+            "\\n%{http_code}",
+            server.url + path,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    body, _, status = done.stdout.rpartition("\n")
+    return int(status), body
+
+
+def test_curl_style_cls_matches_pyhf(server: ServerProcess, tmp_path: Path) -> None:
+    """A bare patched workspace file, options in the query string, sent as curl sends it."""
     patchset = pyhf.PatchSet(load(SMALL, "patchset.json"))
     reference = REFERENCE[1]
     spec = patchset.apply(pyhf.Workspace(load(SMALL, "BkgOnly.json")), reference["patch"])
-    response = client.post(
-        "/cls?test_poi=1.0&test_stat=qtilde&calctype=asymptotics",
-        content=json.dumps(dict(spec)).encode(),
-        headers={"Content-Type": "application/json"},
+    file = tmp_path / "workspace.json"
+    file.write_text(json.dumps(dict(spec)))
+    status, text = post_file_like_curl(
+        server, "/cls?test_poi=1.0&test_stat=qtilde&calctype=asymptotics", file
     )
-    assert response.status_code == 200, response.text
-    result = response.json()
+    assert status == 200, text
+    result = json.loads(text)
     assert set(result) == {"CLs_obs", "CLs_exp", "meta"}
     assert close(result["CLs_obs"], reference["CLs_obs"], TOLERANCE)
     assert close(result["CLs_exp"], reference["CLs_exp"], TOLERANCE)

@@ -45,7 +45,7 @@ def test_cache_is_lru_by_count_and_bytes_and_shares_builds() -> None:
         metrics = Metrics()
         builds: list[str] = []
         executor = ThreadPoolExecutor(1)
-        cache = ModelCache(executor, metrics, max_items=3, max_bytes=8 * 250)
+        cache = ModelCache(executor, executor, metrics, max_items=3, max_bytes=8 * 250)
 
         def builder(name: str, n: int = 10):
             def build() -> FakeModel:

@@ -14,9 +14,9 @@ Example:
     >>> model = HistFactoryModel.from_workspace(ws)
     >>> res = hypotest(model, [1.0, 2.0])
     >>> [round(v, 6) for v in res.cls_obs.tolist()]
-    [0.052515, 0.000183]
+    [0.052516, 0.000227]
     >>> [round(v, 6) for v in res.to_pyhf_json(0)["CLs_exp"]]
-    [0.002606, 0.01382, 0.064453, 0.235256, 0.573036]
+    [0.002606, 0.013821, 0.064455, 0.235261, 0.573042]
 """
 
 from __future__ import annotations

@@ -209,11 +209,11 @@ def _damped_steps(Hs: Tensor, g: Tensor, movable: Tensor, lams: Tensor) -> tuple
     return torch.where(ok.unsqueeze(-1), p * m, torch.zeros_like(p)), ok
 
 
-def _candidates(s: _State, options: MinimizeOptions) -> tuple[Tensor, Tensor]:
+def _candidates(s: _State, factors: Tensor) -> tuple[Tensor, Tensor]:
     """Curvature matrices ``[K, R, P, P]`` and dampings ``[K, R]`` of the trial steps:
-    pure Gauss-Newton/Newton first (its step defines the decrement), then the damped ones,
-    then, with a learnt ``S``, the secant-corrected Newton step."""
-    factors = torch.tensor((0.0, *options.damping_factors), dtype=s.x.dtype, device=s.x.device)
+    pure Gauss-Newton/Newton first (its step defines the decrement), then the damped ones
+    (``factors`` times the row's damping), then, with a learnt ``S``, the secant-corrected
+    Newton step."""
     lams = factors[:, None] * s.lam[None, :]
     Hs = s.H.unsqueeze(0).expand(len(factors), -1, -1, -1)
     if s.S is not None:
@@ -229,18 +229,20 @@ def _iterate(
     hi: Tensor,
     free: Tensor,
     options: MinimizeOptions,
+    constants: tuple[Tensor, Tensor],
 ) -> _State:
-    """One damped-Newton iteration of every running row of ``s`` (in place on ``s``)."""
+    """One damped-Newton iteration of every running row of ``s`` (in place on ``s``);
+    ``constants``: the damping factors and step lengths as device tensors."""
+    factors, alphas = constants
     running = ~(s.converged | s.failed)
     movable = _movable(s.x, s.g, lo, hi, free, options.bound_tol)
-    Hs, lams = _candidates(s, options)
+    Hs, lams = _candidates(s, factors)
     steps, ok = _damped_steps(Hs, s.g, movable, lams)
     s.decrement = torch.where(ok[0], -(s.g * steps[0]).sum(-1), torch.full_like(s.f, torch.inf))
     tol = torch.clamp(64 * torch.finfo(s.f.dtype).eps * (1 + s.f.abs()), min=options.tol)
     newly_converged = running & ok[0] & (s.decrement <= tol)
 
     # every candidate at every step length: objective values only
-    alphas = torch.tensor(options.step_lengths, dtype=s.x.dtype, device=s.x.device)
     n_alpha = alphas.shape[0]
     steps = (alphas.view(1, -1, 1, 1) * steps.unsqueeze(1)).flatten(0, 1)  # [K * S, R, P]
     ok = ok.repeat_interleave(n_alpha, dim=0)
@@ -328,8 +330,9 @@ def minimize(
     bounds = bounds.to(device=device, dtype=dtype).expand(B, P, 2)
     free = torch.ones(B, P, dtype=torch.bool, device=device) if fixed is None else ~fixed.to(device)
     free = free.expand(B, P)
-    lo, hi = bounds[..., 0], bounds[..., 1]
-    x0 = torch.where(free, torch.minimum(torch.maximum(init, lo), hi), init)
+    x0 = torch.where(free, torch.minimum(torch.maximum(init, bounds[..., 0]), bounds[..., 1]), init)
+    lo = torch.where(free, bounds[..., 0], x0)  # a fixed parameter may sit outside its bounds
+    hi = torch.where(free, bounds[..., 1], x0)
     rows = torch.arange(B, device=device)
 
     d = _as_derivatives(objective.derivatives(x0, rows))
@@ -364,9 +367,13 @@ def minimize(
         out.iterations[st.rows] = st.iterations
         out.decrement[st.rows] = st.decrement
 
+    constants = (
+        torch.tensor((0.0, *options.damping_factors), dtype=dtype, device=device),
+        torch.tensor(options.step_lengths, dtype=dtype, device=device),
+    )
     for it in range(1, options.max_iter + 1):
         sel = s.rows
-        s = _iterate(objective, s, lo[sel], hi[sel], free[sel], options)
+        s = _iterate(objective, s, lo[sel], hi[sel], free[sel], options, constants)
         if it % options.check_every == 0 or it == options.max_iter:
             finished = s.converged | s.failed
             if bool(finished.any()):

@@ -25,7 +25,7 @@ Example:
     ...       "version": "1.0.0"}
     >>> model = HistFactoryModel.from_workspace(ws)
     >>> nll = TwiceNLL(model, model.observed, torch.zeros(1, dtype=torch.long), "hessian")
-    >>> f, g, H = nll.derivatives(model.init, torch.arange(1))
+    >>> f, g, H, *_ = nll.derivatives(model.init, torch.arange(1))
     >>> round(f.item(), 6), H.shape
     (9.602105, torch.Size([1, 2, 2]))
 """
@@ -109,20 +109,11 @@ class TwiceNLL:
         n_main = model.n_main
         observed_main, aux = data[:, :n_main], data[:, n_main:]
 
-        def rates_fn(z: Tensor) -> Tensor:
-            return model.expected_data(z, element, include_auxdata=False)
-
-        rates, vjp_fn = torch.func.vjp(rates_fn, x)
-        R, P = x.shape
-        eye = torch.eye(n_main, dtype=x.dtype, device=x.device)
-        J = torch.func.vmap(vjp_fn)(eye[:, None, :].expand(n_main, R, n_main))[0]  # [N, R, P]
-        J = J.permute(1, 0, 2)  # [R, N, P]
-
-        residual = 2.0 * (1.0 - observed_main / rates)  # d(-2 log L)/d lambda
-        if self.curvature == "fisher":
-            weight = 2.0 / rates
-        else:
-            weight = 2.0 * observed_main / rates**2
+        rates, J = self._rates_and_jacobian(x, element)
+        # n / lambda with 0 / 0 = 0 (an empty bin with zero rate), as pyhf's xlogy
+        ratio = torch.where(observed_main > 0, observed_main / rates, torch.zeros_like(rates))
+        residual = 2.0 * (1.0 - ratio)  # d(-2 log L)/d lambda
+        weight = 2.0 / rates if self.curvature == "fisher" else 2.0 * ratio / rates
         g = torch.einsum("rn,rnp->rp", residual, J)
         H = torch.einsum("rn,rnp,rnq->rpq", weight, J, J)
 
@@ -134,6 +125,22 @@ class TwiceNLL:
         if self.curvature == "gauss-newton":
             return Derivatives(f, g, H, J, residual)
         return Derivatives(f, g, H)
+
+    def _rates_and_jacobian(self, x: Tensor, element: Tensor) -> tuple[Tensor, Tensor]:
+        """Main-bin rates ``[R, N]`` and their Jacobian ``[R, N, P]``: the engine's closed form
+        when it has one, else reverse mode (one vector-Jacobian product per bin)."""
+        model = self.model
+        if hasattr(model, "expected_main_jacobian"):
+            return model.expected_main_jacobian(x, element)
+
+        def rates_fn(z: Tensor) -> Tensor:
+            return model.expected_data(z, element, include_auxdata=False)
+
+        rates, vjp_fn = torch.func.vjp(rates_fn, x)
+        n_main, R = rates.shape[1], x.shape[0]
+        eye = torch.eye(n_main, dtype=x.dtype, device=x.device)
+        J = torch.func.vmap(vjp_fn)(eye[:, None, :].expand(n_main, R, n_main))[0]  # [N, R, P]
+        return rates, J.permute(1, 0, 2)
 
     def _constraint_derivatives(self, x: Tensor, aux: Tensor, element: Tensor) -> tuple[Tensor, Tensor]:
         """Exact first and second derivatives ``[R, A]`` of the constraint terms of ``-2 log L``

@@ -43,7 +43,7 @@ def group_parameters(labels: list[str], values: list[float]) -> dict[str, list[f
     {'mu': [1.0], 'gamma': [0.9, 1.1]}
     """
     grouped: dict[str, list[float]] = {}
-    for label, value in zip(labels, values):
+    for label, value in zip(labels, values, strict=True):
         match = _INDEXED.match(label)
         grouped.setdefault(match.group(1) if match else label, []).append(value)
     return grouped
@@ -147,7 +147,7 @@ class HypotestResults:
             return []
         table = torch.stack([self.fit_converged[n] for n in names], 1).cpu()
         return [
-            (row, [n for n, ok in zip(names, flags) if not ok])
+            (row, [n for n, ok in zip(names, flags, strict=True) if not ok])
             for row, flags in enumerate(table.tolist())
             if not all(flags)
         ]

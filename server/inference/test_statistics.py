@@ -11,11 +11,11 @@ unconditional fits and the unconditional best-fit POI ``muhat``, per row:
 
 Example:
     >>> import torch
-    >>> fixed, free = torch.tensor([28.9, 25.0, 26.0]), torch.tensor([25.0, 25.1, 25.0])
+    >>> fixed, free = torch.tensor([28.5, 25.0, 26.0]), torch.tensor([25.0, 25.5, 25.0])
     >>> qmu_like(torch.tensor([1.0, 1.0, 1.0]), torch.tensor([0.0, 0.2, 1.5]), fixed, free).tolist()
-    [3.899999618530273, 0.0, 0.0]
+    [3.5, 0.0, 0.0]
     >>> q0_like(torch.tensor([0.3, -0.1, 0.5]), fixed, free).tolist()
-    [3.899999618530273, 0.0, 1.0]
+    [3.5, 0.0, 1.0]
 """
 
 from __future__ import annotations

@@ -63,7 +63,8 @@ class ModelCache:
 
     def __init__(
         self,
-        executor: Executor,
+        build_executor: Executor,
+        device_executor: Executor,
         metrics: Metrics,
         *,
         max_items: int,
@@ -71,8 +72,10 @@ class ModelCache:
         release_memory: Callable[[], None] = lambda: None,
         on_built: Callable[[Any], object] | None = None,
     ) -> None:
-        """Build models on ``executor`` (the device thread); ``on_built(model)`` after each."""
-        self._executor = executor
+        """Build models on ``build_executor``; free memory on ``device_executor`` after evictions;
+        call ``on_built(model)`` after each build."""
+        self._build_executor = build_executor
+        self._device_executor = device_executor
         self._metrics = metrics
         self.max_items = max_items
         self.max_bytes = max_bytes
@@ -82,7 +85,7 @@ class ModelCache:
         self._building: dict[Hashable, asyncio.Future[CacheEntry]] = {}
 
     async def get(self, key: Hashable, build: Callable[[], Any]) -> CachedModel:
-        """The model for ``key``, built with ``build()`` on the device thread on a miss."""
+        """The model for ``key``, built with ``build()`` on the build thread on a miss."""
         entry = self._entries.get(key)
         if entry is not None:
             self._entries.move_to_end(key)
@@ -97,14 +100,14 @@ class ModelCache:
         return await self._build(key, build)
 
     async def _build(self, key: Hashable, build: Callable[[], Any]) -> CachedModel:
-        """Build on the device thread; others asking meanwhile share the result."""
+        """Build on the build thread; others asking meanwhile share the result."""
         loop = asyncio.get_running_loop()
         pending: asyncio.Future[CacheEntry] = loop.create_future()
         self._building[key] = pending
         self._metrics.cache_misses.inc()
         start = time.perf_counter()
         try:
-            model = await loop.run_in_executor(self._executor, build)
+            model = await loop.run_in_executor(self._build_executor, build)
         except BaseException as exc:
             pending.set_exception(exc)
             pending.exception()  # retrieved: nobody else may be waiting
@@ -129,7 +132,7 @@ class ModelCache:
             self._metrics.cache_evictions.inc()
             evicted = True
         if evicted:
-            self._executor.submit(self._release_memory)
+            self._device_executor.submit(self._release_memory)
         self._metrics.cache_size.set(len(self._entries))
         self._metrics.cache_bytes.set(self.total_bytes)
 

@@ -4,7 +4,7 @@
 * :func:`envelope_from` turns a bare workspace + query options, or an envelope, into one dict.
 * :func:`plan_request` validates it and resolves the model inputs into a :class:`Plan`: one row
   per (element, test_poi) hypothesis.
-* :func:`build_model` and :func:`run_rows` are what the device thread runs (engine + inference).
+* :func:`build_model` runs on the build thread, :func:`run_rows` on the device thread.
 * :class:`Operations` ties the model cache and the scheduler together and assembles the answer.
 """
 
@@ -28,15 +28,10 @@ from pyhf_gpu_server.engine import HistFactoryModel
 from pyhf_gpu_server.inference.results import group_parameters
 
 from .errors import BadRequest, Unprocessable, pydantic_detail, translate
-from .models_cache import ModelCache
-from .scheduler import Lane, Scheduler
+from .models_cache import CachedModel, ModelCache
+from .scheduler import Lane, RowOutcome, Scheduler
 from .schemas import OPTION_MODELS, REQUEST_MODELS, ModelSelection
 from .workspace_store import WorkspaceStore
-
-# options taken from the query string (with a bare workspace body); "-" spellings also accepted
-QUERY_FIELDS = frozenset({"measurement"}) | {
-    name for model in OPTION_MODELS.values() for name in model.model_fields
-}
 
 
 # ---------------------------------------------------------------------------------------- parsing
@@ -281,7 +276,7 @@ def _patch_names(patchset: pyhf.PatchSet, wanted: list[str] | None) -> tuple[str
     return tuple(wanted)
 
 
-# ------------------------------------------------------------------------------ device thread
+# -------------------------------------------------------------------------- build and device
 @dataclass(frozen=True)
 class BatchContext:
     """What the device thread needs besides the rows: the model and the options."""
@@ -292,7 +287,7 @@ class BatchContext:
 
 
 def build_model(source: ModelSource, device: str, dtype: torch.dtype) -> HistFactoryModel:
-    """The engine model of ``source`` (runs on the device thread)."""
+    """The engine model of ``source`` (runs on the build thread)."""
     common: dict[str, Any] = {
         "measurement": source.measurement,
         "modifier_settings": source.modifier_settings,
@@ -420,28 +415,39 @@ class Operations:
                 raise
         except Exception as exc:
             raise (translate(exc) or exc) from None
-        total_ms = (time.perf_counter() - start) * 1000
-        queue_ms = ((item.started_at or item.enqueued_at) - item.enqueued_at) * 1000
-        results = []
-        for row, outcome in zip(rows, outcomes, strict=True):
-            value, converged = outcome.value
-            meta: dict[str, Any] = {
-                "device": self.device,
-                "dtype": self.dtype_name,
-                "model_id": cached.model_id,
-                "cache": "hit" if cached.hit else "miss",
-                "batch_rows": outcome.batch_rows,
-                "converged": converged,
-                "timings": {
-                    "build_ms": round(cached.build_s * 1000, 3),
-                    "queue_ms": round(queue_ms, 3),
-                    "compute_ms": round(outcome.compute_s * 1000, 3),
-                    "total_ms": round(total_ms, 3),
-                },
-            }
-            if row.poi is not None:
-                meta["test_poi"] = row.poi
-            if plan.source.element_names is not None:
-                meta["patch"] = plan.source.element_names[row.element]
-            results.append(finite_json({**value, "meta": meta}))
+        timings = {
+            "build_ms": round(cached.build_s * 1000, 3),
+            "queue_ms": round(((item.started_at or item.enqueued_at) - item.enqueued_at) * 1000, 3),
+            "total_ms": round((time.perf_counter() - start) * 1000, 3),
+        }
+        results = [
+            finite_json(
+                {**outcome.value[0], "meta": self._meta(plan, row, outcome, cached, timings)}
+            )
+            for row, outcome in zip(rows, outcomes, strict=True)
+        ]
         return assemble(plan, results)
+
+    def _meta(
+        self,
+        plan: Plan,
+        row: Row,
+        outcome: RowOutcome,
+        cached: CachedModel,
+        timings: dict[str, float],
+    ) -> dict[str, Any]:
+        """How one row was computed: device, model, cache, batch, fit status, timings."""
+        meta: dict[str, Any] = {
+            "device": self.device,
+            "dtype": self.dtype_name,
+            "model_id": cached.model_id,
+            "cache": "hit" if cached.hit else "miss",
+            "batch_rows": outcome.batch_rows,
+            "converged": outcome.value[1],
+            "timings": {**timings, "compute_ms": round(outcome.compute_s * 1000, 3)},
+        }
+        if row.poi is not None:
+            meta["test_poi"] = row.poi
+        if plan.source.element_names is not None:
+            meta["patch"] = plan.source.element_names[row.element]
+        return meta

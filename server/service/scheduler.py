@@ -292,7 +292,10 @@ class Scheduler:
         item.outcomes[part.start : part.stop] = outcomes
         item.done += len(outcomes)
         if item.on_progress is not None:
-            item.on_progress(item.done, len(item.rows))
+            try:
+                item.on_progress(item.done, len(item.rows))
+            except Exception:  # a progress report must never stop the dispatcher
+                log.exception("progress callback failed")
         if item.done == len(item.rows):
             item.future.set_result([o for o in item.outcomes if o is not None])
 

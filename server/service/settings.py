@@ -33,13 +33,20 @@ class Settings:
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = field(default=8000, metadata={"help": "TCP port"})
     device: str = field(
-        default="auto", metadata={"help": "auto (cuda when available), cpu, cuda or cuda:N"}
+        default="auto",
+        metadata={
+            "help": "auto (cuda when torch.cuda.is_available(), else cpu), cpu, cuda or cuda:N",
+            "metavar": "{" + ",".join(DEVICE_CHOICES) + "}",
+        },
     )
-    dtype: str = field(default="float64", metadata={"help": "float64 or float32"})
+    dtype: str = field(
+        default="float64", metadata={"help": "tensor dtype", "choices": DTYPE_CHOICES}
+    )
     compile: str = field(
         default="auto",
         metadata={
-            "help": "torch.compile warm models in the background: auto (on for cuda), on, off"
+            "help": "torch.compile warm models in the background (auto: on for cuda only)",
+            "choices": ("auto", "on", "off"),
         },
     )
     data_dir: Path = field(
@@ -82,7 +89,7 @@ class Settings:
         repr=False,
         metadata={"help": "when set, every route but /healthz and /readyz needs this Bearer token"},
     )
-    log_level: str = field(default="info", metadata={"help": "debug, info, warning or error"})
+    log_level: str = field(default="info", metadata={"help": "log level", "choices": LOG_LEVELS})
 
     def __post_init__(self) -> None:
         """Check values that argparse/env parsing cannot (ranges, choices)."""
@@ -171,6 +178,8 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
             type=kind,
             default=default or None,  # argparse converts a text default with `type`
             help=help_text,
+            choices=f.metadata.get("choices"),
+            metavar=f.metadata.get("metavar"),
         )
     return parser
 

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from pyhf_gpu_server.engine import KernelCache
@@ -48,6 +49,11 @@ def device_name(device: str) -> str:
     """A human name of the device (the GPU model, or the CPU)."""
     if device.startswith("cuda"):
         return torch.cuda.get_device_name(torch.device(device))
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
     return platform.processor() or platform.machine() or "cpu"
 
 
@@ -60,6 +66,7 @@ class ServiceState:
     dtype: torch.dtype
     metrics: Metrics
     executor: ThreadPoolExecutor
+    build_executor: ThreadPoolExecutor
     workspaces: WorkspaceStore
     jobstore: JobStore
     cache: ModelCache
@@ -76,6 +83,9 @@ class ServiceState:
         device = resolve_device(settings)
         dtype = DTYPES[settings.dtype]
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pyhf-gpu-device")
+        # models are built (pyhf parsing: slow, CPU-bound) apart from the device thread, so a
+        # large new workspace does not stall inference for the warm ones
+        build_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pyhf-gpu-build")
         release = _memory_releaser(device)
         compiler = (
             BackgroundCompiler(KernelCache(), executor)
@@ -85,6 +95,7 @@ class ServiceState:
         workspaces = WorkspaceStore(settings.data_dir / "workspaces")
         jobstore = JobStore(settings.data_dir / "jobs.sqlite3")
         cache = ModelCache(
+            build_executor,
             executor,
             metrics,
             max_items=settings.model_cache_size,
@@ -116,6 +127,7 @@ class ServiceState:
             dtype=dtype,
             metrics=metrics,
             executor=executor,
+            build_executor=build_executor,
             workspaces=workspaces,
             jobstore=jobstore,
             cache=cache,
@@ -141,6 +153,7 @@ class ServiceState:
         await self.scheduler.stop()
         if self.compiler is not None:
             self.compiler.shutdown()
+        self.build_executor.shutdown(wait=True, cancel_futures=True)
         self.executor.shutdown(wait=True, cancel_futures=True)
         self.cache.clear()
         self.jobstore.close()

@@ -1,0 +1,52 @@
+"""Discovery significance from ``q0`` (pyhf's ``hypotest(0.0, ..., test_stat="q0")``), batched.
+
+``p0`` is the observed CLsb of the ``q0`` test (the probability of a background-only
+fluctuation at least as signal-like as the data), ``Z = Phi^-1(1 - p0)``; the expected
+values use pyhf's Asimov dataset at ``mu = 1``.
+
+Example:
+    >>> import pyhf
+    >>> from pyhf_gpu_server.engine import HistFactoryModel
+    >>> spec = pyhf.simplemodels.uncorrelated_background([12.0, 11.0], [50.0, 52.0], [3.0, 7.0]).spec
+    >>> ws = {**spec, "observations": [{"name": "singlechannel", "data": [60.0, 62.0]}],
+    ...       "measurements": [{"name": "m", "config": {"poi": "mu", "parameters": []}}],
+    ...       "version": "1.0.0"}
+    >>> res = significance(HistFactoryModel.from_workspace(ws))
+    >>> round(res.z_obs.item(), 4), round(res.z_exp.item(), 4)
+    (1.5741, 1.8289)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .hypotest import hypotest
+from .results import SignificanceResults
+
+__all__ = ["significance", "z_from_p"]
+
+
+def z_from_p(p: Tensor) -> Tensor:
+    """One-sided significance ``Z = Phi^-1(1 - p)`` (computed as ``-Phi^-1(p)``)."""
+    return -torch.special.ndtri(p)
+
+
+def significance(model, data: Tensor | None = None, element=None, **hypotest_kwargs) -> SignificanceResults:
+    """Observed and expected discovery p-values and significances per element (or dataset).
+
+    ``hypotest_kwargs`` go to :func:`~pyhf_gpu_server.inference.hypotest.hypotest`
+    (``calctype="toybased"``, ``ntoys``, ``seed``, ``bounds``, ``options``, ...).
+    """
+    res = hypotest(model, 0.0, data, element, test_stat="q0", **hypotest_kwargs)
+    p0_obs, p0_set = res.clsb_obs, res.clsb_exp
+    p0_exp = p0_set[:, 2]
+    return SignificanceResults(
+        p0_obs=p0_obs,
+        p0_exp=p0_exp,
+        z_obs=z_from_p(p0_obs),
+        z_exp=z_from_p(p0_exp),
+        p0_exp_set=p0_set,
+        element=res.element,
+        converged=res.converged,
+    )

@@ -1,0 +1,180 @@
+"""The toy-based calculator of pyhf (``infer.calculators.ToyCalculator``), batched.
+
+For each row (dataset, tested POI ``mu``), as pyhf:
+
+1. conditional fits to the data at ``mu`` (signal hypothesis) and at 0 (background; 1 for
+   ``q0``) give the parameters the toys are drawn from;
+2. ``ntoys`` pseudo-datasets per hypothesis: Poisson main data at the expected rates, and
+   auxiliary data drawn from each constraint (Normal around the parameter with its sigma,
+   or Poisson with rate ``tau * gamma``), all from one ``torch.Generator`` on the device;
+3. the test statistic of every toy (a conditional and an unconditional fit each).
+
+All toy fits of all rows run as one batched minimisation (split into ``max_rows`` chunks).
+p-values are the fractions of toys at or above the observed statistic; the expected band
+takes the background toys' own CLs values at pyhf's percentiles (linear interpolation).
+
+Example:
+    >>> import torch
+    >>> sig = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
+    >>> bkg = torch.tensor([[0.0, 0.0, 0.5, 4.0]])
+    >>> clsb, clb, cls = empirical_pvalues(torch.tensor([2.0]), sig, bkg)
+    >>> clsb.tolist(), clb.tolist(), cls.tolist()
+    ([0.5], [0.25], [2.0])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .mle import FitOptions, FitRequest, fit_requests
+from .test_statistics import TEST_STATS, test_statistic
+
+__all__ = ["PERCENTILES", "ToyCalculator", "empirical_pvalues", "sample_toys"]
+
+# pyhf's percentiles of the -2..+2 sigma bands
+PERCENTILES = (2.27501319, 15.86552539, 50.0, 84.13447461, 97.72498681)
+
+
+def sample_toys(model, pars: Tensor, element: Tensor, ntoys: int, generator: torch.Generator) -> Tensor:
+    """``[R, ntoys, N + A]`` pseudo-data drawn at parameters ``pars [R, P]`` as pyhf's
+    ``model.make_pdf(pars).sample((ntoys,))``: Poisson main bins, Normal or Poisson aux data."""
+    expected = model.expected_data(pars, element)  # [R, N + A]
+    rates = expected.unsqueeze(1).expand(-1, ntoys, -1)
+    n_main = model.n_main
+    main = torch.poisson(rates[..., :n_main].contiguous(), generator=generator)
+    aux_mean = rates[..., n_main:]
+    noise = torch.randn(aux_mean.shape, generator=generator, dtype=pars.dtype, device=pars.device)
+    normal = aux_mean + model.constraint.sigma[element].unsqueeze(1) * noise
+    poisson = torch.poisson(aux_mean.contiguous(), generator=generator)
+    aux = torch.where(model.constraint.is_poisson, poisson, normal)
+    return torch.cat([main, aux], dim=-1)
+
+
+def _fraction_at_or_above(samples_sorted: Tensor, values: Tensor) -> Tensor:
+    """Per row: the fraction of ``samples_sorted [R, T]`` (ascending) ``>= values [R, K]``."""
+    below = torch.searchsorted(samples_sorted, values.contiguous(), side="left")
+    return 1.0 - below.to(values.dtype) / samples_sorted.shape[-1]
+
+
+def empirical_pvalues(teststat: Tensor, signal: Tensor, background: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(CLsb, CLb, CLs)`` of ``teststat [R]`` against toy statistics ``[R, T]`` (pyhf's
+    ``EmpiricalDistribution.pvalue``: fraction of toys ``>=`` the value)."""
+    sig_sorted, _ = signal.sort(-1)
+    bkg_sorted, _ = background.sort(-1)
+    clsb = _fraction_at_or_above(sig_sorted, teststat.unsqueeze(-1)).squeeze(-1)
+    clb = _fraction_at_or_above(bkg_sorted, teststat.unsqueeze(-1)).squeeze(-1)
+    return clsb, clb, clsb / clb
+
+
+def expected_empirical_pvalues(signal: Tensor, background: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """pyhf's ``ToyCalculator.expected_pvalues``: ``(CLsb, CLb, CLs)`` at every background toy,
+    then each one's percentiles ``[R, 5]``."""
+    sig_sorted, _ = signal.sort(-1)
+    bkg_sorted, _ = background.sort(-1)
+    clsb = _fraction_at_or_above(sig_sorted, background)
+    clb = _fraction_at_or_above(bkg_sorted, background)
+    q = torch.tensor(PERCENTILES, dtype=signal.dtype, device=signal.device) / 100
+    return tuple(torch.quantile(v, q, dim=-1).T.contiguous() for v in (clsb, clb, clsb / clb))
+
+
+@dataclass
+class ToyStats:
+    """One :meth:`ToyCalculator.teststatistic` call: observed statistic ``[M]``, toy
+    statistics ``[M, ntoys]`` per hypothesis, and the fits' convergence."""
+
+    teststat: Tensor
+    signal: Tensor
+    background: Tensor
+    fit_converged: dict[str, Tensor]
+
+
+class ToyCalculator:
+    """Toy-based CLs for many (dataset, mu) rows of one model, reproducible from ``generator``.
+
+    Args:
+        model: a :class:`~pyhf_gpu_server.engine.HistFactoryModel`.
+        data, element: ``[D, N + A]`` distinct datasets and their elements ``[D]``.
+        test_stat: ``"qtilde"``, ``"q"`` or ``"q0"``.
+        ntoys: toys per hypothesis (signal and background each).
+        generator: a ``torch.Generator`` on the model's device.
+        fit_kwargs: ``init``/``bounds``/``fixed`` (``[P]``-shaped), ``options``, ``poi_floor``.
+    """
+
+    def __init__(
+        self,
+        model,
+        data: Tensor,
+        element: Tensor,
+        test_stat: str,
+        ntoys: int,
+        generator: torch.Generator,
+        **fit_kwargs,
+    ) -> None:
+        if test_stat not in TEST_STATS:
+            raise ValueError(f"unknown test statistic {test_stat!r}; expected one of {TEST_STATS}")
+        self.model = model
+        self.data = data
+        self.element = element
+        self.test_stat = test_stat
+        self.ntoys = ntoys
+        self.generator = generator
+        self.fit_kwargs = fit_kwargs
+
+    @property
+    def options(self) -> FitOptions | None:
+        return self.fit_kwargs.get("options")
+
+    def teststatistic(self, mu: Tensor, index: Tensor) -> ToyStats:
+        """Observed and toy test statistics for POI values ``mu [M]`` on datasets ``index [M]``."""
+        model, T = self.model, self.ntoys
+        tested = torch.zeros_like(mu) if self.test_stat == "q0" else mu
+        bkg_mu = torch.full_like(mu, 1.0 if self.test_stat == "q0" else 0.0)
+        data, element = self.data[index], self.element[index]
+        free_poi = torch.full_like(mu, torch.nan)
+        signal_fit, bkg_fit, fixed_obs, free_obs = fit_requests(
+            model,
+            [
+                FitRequest(data, element, mu),
+                FitRequest(data, element, bkg_mu),
+                FitRequest(data, element, tested),
+                FitRequest(data, element, free_poi),
+            ],
+            **self.fit_kwargs,
+        )
+        observed = test_statistic(self.test_stat, tested, fixed_obs, free_obs, model.poi_index)
+
+        toys = torch.cat(
+            [
+                sample_toys(model, signal_fit.bestfit, element, T, self.generator),
+                sample_toys(model, bkg_fit.bestfit, element, T, self.generator),
+            ],
+            dim=1,
+        ).flatten(0, 1)  # [M * 2T, N + A], row-major: (row, toy)
+        toy_element = element.repeat_interleave(2 * T)
+        toy_mu = tested.repeat_interleave(2 * T)
+        fixed_toys, free_toys = fit_requests(
+            model,
+            [FitRequest(toys, toy_element, toy_mu), FitRequest(toys, toy_element, torch.full_like(toy_mu, torch.nan))],
+            **self.fit_kwargs,
+        )
+        stats = test_statistic(self.test_stat, toy_mu, fixed_toys, free_toys, model.poi_index).view(-1, 2, T)
+        toys_ok = (fixed_toys.converged & free_toys.converged).view(-1, 2 * T)
+        converged = {
+            "signal_fit": signal_fit.converged,
+            "background_fit": bkg_fit.converged,
+            "fixed_data": fixed_obs.converged,
+            "free_data": free_obs.converged,
+            "toys": toys_ok.all(-1),
+        }
+        return ToyStats(observed, stats[:, 0], stats[:, 1], converged)
+
+    def pvalues(self, stats: ToyStats) -> tuple[Tensor, Tensor, Tensor]:
+        """Observed ``(CLsb, CLb, CLs)`` ``[M]``."""
+        return empirical_pvalues(stats.teststat, stats.signal, stats.background)
+
+    def expected_pvalues(self, stats: ToyStats) -> tuple[Tensor, Tensor, Tensor]:
+        """Expected ``(CLsb, CLb, CLs)``, each ``[M, 5]`` (ascending percentiles, pyhf's order)."""
+        return expected_empirical_pvalues(stats.signal, stats.background)

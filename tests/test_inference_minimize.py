@@ -1,0 +1,142 @@
+"""The batched bounded damped-Newton minimiser on objectives with known minima."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+
+import pytest
+import torch
+from pyhf_gpu_server.inference.minimize import Derivatives, MinimizeOptions, minimize
+from test_inference_support import DEVICE as DEVICE_NAME
+from test_inference_support import one_thread  # noqa: F401 (fixture)
+
+DEVICE = torch.device(DEVICE_NAME)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+INFERENCE_MODULES = [
+    "asymptotics",
+    "hypotest",
+    "minimize",
+    "mle",
+    "objective",
+    "results",
+    "rows",
+    "significance",
+    "test_statistics",
+    "toys",
+    "upper_limits",
+]
+
+
+class Poisson:
+    """``-2 log L`` of Poisson counts ``n`` with rates ``exp(A x)``: smooth, convex."""
+
+    def __init__(self, A: torch.Tensor, n: torch.Tensor, value_fails_above: float | None = None):
+        self.A, self.n, self.fails_above = A, n, value_fails_above
+
+    def _rates(self, x):
+        return torch.exp(x @ self.A.T)
+
+    def value(self, x, rows):
+        lam = self._rates(x)
+        f = 2 * (lam - self.n[rows] * torch.log(lam)).sum(-1)
+        if self.fails_above is not None:
+            f = torch.where(x.abs().amax(-1) > self.fails_above, torch.full_like(f, torch.nan), f)
+        return f
+
+    def derivatives(self, x, rows):
+        lam = self._rates(x)
+        J = lam.unsqueeze(-1) * self.A  # [R, N, P]
+        r = 2 * (1 - self.n[rows] / lam)
+        g = torch.einsum("rn,rnp->rp", r, J)
+        H = torch.einsum("rn,rnp,rnq->rpq", 2 * self.n[rows] / lam**2, J, J)
+        return Derivatives(self.value(x, rows), g, H, J, r)
+
+
+def make_problem(B: int = 64, P: int = 6, N: int = 12, seed: int = 0, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    A = (torch.randn(N, P, generator=gen, dtype=dtype) * 0.4).to(DEVICE)
+    truth = torch.randn(B, P, generator=gen, dtype=dtype).to(DEVICE) * 0.5
+    n = torch.poisson(torch.exp(truth @ A.T) * 20).to(DEVICE) / 20 + 0.05
+    return A, n
+
+
+@pytest.mark.parametrize("name", INFERENCE_MODULES)
+def test_docstring_examples(name):
+    module = importlib.import_module(f"pyhf_gpu_server.inference.{name}")
+    failures, _ = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert failures == 0
+
+
+def test_reaches_the_exact_minimum_of_a_batch_with_bounds_and_fixed_parameters():
+    A, n = make_problem()
+    B, P = n.shape[0], A.shape[1]
+    objective = Poisson(A, n)
+    init = torch.zeros(B, P, dtype=A.dtype, device=DEVICE)
+    bounds = torch.tensor([-0.2, 0.2], dtype=A.dtype, device=DEVICE).expand(B, P, 2)
+    fixed = torch.zeros(B, P, dtype=torch.bool, device=DEVICE)
+    fixed[::2, 0] = True
+    init[::2, 0] = 0.1
+    res = minimize(objective, init, bounds, fixed)
+    assert res.converged.all()
+    assert res.x.device == DEVICE
+    assert torch.all(res.x[::2, 0] == 0.1)
+    assert torch.all((res.x >= -0.2) & (res.x <= 0.2))
+    # KKT: zero gradient on free interior parameters, outward gradient on active bounds
+    g = objective.derivatives(res.x, torch.arange(B, device=DEVICE)).g
+    interior = (res.x.abs() < 0.2 - 1e-9) & ~fixed
+    assert g[interior].abs().max() < 1e-4
+    at_upper = (res.x >= 0.2 - 1e-12) & ~fixed
+    assert torch.all(g[at_upper] <= 1e-8)
+    # a row fitted alone gives the same minimum
+    alone = minimize(Poisson(A, n[1:2]), init[1:2], bounds[1:2], fixed[1:2])
+    assert abs(alone.fun.item() - res.fun[1].item()) < 1e-9
+
+
+@pytest.mark.parametrize("secant", [True, False])
+def test_unbounded_minimum_matches_the_analytic_one(secant):
+    A, n = make_problem(B=8, P=3, N=3, seed=1)  # square A: rates can match the counts
+    objective = Poisson(A, n)
+    init = torch.zeros(8, 3, dtype=A.dtype, device=DEVICE)
+    wide = torch.tensor([-50.0, 50.0], dtype=A.dtype, device=DEVICE).expand(8, 3, 2)
+    res = minimize(objective, init, wide, options=MinimizeOptions(secant=secant))
+    exact = torch.linalg.solve(A, torch.log(n).T).T
+    rows = torch.arange(8, device=DEVICE)
+    assert res.converged.all()
+    assert torch.all(res.fun - objective.value(exact, rows) < 1e-9)
+    assert torch.allclose(res.x, exact, atol=1e-3)
+
+
+def test_a_failing_row_is_reported_failed_and_does_not_spoil_the_others():
+    A, n = make_problem(B=4)
+    objective = Poisson(A, n, value_fails_above=1e-3)  # NaN everywhere but near 0
+    init = torch.zeros(4, A.shape[1], dtype=A.dtype, device=DEVICE)
+    bounds = torch.tensor([-5.0, 5.0], dtype=A.dtype, device=DEVICE).expand(4, A.shape[1], 2)
+    res = minimize(objective, init, bounds)
+    assert not res.converged.any()
+    healthy = minimize(Poisson(A, n), init, bounds)
+    mixed_init = torch.stack([init[0], init[1] + 10.0])  # second row starts outside -> clipped
+    mixed = minimize(Poisson(A, n), mixed_init, bounds[:2])
+    assert healthy.converged.all() and mixed.converged.all()
+
+
+def test_running_out_of_iterations_is_not_convergence():
+    A, n = make_problem(B=4)
+    init = torch.full((4, A.shape[1]), 2.0, dtype=A.dtype, device=DEVICE)
+    bounds = torch.tensor([-5.0, 5.0], dtype=A.dtype, device=DEVICE).expand(4, A.shape[1], 2)
+    res = minimize(Poisson(A, n), init, bounds, options=MinimizeOptions(max_iter=1))
+    assert not res.converged.any()
+    assert torch.all(res.iterations == 1)
+
+
+def test_float32_converges_close_to_the_float64_minimum():
+    A, n = make_problem(B=16)
+    init = torch.zeros(16, A.shape[1], dtype=A.dtype, device=DEVICE)
+    bounds = torch.tensor([-2.0, 2.0], dtype=A.dtype, device=DEVICE).expand(16, A.shape[1], 2)
+    ref = minimize(Poisson(A, n), init, bounds)
+    single = minimize(Poisson(A.float(), n.float()), init.float(), bounds.float())
+    assert single.x.dtype == torch.float32
+    assert single.converged.all()
+    assert torch.allclose(single.fun.double(), ref.fun, atol=1e-3)

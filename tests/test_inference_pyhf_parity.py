@@ -1,0 +1,148 @@
+"""Parity with pyhf computed in the test: fits, q / qtilde / q0 hypotests, upper limits,
+significance, on pyhf.simplemodels and on the smallest shared workspace (sbottom-B)."""
+
+from __future__ import annotations
+
+from functools import cache
+
+import numpy as np
+import pyhf
+import pytest
+import torch
+from conftest import shared_workspace
+from pyhf_gpu_server.engine import HistFactoryModel
+from pyhf_gpu_server.inference import fit, fixed_poi_fit, hypotest, significance, upper_limit
+from test_inference_support import DEVICE, as_workspace, one_thread  # noqa: F401 (fixture)
+
+TEST_POIS = [0.2, 0.5, 1.0, 1.5, 2.5]
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+SIMPLE = {
+    "uncorrelated": (
+        lambda: pyhf.simplemodels.uncorrelated_background([12.0, 11.0], [50.0, 52.0], [3.0, 7.0]),
+        [51.0, 48.0],
+    ),
+    "correlated": (
+        lambda: pyhf.simplemodels.correlated_background([12.0, 11.0], [50.0, 52.0], [45.0, 47.0], [55.0, 59.0]),
+        [53.0, 57.0],
+    ),
+    "excess": (
+        lambda: pyhf.simplemodels.uncorrelated_background([12.0, 11.0], [50.0, 52.0], [3.0, 7.0]),
+        [62.0, 61.0],
+    ),
+}
+
+
+@cache
+def simple(name: str) -> tuple[pyhf.Model, list[float], HistFactoryModel]:
+    make, observations = SIMPLE[name]
+    pyhf_model = make()
+    ours = HistFactoryModel.from_workspace(as_workspace(pyhf_model, observations), device=DEVICE)
+    return pyhf_model, observations + pyhf_model.config.auxdata, ours
+
+
+@pytest.fixture(autouse=True)
+def numpy_backend():
+    pyhf.set_backend("numpy")
+
+
+@pytest.mark.parametrize("name", sorted(SIMPLE))
+@pytest.mark.parametrize("test_stat", ["qtilde", "q"])
+def test_hypotest_scan_matches_pyhf(name, test_stat):
+    pyhf_model, data, model = simple(name)
+    bounds = None
+    pyhf_bounds = pyhf_model.config.suggested_bounds()
+    if test_stat == "q":  # pyhf's q example: the POI may go negative
+        pyhf_bounds[pyhf_model.config.poi_index] = [-10.0, 10.0]
+        bounds = torch.tensor(pyhf_bounds, dtype=model.dtype, device=model.device)
+    ours = hypotest(model, TEST_POIS, test_stat=test_stat, bounds=bounds)  # one batched call
+    assert ours.converged.all()
+    for i, mu in enumerate(TEST_POIS):
+        obs, exp = pyhf.infer.hypotest(
+            mu, data, pyhf_model, par_bounds=pyhf_bounds, test_stat=test_stat, return_expected_set=True
+        )
+        assert ours.cls_obs[i].item() == pytest.approx(float(obs), abs=5e-5)
+        assert ours.cls_exp[i].tolist() == pytest.approx([float(e) for e in exp], abs=5e-5)
+
+
+@pytest.mark.parametrize("name", ["excess", "correlated"])
+def test_q0_and_significance_match_pyhf(name):
+    pyhf_model, data, model = simple(name)
+    p0, p0_exp = pyhf.infer.hypotest(0.0, data, pyhf_model, test_stat="q0", return_expected_set=True)
+    ours = hypotest(model, 0.0, test_stat="q0")
+    assert ours.to_pyhf_json(0)["CLs_obs"] == pytest.approx(float(p0), abs=2e-4)
+    assert ours.to_pyhf_json(0)["CLs_exp"] == pytest.approx([float(p) for p in p0_exp], abs=2e-4)
+    found = significance(model)
+    assert found.p0_obs.item() == pytest.approx(float(p0), abs=2e-4)
+    assert found.z_obs.item() == pytest.approx(-float(torch.special.ndtri(torch.tensor(float(p0)))), abs=5e-3)
+
+
+@pytest.mark.parametrize("name", ["uncorrelated", "correlated"])
+def test_upper_limits_match_pyhf(name):
+    pyhf_model, data, model = simple(name)
+    obs, exp = pyhf.infer.intervals.upper_limits.upper_limit(data, pyhf_model, level=0.05)
+    ours = upper_limit(model)
+    assert ours.converged.all()
+    assert ours.obs.item() == pytest.approx(float(obs), rel=1e-3)
+    assert ours.exp[0].tolist() == pytest.approx([float(e) for e in exp], rel=1e-3)
+
+    scan = np.linspace(0.0, 5.0, 11)
+    obs, exp = pyhf.infer.intervals.upper_limits.upper_limit(data, pyhf_model, scan=scan, level=0.05)
+    ours = upper_limit(model, scan=scan)
+    assert ours.obs.item() == pytest.approx(float(obs), rel=1e-3)
+    assert ours.exp[0].tolist() == pytest.approx([float(e) for e in exp], rel=1e-3)
+
+
+def test_upper_limit_beyond_the_poi_bound_widens_it():
+    _, _, model = simple("uncorrelated")
+    bounds = model.bounds[0].clone()
+    bounds[model.poi_index, 1] = 0.5  # every limit lies above this bound
+    ours = upper_limit(model, bounds=bounds)
+    wide = upper_limit(model)
+    assert ours.converged.all()
+    assert ours.obs.item() == pytest.approx(wide.obs.item(), rel=1e-4)
+    assert ours.exp[0].tolist() == pytest.approx(wide.exp[0].tolist(), rel=1e-4)
+
+
+def test_fits_are_at_least_as_good_as_pyhf_on_simplemodels():
+    for name in SIMPLE:
+        pyhf_model, data, model = simple(name)
+        _, free = pyhf.infer.mle.fit(data, pyhf_model, return_fitted_val=True)
+        ours = fit(model)
+        assert ours.converged.all()
+        assert ours.best_twice_nll.item() <= float(free) + 1e-6
+        for mu in (0.0, 1.0, 3.0):
+            _, fixed = pyhf.infer.mle.fixed_poi_fit(mu, data, pyhf_model, return_fitted_val=True)
+            assert fixed_poi_fit(model, mu).best_twice_nll.item() <= float(fixed) + 1e-6
+
+
+def test_uncertainties_come_from_the_inverse_hessian_of_the_nll():
+    pyhf_model, _, model = simple("correlated")
+    ours = fit(model)
+    x = ours.bestfit[0].detach().clone()
+    H = torch.autograd.functional.hessian(lambda z: model.twice_nll(z[None], model.observed)[0], x)
+    free = ~model.fixed[0]
+    cov = torch.linalg.inv(0.5 * H[free][:, free])
+    assert torch.allclose(ours.uncertainty[0][free], cov.diagonal().sqrt(), rtol=1e-6)
+    assert torch.allclose(ours.corr_mat[0].diagonal()[free], torch.ones_like(cov.diagonal()))
+    as_json = ours.to_pyhf_json(0)
+    assert set(as_json["mle_parameters"]) == set(pyhf_model.config.par_order)
+    assert as_json["twice_nll"] == pytest.approx(ours.best_twice_nll.item())
+
+
+@pytest.mark.slow
+def test_poi_fixed_fits_on_sbottom_b_are_at_least_as_good_as_pyhf():
+    workspace, patchset, _ = shared_workspace("atlas-susy-2018-31-sbottom-B")
+    patched = pyhf.PatchSet(patchset).apply(pyhf.Workspace(workspace), "sig_s1_x1")
+    pyhf_model = patched.model()
+    data = patched.data(pyhf_model)
+    model = HistFactoryModel.from_workspace(patched, device=DEVICE)
+    pois = [0.0, 1.0, 4.0]
+    ours = fixed_poi_fit(model, torch.tensor(pois, dtype=model.dtype), element=[0, 0, 0], uncertainties=False)
+    assert ours.converged.all()
+    for i, mu in enumerate(pois):
+        _, theirs = pyhf.infer.mle.fixed_poi_fit(mu, data, pyhf_model, return_fitted_val=True)
+        assert ours.best_twice_nll[i].item() <= float(theirs) + 1e-6
+        assert ours.bestfit[i, model.poi_index].item() == mu

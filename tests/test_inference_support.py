@@ -1,0 +1,35 @@
+"""Shared pieces of the inference tests (no tests here).
+
+``PYHF_GPU_TEST_DEVICE`` (default ``cpu``) selects the device the inference tests build
+their models on, e.g. ``PYHF_GPU_TEST_DEVICE=cuda`` in ``benchmarks/gpu_check.sh``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pyhf
+import pytest
+import torch
+
+DEVICE = os.environ.get("PYHF_GPU_TEST_DEVICE", "cpu")
+
+
+def as_workspace(model: pyhf.Model, observations: list[float]) -> dict:
+    """A pyhf workspace around a simplemodel and its observed main data."""
+    return {
+        **model.spec,
+        "observations": [{"name": model.config.channels[0], "data": observations}],
+        "measurements": [{"name": "meas", "config": {"poi": "mu", "parameters": []}}],
+        "version": "1.0.0",
+    }
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Small batched fits are latency-bound: on a shared 2-core machine one intra-op thread
+    avoids oversubscription (2 threads were 10x slower here). Restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

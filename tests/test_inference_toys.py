@@ -1,0 +1,106 @@
+"""The toy-based calculator: pyhf's sampling and test statistics, batched and seedable."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pyhf
+import pytest
+import torch
+from pyhf_gpu_server.engine import HistFactoryModel
+from pyhf_gpu_server.inference import hypotest
+from pyhf_gpu_server.inference.test_statistics import compute
+from pyhf_gpu_server.inference.toys import sample_toys
+from test_inference_support import DEVICE, one_thread  # noqa: F401 (fixture)
+
+OBSERVED = [12.0, 10.0]
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def models() -> tuple[pyhf.Model, list[float], HistFactoryModel]:
+    pyhf_model = pyhf.simplemodels.uncorrelated_background([5.0, 4.0], [10.0, 9.0], [2.0, 1.5])
+    workspace = {
+        **pyhf_model.spec,
+        "observations": [{"name": "singlechannel", "data": OBSERVED}],
+        "measurements": [{"name": "meas", "config": {"poi": "mu", "parameters": []}}],
+        "version": "1.0.0",
+    }
+    ours = HistFactoryModel.from_workspace(workspace, device=DEVICE)
+    return pyhf_model, OBSERVED + pyhf_model.config.auxdata, ours
+
+
+@pytest.fixture
+def numpy2_percentile(monkeypatch):
+    """pyhf 0.7.6 calls np.percentile(..., interpolation=...), gone in NumPy 2."""
+    from pyhf.tensor.numpy_backend import numpy_backend
+
+    def percentile(self, tensor_in, q, axis=None, interpolation="linear"):
+        return np.percentile(tensor_in, q, axis=axis, method=interpolation)
+
+    monkeypatch.setattr(numpy_backend, "percentile", percentile)
+    pyhf.set_backend("numpy")
+
+
+def binomial_se(p: float, n: int) -> float:
+    return math.sqrt(max(p * (1 - p), 1e-4) / n)
+
+
+def cls_se(clsb: float, clb: float, n: int) -> float:
+    """Monte-Carlo standard error of CLsb / CLb (delta method)."""
+    cls = clsb / clb
+    return cls * math.hypot(binomial_se(clsb, n) / max(clsb, 1e-3), binomial_se(clb, n) / max(clb, 1e-3))
+
+
+def test_same_seed_same_result_other_seed_other_result(models):
+    _, _, model = models
+    first = hypotest(model, 1.0, calctype="toybased", ntoys=200, seed=7)
+    again = hypotest(model, 1.0, calctype="toybased", ntoys=200, seed=7)
+    other = hypotest(model, 1.0, calctype="toybased", ntoys=200, seed=8)
+    assert torch.equal(first.cls_obs, again.cls_obs) and torch.equal(first.cls_exp, again.cls_exp)
+    assert not torch.equal(first.cls_exp, other.cls_exp)
+    assert first.converged.all()
+
+
+def test_toy_test_statistics_equal_pyhf_on_the_same_toys(models):
+    pyhf_model, data, model = models
+    pyhf.set_backend("numpy")
+    generator = torch.Generator(device=model.device).manual_seed(3)
+    element = torch.zeros(1, dtype=torch.long, device=model.device)
+    toys = sample_toys(model, model.init, element, 12, generator)[0]
+    assert toys.shape == (12, len(data))
+    assert torch.all(toys[:, : model.n_main] == toys[:, : model.n_main].round())  # Poisson counts
+    mu = torch.ones(12, dtype=model.dtype, device=model.device)
+    ours, _, _ = compute("qtilde", model, mu, toys, element.expand(12), poi_floor=0.0)
+    for i, toy in enumerate(toys.tolist()):
+        theirs = pyhf.infer.test_statistics.qmu_tilde(
+            1.0, np.asarray(toy), pyhf_model, pyhf_model.config.suggested_init(),
+            pyhf_model.config.suggested_bounds(), pyhf_model.config.suggested_fixed(),
+        )
+        assert ours[i].item() == pytest.approx(float(theirs), abs=2e-4)
+
+
+@pytest.mark.slow
+def test_toy_cls_within_three_standard_errors_of_pyhf(models, numpy2_percentile):
+    pyhf_model, data, model = models
+    n_pyhf, n_ours = 200, 4000
+    np.random.seed(11)
+    cls, (clsb, clb), _ = pyhf.infer.hypotest(
+        1.0, data, pyhf_model, calctype="toybased", ntoys=n_pyhf,
+        return_tail_probs=True, return_expected_set=True, track_progress=False,
+    )
+    ours = hypotest(model, 1.0, calctype="toybased", ntoys=n_ours, seed=5)
+    assert ours.converged.all(), ours.non_converged()
+    se = math.hypot(
+        cls_se(float(clsb), float(clb), n_pyhf),
+        cls_se(ours.clsb_obs.item(), ours.clb_obs.item(), n_ours),
+    )
+    assert abs(ours.cls_obs.item() - float(cls)) <= 3 * se
+    assert abs(ours.clb_obs.item() - float(clb)) <= 3 * math.hypot(
+        binomial_se(float(clb), n_pyhf), binomial_se(ours.clb_obs.item(), n_ours)
+    )
+    # the asymptotic CLs is a sanity anchor for the median of the toys
+    asymptotic = hypotest(model, 1.0)
+    assert abs(ours.cls_exp[0, 2].item() - asymptotic.cls_exp[0, 2].item()) < 0.05
