@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pyhf
 import torch
+
 from pyhf_gpu_server.engine import HistFactoryModel, KernelCache
 
 WORKSPACES = Path(__file__).resolve().parents[2] / "shared" / "workspaces"

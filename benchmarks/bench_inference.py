@@ -35,7 +35,9 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-WORKSPACES = Path(os.environ.get("PYHF_GPU_SHARED_WORKSPACES", REPO.parent / "shared" / "workspaces"))
+WORKSPACES = Path(
+    os.environ.get("PYHF_GPU_SHARED_WORKSPACES", REPO.parent / "shared" / "workspaces")
+)
 ALL = sorted(p.parent.name for p in WORKSPACES.glob("*/reference.json"))
 PATCH = "sig_s1_x1"
 SCAN = [0.05 + i * (5.0 - 0.05) / 63 for i in range(64)]
@@ -46,10 +48,14 @@ from pyhf_gpu_server.inference import hypotest, upper_limit  # noqa: E402
 
 def load(name: str) -> tuple[dict, dict]:
     folder = WORKSPACES / name
-    return json.loads((folder / "BkgOnly.json").read_text()), json.loads((folder / "patchset.json").read_text())
+    return json.loads((folder / "BkgOnly.json").read_text()), json.loads(
+        (folder / "patchset.json").read_text()
+    )
 
 
-def timed(fn: Callable[[], object], device: torch.device, warm: bool = True) -> tuple[float, object]:
+def timed(
+    fn: Callable[[], object], device: torch.device, warm: bool = True
+) -> tuple[float, object]:
     """Seconds of one call of ``fn`` (after a warm-up call), and its result."""
     if warm:
         fn()
@@ -74,27 +80,46 @@ def ours(names: list[str], tasks: set[str], device: torch.device, ntoys: int) ->
             s, r64 = timed(lambda m=one: hypotest(m, 1.0), device)
             s32, r32 = timed(lambda m=one32: hypotest(m, 1.0), device)
             dev = max(_deviation(r64, r32))
-            results.setdefault("a", {})[name] = {"s": s, "s32": s32, "dev32": dev, "cls": r64.cls_obs.item()}
+            results.setdefault("a", {})[name] = {
+                "s": s,
+                "s32": s32,
+                "dev32": dev,
+                "cls": r64.cls_obs.item(),
+            }
         if "b" in tasks:
             scan = torch.tensor(SCAN, dtype=one.dtype, device=device)
             s, _ = timed(lambda m=one, x=scan: hypotest(m, x), device)
             s32, _ = timed(lambda m=one32, x=scan: hypotest(m, x.float()), device)
             results.setdefault("b", {})[name] = {"s": s, "s32": s32}
         if "d" in tasks:
-            s, r = timed(lambda m=one: hypotest(m, 1.0, calctype="toybased", ntoys=ntoys, seed=1), device, warm=False)
+            s, r = timed(
+                lambda m=one: hypotest(m, 1.0, calctype="toybased", ntoys=ntoys, seed=1),
+                device,
+                warm=False,
+            )
             results.setdefault("d", {})[name] = {"s": s, "cls": r.cls_obs.item(), "ntoys": ntoys}
         if "e" in tasks:
             s, r = timed(lambda m=one: upper_limit(m), device)
-            results.setdefault("e", {})[name] = {"s": s, "obs": r.obs.item(), "hypotests": int(r.hypotests[0])}
+            results.setdefault("e", {})[name] = {
+                "s": s,
+                "obs": r.obs.item(),
+                "hypotests": int(r.hypotests[0]),
+            }
         if "c" in tasks:
             every = HistFactoryModel.from_patchset(workspace, patchset, device=device)
             every32 = every.to(dtype=torch.float32)
             s, r64 = timed(lambda m=every: hypotest(m, 1.0), device)
             s32, r32 = timed(lambda m=every32: hypotest(m, 1.0), device)
             results.setdefault("c", {})[name] = {
-                "s": s, "s32": s32, "dev32": max(_deviation(r64, r32)), "converged": bool(r64.converged.all()),
+                "s": s,
+                "s32": s32,
+                "dev32": max(_deviation(r64, r32)),
+                "converged": bool(r64.converged.all()),
             }
-        print(f"ours {name}: {json.dumps({t: results[t][name] for t in results if name in results[t]})}", flush=True)
+        print(
+            f"ours {name}: {json.dumps({t: results[t][name] for t in results if name in results[t]})}",
+            flush=True,
+        )
     return results
 
 
@@ -106,7 +131,7 @@ def _deviation(a, b) -> list[float]:
 
 
 # --------------------------------------------------------------------------- peers
-PEER = r'''
+PEER = r"""
 import json, sys, time
 import numpy as np
 cfg = json.loads(sys.stdin.read())
@@ -186,26 +211,43 @@ for name in names:
         if key in tasks and left() > 0:
             guarded(key, name, fn)
 print(json.dumps(out))
-'''
+"""
 
 
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
 
 def peers(
-    peer_names: list[str], names: list[str], tasks: set[str], python: str, ntoys: int, budget: float, threads: int
+    peer_names: list[str],
+    names: list[str],
+    tasks: set[str],
+    python: str,
+    ntoys: int,
+    budget: float,
+    threads: int,
 ) -> dict:
     """Each peer's timings, from a subprocess in the peers' virtual environment."""
     found = {}
     for peer in peer_names:
         cfg = {
-            "peer": peer, "names": names, "tasks": sorted(tasks), "dir": str(WORKSPACES),
-            "patch": PATCH, "scan": SCAN, "ntoys": ntoys, "budget": budget,
+            "peer": peer,
+            "names": names,
+            "tasks": sorted(tasks),
+            "dir": str(WORKSPACES),
+            "patch": PATCH,
+            "scan": SCAN,
+            "ntoys": ntoys,
+            "budget": budget,
         }
         print(f"running peer {peer} ...", flush=True)
         env = {**os.environ, **{v: str(threads) for v in THREAD_VARIABLES}}
         proc = subprocess.run(
-            [python, "-c", PEER], input=json.dumps(cfg), capture_output=True, text=True, check=False, env=env
+            [python, "-c", PEER],
+            input=json.dumps(cfg),
+            capture_output=True,
+            text=True,
+            check=False,
+            env=env,
         )
         for line in proc.stderr.splitlines():
             if line.startswith("PEER"):
@@ -234,7 +276,9 @@ def markdown(our: dict, peer: dict, device: torch.device, ntoys: int) -> str:
         "Times in seconds; ratio = peer time / our float64 time. "
         "`~` marks a peer time extrapolated from the items it was timed on (k/n).",
         "",
-        "| task | workspace | ours f64 | ours f32 | f32 max abs CLs dev | " + " | ".join(peer) + " |",
+        "| task | workspace | ours f64 | ours f32 | f32 max abs CLs dev | "
+        + " | ".join(peer)
+        + " |",
         "|---|---|---|---|---|" + "---|" * len(peer),
     ]
     for task, title in TASKS.items():
@@ -247,8 +291,8 @@ def markdown(our: dict, peer: dict, device: torch.device, ntoys: int) -> str:
                 if not theirs:
                     row.append("n/a")
                     continue
-                if "error" in theirs:
-                    row.append("fails: " + theirs["error"].replace("|", "/")[:60])
+                if "error" in theirs:  # details in the run's log
+                    row.append(f"fails ({theirs['error'].split(':')[0]})")
                     continue
                 mark = "~" if theirs.get("items", 1) < theirs.get("of", 1) else ""
                 note = f" ({theirs['items']}/{theirs['of']})" if mark else ""
@@ -259,47 +303,81 @@ def markdown(our: dict, peer: dict, device: torch.device, ntoys: int) -> str:
 
 def goals(device: torch.device) -> None:
     """The H200 goals: 480 hypotests (24 patches x 20 test_poi) on the largest workspace, 10^4 toys."""
-    largest = max(ALL, key=lambda n: json.loads((WORKSPACES / n / "reference.json").read_text())["npars"])
+    largest = max(
+        ALL, key=lambda n: json.loads((WORKSPACES / n / "reference.json").read_text())["npars"]
+    )
     workspace, patchset = load(largest)
     every = HistFactoryModel.from_patchset(workspace, patchset, device=device)
     pois = torch.linspace(0.1, 4.0, 20, dtype=every.dtype, device=device)
     s, r = timed(lambda: hypotest(every, pois), device)
-    print(f"GOAL 480 hypotests on {largest}: {s:.3f} s (goal < 1 s), converged {bool(r.converged.all())}")
-    one = HistFactoryModel.from_workspace(workspace, patches=[patchset["patches"][0]["patch"]], device=device)
+    print(
+        f"GOAL 480 hypotests on {largest}: {s:.3f} s (goal < 1 s), converged {bool(r.converged.all())}"
+    )
+    one = HistFactoryModel.from_workspace(
+        workspace, patches=[patchset["patches"][0]["patch"]], device=device
+    )
     s, r = timed(lambda: hypotest(one, 1.0, calctype="toybased", ntoys=10_000, seed=1), device)
-    print(f"GOAL 10^4 toys on {largest}: {s:.3f} s (goal < 5 s), converged {bool(r.converged.all())}")
+    print(
+        f"GOAL 10^4 toys on {largest}: {s:.3f} s (goal < 5 s), converged {bool(r.converged.all())}"
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--device", default=os.environ.get("PYHF_GPU_TEST_DEVICE", "cpu"))
     parser.add_argument("--workspaces", nargs="*", default=ALL)
     parser.add_argument("--tasks", default="abcde")
-    parser.add_argument("--detail", nargs="*", default=["atlas-susy-2018-31-sbottom-B", "atlas-susy-2018-04-stau"],
-                        help="workspaces for the scan, toys and limits (b, d, e)")
+    parser.add_argument(
+        "--detail",
+        nargs="*",
+        default=["atlas-susy-2018-31-sbottom-B", "atlas-susy-2018-04-stau"],
+        help="workspaces for the scan, toys and limits (b, d, e)",
+    )
     parser.add_argument("--ntoys", type=int, default=1000)
     parser.add_argument("--peers", nargs="*", default=["pyhf-numpy", "pyhf-jax", "nextstat"])
     parser.add_argument("--peer-python", default="/tmp/bench-venv/bin/python")
     parser.add_argument("--peer-budget", type=float, default=420.0, help="seconds per peer")
-    parser.add_argument("--out", default=str(REPO / "docs" / "BENCH_INFERENCE.md"), help="'-' for stdout only")
+    parser.add_argument(
+        "--out", default=str(REPO / "docs" / "BENCH_INFERENCE.md"), help="'-' for stdout only"
+    )
     parser.add_argument("--goals", action="store_true", help="also time the H200 goals")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="CPU threads for us (torch) and the peers' numpy/BLAS (OMP_NUM_THREADS etc.)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="CPU threads for us (torch) and the peers' numpy/BLAS (OMP_NUM_THREADS etc.)",
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     tasks = set(args.tasks)
     broad, detail = tasks & {"a", "c"}, tasks - {"a", "c"}
     our = ours(args.workspaces, broad, device, args.ntoys)
-    for task, recs in ours([n for n in args.workspaces if n in args.detail], detail, device, args.ntoys).items():
+    for task, recs in ours(
+        [n for n in args.workspaces if n in args.detail], detail, device, args.ntoys
+    ).items():
         our[task] = recs
     peer_names = [p for p in args.peers if p != "none"]
     theirs = {}
     if peer_names:
         budget = args.peer_budget / 2
-        theirs.update(peers(peer_names, args.workspaces, broad, args.peer_python, args.ntoys, budget, args.threads))
+        theirs.update(
+            peers(
+                peer_names,
+                args.workspaces,
+                broad,
+                args.peer_python,
+                args.ntoys,
+                budget,
+                args.threads,
+            )
+        )
         detail_names = [n for n in args.workspaces if n in args.detail]
-        more = peers(peer_names, detail_names, detail, args.peer_python, args.ntoys, budget, args.threads)
+        more = peers(
+            peer_names, detail_names, detail, args.peer_python, args.ntoys, budget, args.threads
+        )
         for p, recs in more.items():
             theirs.setdefault(p, {}).update(recs)
     table = markdown(our, theirs, device, args.ntoys)

@@ -438,7 +438,8 @@ def submit_flow(
     spec = load_json(workspace, "workspace")
     ref = yield from resolve_workspace(spec, config, state)
     body = {"operation": operation, **ref, **options}
-    data = yield from call_json(Request("POST", "/jobs", body=body, has_body=True), config.retry)
+    request = Request("POST", "/jobs", body=body, has_body=True, idempotent=False)
+    data = yield from call_json(request, config.retry)
     return Job.from_json(data, operation=operation)
 
 

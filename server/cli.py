@@ -6,6 +6,7 @@ import sys
 from collections.abc import Sequence
 
 import uvicorn
+
 from pyhf_gpu_server.service.app import create_app
 from pyhf_gpu_server.service.logs import configure_logging
 from pyhf_gpu_server.service.settings import settings_from_args

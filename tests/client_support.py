@@ -137,6 +137,14 @@ class StubReply:
     delay_s: float = 0.0
 
 
+class _QuietServer(ThreadingHTTPServer):
+    """A stub server that does not print a client's hang-up (the timeout tests cause them)
+    to stderr, where a later test capturing stderr would read it."""
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass
+
+
 @contextmanager
 def stub_server(replies: list[StubReply]) -> Iterator[tuple[str, list[dict[str, Any]]]]:
     """A real HTTP server on 127.0.0.1 answering ``replies`` in order (the last repeats).
@@ -178,7 +186,7 @@ def stub_server(replies: list[StubReply]) -> Iterator[tuple[str, list[dict[str, 
         def log_message(self, format: str, *args: Any) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server = _QuietServer(("127.0.0.1", 0), Handler)
     thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
     thread.start()
     try:

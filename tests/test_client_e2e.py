@@ -18,12 +18,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import pyhf_gpu_client as pgc
 import pytest
 from click.testing import CliRunner
-from pyhf_gpu_client import cli
+from service_support import running_server
 
-from tests.service_support import running_server
+import pyhf_gpu_client as pgc
+from pyhf_gpu_client import cli
 
 pyhf = pytest.importorskip("pyhf")
 from pyhf.cli import cli as pyhf_cli  # noqa: E402
@@ -288,12 +288,17 @@ def test_patchset_fit_and_upper_limit_with_names(server):
         str(SHARED / "BkgOnly.json"),
         "--patchset",
         str(SHARED / "patchset.json"),
-        *name_args[:2],
+        "--patch-name",
+        reference[-1]["patch"],  # the strongest signal: a limit a little above mu = 1
+        "--scan",
+        "0:5:11",  # the automatic scan is tested on the small model (it costs ~13 s here)
     )
     assert res.exit_code == 0, res.output
     limits = assert_pyhf_format(res.stdout)
-    assert list(limits) == chosen[:1]
-    assert set(limits[chosen[0]]) == {"upper_limit_obs", "upper_limit_exp", "level"}
+    assert list(limits) == [reference[-1]["patch"]]
+    limit = limits[reference[-1]["patch"]]
+    assert set(limit) == {"upper_limit_obs", "upper_limit_exp", "level"}
+    assert limit["upper_limit_obs"] > 1.0  # CLs(mu = 1) = 0.375 > 0.05: mu = 1 is allowed
 
 
 def test_upper_limit_close_to_pyhf(server, files):

@@ -6,11 +6,11 @@ import asyncio
 import itertools
 import json
 
-import pyhf_gpu_client as pgc
 from click.testing import CliRunner
-from pyhf_gpu_client import cli
+from client_support import CLS_ANSWER, StubReply, simple_workspace, stub_server
 
-from tests.client_support import CLS_ANSWER, StubReply, simple_workspace, stub_server
+import pyhf_gpu_client as pgc
+from pyhf_gpu_client import cli
 
 OK = StubReply(200, {**CLS_ANSWER, "meta": {"device": "stub"}})
 

@@ -10,19 +10,19 @@ from pathlib import Path
 
 import click
 import httpx
-import pyhf_gpu_client as pgc
 import pytest
 from click.testing import CliRunner
-from pyhf_gpu_client import cli, protocol
-from pyhf_gpu_client.results import CLsResult, FitResult, Job, parse_result, result_to_json
-
-from tests.client_support import (
+from client_support import (
     CLS_ANSWER,
     FakeService,
     body_of,
     mock_client_factory,
     simple_workspace,
 )
+
+import pyhf_gpu_client as pgc
+from pyhf_gpu_client import cli, protocol
+from pyhf_gpu_client.results import CLsResult, FitResult, Job, parse_result, result_to_json
 
 SHARED = Path("/work/shared/workspaces/atlas-susy-2018-31-sbottom-B")
 
@@ -508,3 +508,17 @@ def test_progress_bar_on_terminal():
     bar.close()
     assert stream.getvalue().startswith("\rabc [" + "#" * 15 + "-" * 15 + "]  50% running")
     assert stream.getvalue().endswith("\n")
+
+
+def test_dropped_connection_retried_only_when_idempotent():
+    dropped = httpx.RemoteProtocolError("server disconnected")
+    ok = httpx.Response(200, json={**CLS_ANSWER, "meta": {}})
+    service = FakeService(script={"POST /cls": [dropped, ok]})
+    with make_client(service) as client:
+        assert client.cls(simple_workspace()).to_pyhf_json() == CLS_ANSWER
+    assert len(service.requests) == 2
+    # a job submission may have reached the server: not sent twice (no duplicate jobs)
+    service = FakeService(script={"POST /jobs": [dropped]})
+    with make_client(service) as client, pytest.raises(pgc.TransportError):
+        client.submit("cls", simple_workspace())
+    assert len(service.requests) == 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import shared_workspace
+
 from pyhf_gpu_server.engine import HistFactoryModel, KernelCache, batch_bucket
 
 

@@ -11,8 +11,9 @@ import pytest
 import torch
 from conftest import shared_workspace
 from hand_built import all_modifiers_workspace
-from pyhf_gpu_server.engine import HistFactoryModel
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+from pyhf_gpu_server.engine import HistFactoryModel
 
 MIXED_DEVICES = "Expected all tensors to be on the same device"
 

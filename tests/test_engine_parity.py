@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import reference_patches, shared_workspace
 from hand_built import all_modifiers_workspace
+
 from pyhf_gpu_server.engine import HistFactoryModel
 
 RTOL = 1e-10

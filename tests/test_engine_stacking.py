@@ -7,6 +7,7 @@ import pytest
 import torch
 from conftest import shared_workspace
 from hand_built import all_modifiers_workspace, with_signal_scale
+
 from pyhf_gpu_server.engine import HistFactoryModel, IncompatibleModelsError
 
 N_PATCHES = 4

@@ -7,9 +7,10 @@ import importlib
 
 import pytest
 import torch
-from pyhf_gpu_server.inference.minimize import Derivatives, MinimizeOptions, minimize
 from test_inference_support import DEVICE as DEVICE_NAME
 from test_inference_support import one_thread  # noqa: F401 (fixture)
+
+from pyhf_gpu_server.inference.minimize import Derivatives, MinimizeOptions, minimize
 
 DEVICE = torch.device(DEVICE_NAME)
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -10,9 +10,10 @@ import pyhf
 import pytest
 import torch
 from conftest import shared_workspace
+from test_inference_support import DEVICE, as_workspace, one_thread  # noqa: F401 (fixture)
+
 from pyhf_gpu_server.engine import HistFactoryModel
 from pyhf_gpu_server.inference import fit, fixed_poi_fit, hypotest, significance, upper_limit
-from test_inference_support import DEVICE, as_workspace, one_thread  # noqa: F401 (fixture)
 
 TEST_POIS = [0.2, 0.5, 1.0, 1.5, 2.5]
 
@@ -25,7 +26,9 @@ SIMPLE = {
         [51.0, 48.0],
     ),
     "correlated": (
-        lambda: pyhf.simplemodels.correlated_background([12.0, 11.0], [50.0, 52.0], [45.0, 47.0], [55.0, 59.0]),
+        lambda: pyhf.simplemodels.correlated_background(
+            [12.0, 11.0], [50.0, 52.0], [45.0, 47.0], [55.0, 59.0]
+        ),
         [53.0, 57.0],
     ),
     "excess": (
@@ -61,7 +64,12 @@ def test_hypotest_scan_matches_pyhf(name, test_stat):
     assert ours.converged.all()
     for i, mu in enumerate(TEST_POIS):
         obs, exp = pyhf.infer.hypotest(
-            mu, data, pyhf_model, par_bounds=pyhf_bounds, test_stat=test_stat, return_expected_set=True
+            mu,
+            data,
+            pyhf_model,
+            par_bounds=pyhf_bounds,
+            test_stat=test_stat,
+            return_expected_set=True,
         )
         assert ours.cls_obs[i].item() == pytest.approx(float(obs), abs=5e-5)
         assert ours.cls_exp[i].tolist() == pytest.approx([float(e) for e in exp], abs=5e-5)
@@ -70,13 +78,17 @@ def test_hypotest_scan_matches_pyhf(name, test_stat):
 @pytest.mark.parametrize("name", ["excess", "correlated"])
 def test_q0_and_significance_match_pyhf(name):
     pyhf_model, data, model = simple(name)
-    p0, p0_exp = pyhf.infer.hypotest(0.0, data, pyhf_model, test_stat="q0", return_expected_set=True)
+    p0, p0_exp = pyhf.infer.hypotest(
+        0.0, data, pyhf_model, test_stat="q0", return_expected_set=True
+    )
     ours = hypotest(model, 0.0, test_stat="q0")
     assert ours.to_pyhf_json(0)["CLs_obs"] == pytest.approx(float(p0), abs=2e-4)
     assert ours.to_pyhf_json(0)["CLs_exp"] == pytest.approx([float(p) for p in p0_exp], abs=2e-4)
     found = significance(model)
     assert found.p0_obs.item() == pytest.approx(float(p0), abs=2e-4)
-    assert found.z_obs.item() == pytest.approx(-float(torch.special.ndtri(torch.tensor(float(p0)))), abs=5e-3)
+    assert found.z_obs.item() == pytest.approx(
+        -float(torch.special.ndtri(torch.tensor(float(p0)))), abs=5e-3
+    )
 
 
 @pytest.mark.parametrize("name", ["uncorrelated", "correlated"])
@@ -89,7 +101,9 @@ def test_upper_limits_match_pyhf(name):
     assert ours.exp[0].tolist() == pytest.approx([float(e) for e in exp], rel=1e-3)
 
     scan = np.linspace(0.0, 5.0, 11)
-    obs, exp = pyhf.infer.intervals.upper_limits.upper_limit(data, pyhf_model, scan=scan, level=0.05)
+    obs, exp = pyhf.infer.intervals.upper_limits.upper_limit(
+        data, pyhf_model, scan=scan, level=0.05
+    )
     ours = upper_limit(model, scan=scan)
     assert ours.obs.item() == pytest.approx(float(obs), rel=1e-3)
     assert ours.exp[0].tolist() == pytest.approx([float(e) for e in exp], rel=1e-3)
@@ -140,9 +154,24 @@ def test_poi_fixed_fits_on_sbottom_b_are_at_least_as_good_as_pyhf():
     data = patched.data(pyhf_model)
     model = HistFactoryModel.from_workspace(patched, device=DEVICE)
     pois = [0.0, 1.0, 4.0]
-    ours = fixed_poi_fit(model, torch.tensor(pois, dtype=model.dtype), element=[0, 0, 0], uncertainties=False)
+    ours = fixed_poi_fit(
+        model, torch.tensor(pois, dtype=model.dtype), element=[0, 0, 0], uncertainties=False
+    )
     assert ours.converged.all()
     for i, mu in enumerate(pois):
         _, theirs = pyhf.infer.mle.fixed_poi_fit(mu, data, pyhf_model, return_fitted_val=True)
         assert ours.best_twice_nll[i].item() <= float(theirs) + 1e-6
         assert ours.bestfit[i, model.poi_index].item() == mu
+
+
+def test_explicit_datasets_and_rows_give_the_same_results_as_observed_data():
+    _, _, model = simple("uncorrelated")
+    pois = torch.tensor([0.5, 1.0, 2.0], dtype=model.dtype, device=model.device)
+    implicit = hypotest(model, pois)
+    explicit = hypotest(model, pois, data=model.observed.expand(3, -1))
+    assert torch.allclose(implicit.cls_exp, explicit.cls_exp, atol=1e-9)
+    single = hypotest(model, 1.0)
+    assert single.cls_obs.item() == pytest.approx(implicit.cls_obs[1].item(), abs=1e-9)
+    assert fit(model, data=model.observed).best_twice_nll.item() == pytest.approx(
+        fit(model).best_twice_nll.item(), abs=1e-9
+    )

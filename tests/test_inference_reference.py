@@ -12,12 +12,12 @@ from functools import cache
 import pytest
 import torch
 from conftest import reference_patches, shared_workspace
-from pyhf_gpu_server.engine import HistFactoryModel
-from pyhf_gpu_server.inference import fit, hypotest
 from test_inference_support import DEVICE, one_thread  # noqa: F401 (fixture)
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+from pyhf_gpu_server.engine import HistFactoryModel
+from pyhf_gpu_server.inference import fit, hypotest
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @cache
@@ -57,7 +57,9 @@ def test_unconditional_minimum_is_never_worse_than_pyhf(shared_name):
 
 def test_results_stay_on_the_model_device():
     model = reference_model("atlas-susy-2018-31-sbottom-B")
-    result = hypotest(model, torch.tensor([0.5, 1.5], dtype=model.dtype, device=model.device), element=[0, 2])
+    result = hypotest(
+        model, torch.tensor([0.5, 1.5], dtype=model.dtype, device=model.device), element=[0, 2]
+    )
     for tensor in (result.cls_obs, result.cls_exp, result.teststat, result.converged):
         assert tensor.device == model.device
     assert result.cls_obs.dtype == model.dtype

@@ -8,11 +8,12 @@ import numpy as np
 import pyhf
 import pytest
 import torch
+from test_inference_support import DEVICE, one_thread  # noqa: F401 (fixture)
+
 from pyhf_gpu_server.engine import HistFactoryModel
 from pyhf_gpu_server.inference import hypotest
 from pyhf_gpu_server.inference.test_statistics import compute
 from pyhf_gpu_server.inference.toys import sample_toys
-from test_inference_support import DEVICE, one_thread  # noqa: F401 (fixture)
 
 OBSERVED = [12.0, 10.0]
 
@@ -51,7 +52,9 @@ def binomial_se(p: float, n: int) -> float:
 def cls_se(clsb: float, clb: float, n: int) -> float:
     """Monte-Carlo standard error of CLsb / CLb (delta method)."""
     cls = clsb / clb
-    return cls * math.hypot(binomial_se(clsb, n) / max(clsb, 1e-3), binomial_se(clb, n) / max(clb, 1e-3))
+    return cls * math.hypot(
+        binomial_se(clsb, n) / max(clsb, 1e-3), binomial_se(clb, n) / max(clb, 1e-3)
+    )
 
 
 def test_same_seed_same_result_other_seed_other_result(models):
@@ -76,8 +79,12 @@ def test_toy_test_statistics_equal_pyhf_on_the_same_toys(models):
     ours, _, _ = compute("qtilde", model, mu, toys, element.expand(12), poi_floor=0.0)
     for i, toy in enumerate(toys.tolist()):
         theirs = pyhf.infer.test_statistics.qmu_tilde(
-            1.0, np.asarray(toy), pyhf_model, pyhf_model.config.suggested_init(),
-            pyhf_model.config.suggested_bounds(), pyhf_model.config.suggested_fixed(),
+            1.0,
+            np.asarray(toy),
+            pyhf_model,
+            pyhf_model.config.suggested_init(),
+            pyhf_model.config.suggested_bounds(),
+            pyhf_model.config.suggested_fixed(),
         )
         assert ours[i].item() == pytest.approx(float(theirs), abs=2e-4)
 
@@ -88,8 +95,14 @@ def test_toy_cls_within_three_standard_errors_of_pyhf(models, numpy2_percentile)
     n_pyhf, n_ours = 200, 4000
     np.random.seed(11)
     cls, (clsb, clb), _ = pyhf.infer.hypotest(
-        1.0, data, pyhf_model, calctype="toybased", ntoys=n_pyhf,
-        return_tail_probs=True, return_expected_set=True, track_progress=False,
+        1.0,
+        data,
+        pyhf_model,
+        calctype="toybased",
+        ntoys=n_pyhf,
+        return_tail_probs=True,
+        return_expected_set=True,
+        track_progress=False,
     )
     ours = hypotest(model, 1.0, calctype="toybased", ntoys=n_ours, seed=5)
     assert ours.converged.all(), ours.non_converged()
@@ -104,3 +117,27 @@ def test_toy_cls_within_three_standard_errors_of_pyhf(models, numpy2_percentile)
     # the asymptotic CLs is a sanity anchor for the median of the toys
     asymptotic = hypotest(model, 1.0)
     assert abs(ours.cls_exp[0, 2].item() - asymptotic.cls_exp[0, 2].item()) < 0.05
+
+
+def test_toys_sample_normal_and_poisson_constraints_as_pyhf():
+    pyhf_model = pyhf.simplemodels.correlated_background(
+        [5.0, 4.0], [10.0, 9.0], [8.0, 7.0], [12.0, 11.0]
+    )
+    spec = {
+        **pyhf_model.spec,
+        "observations": [{"name": pyhf_model.config.channels[0], "data": [12.0, 10.0]}],
+        "measurements": [{"name": "meas", "config": {"poi": "mu", "parameters": []}}],
+        "version": "1.0.0",
+    }
+    model = HistFactoryModel.from_workspace(spec, device=DEVICE)
+    pars = model.init.clone()
+    pars[0, 1 - model.poi_index] = -0.5  # the Normal-constrained nuisance parameter, below 0
+    generator = torch.Generator(device=model.device).manual_seed(0)
+    toys = sample_toys(
+        model, pars, torch.zeros(1, dtype=torch.long, device=model.device), 20000, generator
+    )[0]
+    aux = toys[:, model.n_main :]
+    assert aux.mean().item() == pytest.approx(-0.5, abs=0.03)  # Normal(theta, 1) around theta
+    assert aux.std().item() == pytest.approx(1.0, abs=0.03)
+    expected = model.expected_data(pars, include_auxdata=False)[0]
+    assert toys[:, : model.n_main].mean(0).tolist() == pytest.approx(expected.tolist(), rel=0.03)

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
+
 from pyhf_gpu_server.service.errors import QueueFull, Unavailable
 from pyhf_gpu_server.service.metrics import Metrics
 from pyhf_gpu_server.service.scheduler import Scheduler, is_out_of_memory

@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 import pytest
+
 from pyhf_gpu_server.service.errors import BadRequest, Unprocessable
 from pyhf_gpu_server.service.logs import JsonFormatter
 from pyhf_gpu_server.service.operations import envelope_from, parse_json

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from pyhf_gpu_server.service.compiling import BackgroundCompiler
 from pyhf_gpu_server.service.jobstore import JobStore
 from pyhf_gpu_server.service.metrics import Metrics

@@ -79,7 +79,9 @@ def pvalues(
     return clsb, clb, clsb / clb
 
 
-def expected_pvalues(sqrtq_asimov: Tensor, calc_base_dist: str = "normal") -> tuple[Tensor, Tensor, Tensor]:
+def expected_pvalues(
+    sqrtq_asimov: Tensor, calc_base_dist: str = "normal"
+) -> tuple[Tensor, Tensor, Tensor]:
     """``(CLsb, CLb, CLs)``, each ``[B, 5]``, at the background-only expected test
     statistics for n_sigma = 2, 1, 0, -1, -2 (pyhf's order)."""
     cutoff = _cutoff(sqrtq_asimov, calc_base_dist).unsqueeze(-1)
@@ -156,7 +158,9 @@ class AsymptoticCalculator:
         if self.free_data is None:
             D = self.element.shape[0]
             nan = torch.full((D,), torch.nan, dtype=model.dtype, device=model.device)
-            asimov_poi = torch.full((D,), asimov_mu(self.test_stat), dtype=model.dtype, device=model.device)
+            asimov_poi = torch.full(
+                (D,), asimov_mu(self.test_stat), dtype=model.dtype, device=model.device
+            )
             self.free_data, self.asimov_fit, fixed_data = fit_requests(
                 model,
                 [
@@ -178,12 +182,17 @@ class AsymptoticCalculator:
         else:
             fixed_data, fixed_asimov = fit_requests(
                 model,
-                [FitRequest(data, element, tested), FitRequest(self.asimov_data[index], element, tested)],
+                [
+                    FitRequest(data, element, tested),
+                    FitRequest(self.asimov_data[index], element, tested),
+                ],
                 **self.fit_kwargs,
             )
         free_data, free_asimov = self.free_data.select(index), self.free_asimov.select(index)
         q = test_statistic(self.test_stat, tested, fixed_data, free_data, model.poi_index)
-        q_asimov = test_statistic(self.test_stat, tested, fixed_asimov, free_asimov, model.poi_index)
+        q_asimov = test_statistic(
+            self.test_stat, tested, fixed_asimov, free_asimov, model.poi_index
+        )
         sqrtq, sqrtq_asimov = torch.sqrt(q), torch.sqrt(q_asimov)
         converged = {
             "free_data": free_data.converged,

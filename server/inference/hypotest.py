@@ -37,7 +37,9 @@ __all__ = ["hypotest", "make_calculator", "prepare_rows", "run_calculator"]
 CalcType = Literal["asymptotics", "toybased"]
 
 
-def prepare_rows(model, test_poi, data: Tensor | None, element) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def prepare_rows(
+    model, test_poi, data: Tensor | None, element
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Per-row POI values plus distinct datasets ``[D, N + A]``, their elements ``[D]`` and
     each row's dataset index ``[B]``.
 
@@ -87,7 +89,9 @@ def make_calculator(
     if test_stat == "qtilde":
         fit_kwargs["poi_floor"] = 0.0
     if calctype == "asymptotics":
-        return AsymptoticCalculator(model, datasets, elements, test_stat, calc_base_dist, **fit_kwargs)
+        return AsymptoticCalculator(
+            model, datasets, elements, test_stat, calc_base_dist, **fit_kwargs
+        )
     if calctype == "toybased":
         from .toys import ToyCalculator
 
@@ -101,9 +105,9 @@ def make_calculator(
 def hypotest(
     model,
     test_poi,
-    data: Tensor | None = None,
     element=None,
     *,
+    data: Tensor | None = None,
     test_stat: str = "qtilde",
     calctype: CalcType = "asymptotics",
     calc_base_dist: str = "normal",
@@ -120,8 +124,8 @@ def hypotest(
     Args:
         model: a :class:`~pyhf_gpu_server.engine.HistFactoryModel`.
         test_poi: float, ``[S]`` or ``[B]`` tested POI values.
-        data: None (observations) or ``[B, N + A]`` datasets.
         element: None (every element, times every ``test_poi``) or ``[B]`` element indices.
+        data: None (observations) or ``[B, N + A]`` datasets.
         test_stat: ``"qtilde"`` (default), ``"q"`` or ``"q0"``.
         calctype: ``"asymptotics"`` or ``"toybased"``.
         calc_base_dist: asymptotics only, ``"normal"`` or ``"clipped_normal"``.

@@ -9,8 +9,11 @@ fixed-parameter mask) is advanced in one loop. Every iteration:
    (projected Newton: the active set of the box constraints),
 3. solves ``(H + lambda_k D) p_k = -g`` by Cholesky for a few damping values ``lambda_k``
    at once (``lambda = 0`` is pure Newton; ``D = |diag H|`` is Marquardt's scaling), so a
-   non-positive-definite ``H`` is handled by the damped candidates,
-4. evaluates the objective at every projected trial point ``clip(x + p_k, lo, hi)`` and keeps
+   non-positive-definite ``H`` is handled by the damped candidates; for a Gauss-Newton
+   curvature, ``H`` includes a second-order term learnt by secant updates (NL2SOL's),
+   which turns the linear convergence of Gauss-Newton into a superlinear one,
+4. evaluates the objective at every projected trial point ``clip(x + a p_k, lo, hi)`` (a few
+   step lengths ``a``) and keeps
    the best one if it lowers the objective (Levenberg-Marquardt acceptance), else raises the
    damping.
 
@@ -99,6 +102,8 @@ class MinimizeOptions:
         bound_tol: distance to a bound under which a parameter counts as sitting on it.
         secant: learn the second-order term missing from a Gauss-Newton curvature by secant
             updates (when the objective provides ``J`` and ``r``, see :class:`Derivatives`).
+        pure_newton: also try the undamped step each iteration (one more factorisation); without
+            it a row converges only once its damping is below ``1e-3``.
     """
 
     max_iter: int = 200
@@ -110,6 +115,7 @@ class MinimizeOptions:
     max_damping: float = 1e12
     bound_tol: float = 1e-12
     secant: bool = True
+    pure_newton: bool = True
 
 
 @dataclass
@@ -159,67 +165,65 @@ def _as_derivatives(result: Derivatives | tuple) -> Derivatives:
     return result if isinstance(result, Derivatives) else Derivatives(*result)
 
 
-def _secant_update(S: Tensor, step: Tensor, y: Tensor, y_sharp: Tensor) -> Tensor:
-    """Dennis-Gay-Welsch (NL2SOL) update of the second-order term ``S`` with sizing.
+def _secant_update(S: Tensor, step: Tensor, y: Tensor, y_sharp: Tensor, accept: Tensor) -> Tensor:
+    """Dennis-Gay-Welsch (NL2SOL) update of the second-order term ``S`` with sizing, in place.
 
     ``step``: ``x_new - x_old``; ``y``: gradient change; ``y_sharp = (J_new - J_old)^T r_new``,
-    the change that ``S`` should explain: ``S_new step = y_sharp``. Rows where ``y.step`` is
-    not positive keep their ``S``.
+    the change that ``S`` should explain: ``S_new step = y_sharp``. The update
+    ``tau S + ((v y^T + y v^T) - (step.v / y.step) y y^T) / y.step`` with ``v = y_sharp - tau S step``
+    is written as the rank-2 ``a y^T + y a^T``. Rows not accepted, or where ``y.step`` is not
+    positive, keep their ``S``.
     """
     Ss = torch.einsum("rpq,rq->rp", S, step)
     sSs = (step * Ss).sum(-1)
     sy_sharp = (step * y_sharp).sum(-1)
-    tau = torch.where(sSs.abs() > 0, (sy_sharp.abs() / sSs.abs()).clamp(max=1.0), torch.ones_like(sSs))
-    S = S * tau.view(-1, 1, 1)
+    tau = torch.where(
+        sSs.abs() > 0, (sy_sharp.abs() / sSs.abs()).clamp(max=1.0), torch.ones_like(sSs)
+    )
     v = y_sharp - Ss * tau.unsqueeze(-1)
     ys = (y * step).sum(-1)
-    valid = ys > 1e-12 * y.norm(dim=-1) * step.norm(dim=-1)
-    ys = torch.where(valid, ys, torch.ones_like(ys)).view(-1, 1, 1)
-    outer = v.unsqueeze(-1) * y.unsqueeze(-2)
-    update = (outer + outer.transpose(1, 2)) / ys
-    update = update - (step * v).sum(-1).view(-1, 1, 1) * y.unsqueeze(-1) * y.unsqueeze(-2) / ys**2
-    return torch.where(valid.view(-1, 1, 1), S + update, S)
+    valid = accept & (ys > 1e-12 * y.norm(dim=-1) * step.norm(dim=-1))
+    ys = torch.where(valid, ys, torch.ones_like(ys))
+    a = v / ys.unsqueeze(-1) - 0.5 * ((step * v).sum(-1) / ys**2).unsqueeze(-1) * y
+    a = torch.where(valid.unsqueeze(-1), a, torch.zeros_like(a))
+    S.mul_(torch.where(valid, tau, torch.ones_like(tau)).view(-1, 1, 1))
+    return S.baddbmm_(torch.stack([a, y], -1), torch.stack([y, a], -2))
 
 
-def _movable(x: Tensor, g: Tensor, lo: Tensor, hi: Tensor, free: Tensor, bound_tol: float) -> Tensor:
+def _movable(
+    x: Tensor, g: Tensor, lo: Tensor, hi: Tensor, free: Tensor, bound_tol: float
+) -> Tensor:
     """Free parameters that are not held at a bound by their gradient (projected Newton)."""
     at_lo = (x <= lo + bound_tol) & (g > 0)
     at_hi = (x >= hi - bound_tol) & (g < 0)
     return free & ~at_lo & ~at_hi
 
 
-def _damped_steps(Hs: Tensor, g: Tensor, movable: Tensor, lams: Tensor) -> tuple[Tensor, Tensor]:
-    """Steps ``p [K, R, P]`` solving ``(H_k + lam_k |diag H_k|) p = -g`` on the movable
-    parameters, for curvature matrices ``Hs [K, R, P, P]`` and dampings ``lams [K, R]``.
+def _damped_steps(H: Tensor, g: Tensor, movable: Tensor, lams: Tensor) -> tuple[Tensor, Tensor]:
+    """Steps ``p [K, R, P]`` solving ``(H + lam_k |diag H|) p = -g`` on the movable parameters,
+    for the curvature ``H [R, P, P]`` and dampings ``lams [K, R]``.
 
     Rows and columns of non-movable parameters are replaced by the identity, so their step
     is zero. ``ok [K, R]`` is false where the damped matrix is not positive definite (or
     not finite).
     """
-    m = movable.to(Hs.dtype)
-    finite = torch.isfinite(Hs.sum((-2, -1)) + g.sum(-1))
-    A = torch.nan_to_num(Hs, nan=0.0, posinf=0.0, neginf=0.0) * (m[:, :, None] * m[:, None, :])
-    diag = A.diagonal(dim1=-2, dim2=-1)
+    m = movable.to(H.dtype)
+    finite = torch.isfinite(H.sum((-2, -1)) + g.sum(-1))  # other rows are flagged, not fixed
+    Hm = H * (m[:, :, None] * m[:, None, :])
+    diag = Hm.diagonal(dim1=-2, dim2=-1)
     scale = torch.clamp(diag.abs(), min=1e-10 * (1 + diag.abs().amax(-1, keepdim=True))) * m
-    diag.add_(lams.unsqueeze(-1) * scale + (1 - m))
+    A = Hm.unsqueeze(0).repeat(lams.shape[0], 1, 1, 1)  # [K, R, P, P]
+    A.diagonal(dim1=-2, dim2=-1).add_(lams.unsqueeze(-1) * scale + (1 - m))
     L, info = torch.linalg.cholesky_ex(A)
-    rhs = torch.nan_to_num(-g * m).unsqueeze(-1).expand(Hs.shape[0], -1, -1, 1)
+    rhs = torch.nan_to_num(-g * m).unsqueeze(-1).expand(lams.shape[0], -1, -1, 1)
     p = torch.cholesky_solve(rhs, L).squeeze(-1)
     ok = (info == 0) & finite & torch.isfinite(p.sum(-1))
     return torch.where(ok.unsqueeze(-1), p * m, torch.zeros_like(p)), ok
 
 
-def _candidates(s: _State, factors: Tensor) -> tuple[Tensor, Tensor]:
-    """Curvature matrices ``[K, R, P, P]`` and dampings ``[K, R]`` of the trial steps:
-    pure Gauss-Newton/Newton first (its step defines the decrement), then the damped ones
-    (``factors`` times the row's damping), then, with a learnt ``S``, the secant-corrected
-    Newton step."""
-    lams = factors[:, None] * s.lam[None, :]
-    Hs = s.H.unsqueeze(0).expand(len(factors), -1, -1, -1)
-    if s.S is not None:
-        Hs = torch.cat([Hs, (s.H + s.S).unsqueeze(0)])
-        lams = torch.cat([lams, torch.zeros_like(lams[:1])])
-    return Hs, lams
+def _curvature(s: _State) -> Tensor:
+    """The model curvature: ``H``, plus the learnt second-order term ``S`` when there is one."""
+    return s.H if s.S is None else s.H + s.S
 
 
 def _iterate(
@@ -236,11 +240,11 @@ def _iterate(
     factors, alphas = constants
     running = ~(s.converged | s.failed)
     movable = _movable(s.x, s.g, lo, hi, free, options.bound_tol)
-    Hs, lams = _candidates(s, factors)
-    steps, ok = _damped_steps(Hs, s.g, movable, lams)
+    lams = factors[:, None] * s.lam[None, :]  # [K, R]: pure Newton first, then damped
+    steps, ok = _damped_steps(_curvature(s), s.g, movable, lams)
     s.decrement = torch.where(ok[0], -(s.g * steps[0]).sum(-1), torch.full_like(s.f, torch.inf))
     tol = torch.clamp(64 * torch.finfo(s.f.dtype).eps * (1 + s.f.abs()), min=options.tol)
-    newly_converged = running & ok[0] & (s.decrement <= tol)
+    newly_converged = running & ok[0] & (s.decrement <= tol) & (lams[0] <= 1e-3)
 
     # every candidate at every step length: objective values only
     n_alpha = alphas.shape[0]
@@ -251,7 +255,9 @@ def _iterate(
     K, R, P = steps.shape
     trial = torch.minimum(torch.maximum(s.x.unsqueeze(0) + steps, lo), hi)
     f_trial = objective.value(trial.reshape(K * R, P), s.rows.repeat(K)).reshape(K, R)
-    f_trial = torch.where(ok & torch.isfinite(f_trial), f_trial, torch.full_like(f_trial, torch.inf))
+    f_trial = torch.where(
+        ok & torch.isfinite(f_trial), f_trial, torch.full_like(f_trial, torch.inf)
+    )
     best_f, best_k = f_trial.min(0)
     accept = running & ~newly_converged & (best_f < s.f)
 
@@ -282,7 +288,7 @@ def _adopt(s: _State, d: Derivatives, accept: Tensor, step: Tensor) -> None:
     if s.S is not None and d.J is not None:
         y = d.g - s.g
         y_sharp = torch.einsum("rnp,rn->rp", d.J - s.J, d.r)
-        s.S = torch.where(a2, _secant_update(s.S, step, y, y_sharp), s.S)
+        s.S = _secant_update(s.S, step, y, y_sharp, accept)
         s.J = torch.where(a2, d.J, s.J)
         s.r = torch.where(a1, d.r, s.r)
     s.f = torch.where(accept, d.f, s.f)
@@ -368,7 +374,11 @@ def minimize(
         out.decrement[st.rows] = st.decrement
 
     constants = (
-        torch.tensor((0.0, *options.damping_factors), dtype=dtype, device=device),
+        torch.tensor(
+            ((0.0,) if options.pure_newton else ()) + options.damping_factors,
+            dtype=dtype,
+            device=device,
+        ),
         torch.tensor(options.step_lengths, dtype=dtype, device=device),
     )
     for it in range(1, options.max_iter + 1):

@@ -67,12 +67,14 @@ class FitOptions:
 
 @dataclass
 class FitRequest:
-    """A block of rows for :func:`fit_requests`: datasets ``[R, N + A]``, elements ``[R]``
-    and POI values ``[R]`` (NaN: free POI)."""
+    """A block of rows for :func:`fit_requests`: datasets ``[R, N + A]``, elements ``[R]``,
+    POI values ``[R]`` (NaN: free POI) and optional start points ``[R, P]`` (warm starts;
+    else the ``init`` given to :func:`fit_requests`, else the model's)."""
 
     data: Tensor
     element: Tensor
     poi: Tensor
+    init: Tensor | None = None
 
 
 def rows_data(model, data: Tensor | None, element) -> tuple[Tensor, Tensor]:
@@ -82,10 +84,18 @@ def rows_data(model, data: Tensor | None, element) -> tuple[Tensor, Tensor]:
     With ``data``: ``element`` defaults to 0 for every row.
     """
     if data is None:
-        idx = torch.arange(model.n_elements, device=model.device) if element is None else as_index(model, element)
+        idx = (
+            torch.arange(model.n_elements, device=model.device)
+            if element is None
+            else as_index(model, element)
+        )
         return model.observed[idx], idx
     rows = torch.atleast_2d(as_float(model, data))
-    idx = torch.zeros(rows.shape[0], dtype=torch.long, device=model.device) if element is None else as_index(model, element)
+    idx = (
+        torch.zeros(rows.shape[0], dtype=torch.long, device=model.device)
+        if element is None
+        else as_index(model, element)
+    )
     rows, idx = torch.broadcast_tensors(rows, idx.unsqueeze(-1))
     return rows.contiguous(), idx[:, 0].contiguous()
 
@@ -107,8 +117,12 @@ def _start(
     if poi_floor is not None:
         bounds = bounds.clone()
         bounds[:, model.poi_index, 0] = bounds[:, model.poi_index, 0].clamp(min=poi_floor)
-        init[:, model.poi_index] = torch.maximum(init[:, model.poi_index], bounds[:, model.poi_index, 0])
-    fixed = (model.fixed[element] if fixed is None else fixed.to(model.device).expand(B, -1)).clone()
+        init[:, model.poi_index] = torch.maximum(
+            init[:, model.poi_index], bounds[:, model.poi_index, 0]
+        )
+    fixed = (
+        model.fixed[element] if fixed is None else fixed.to(model.device).expand(B, -1)
+    ).clone()
     if poi is not None:
         pinned = torch.isfinite(poi)
         k = model.poi_index
@@ -223,7 +237,15 @@ def fit(
     if fixed_poi is not None:
         poi = as_float(model, fixed_poi).expand(element.shape[0]).contiguous()
     return fit_rows(
-        model, data, element, poi, init=init, bounds=bounds, fixed=fixed, options=options, uncertainties=uncertainties
+        model,
+        data,
+        element,
+        poi,
+        init=init,
+        bounds=bounds,
+        fixed=fixed,
+        options=options,
+        uncertainties=uncertainties,
     )
 
 
@@ -254,6 +276,13 @@ def fit_requests(model, requests: list[FitRequest], **kwargs) -> list[FitResults
     (True, 1.0)
     """
     sizes = [r.element.shape[0] for r in requests]
+    if any(r.init is not None for r in requests):
+        default = kwargs.pop("init", None)
+        starts = [
+            r.init if r.init is not None else _start(model, r.element, None, default, None, None)[0]
+            for r in requests
+        ]
+        kwargs["init"] = torch.cat(starts)
     merged = fit_rows(
         model,
         torch.cat([r.data for r in requests]),

@@ -142,7 +142,9 @@ class TwiceNLL:
         J = torch.func.vmap(vjp_fn)(eye[:, None, :].expand(n_main, R, n_main))[0]  # [N, R, P]
         return rates, J.permute(1, 0, 2)
 
-    def _constraint_derivatives(self, x: Tensor, aux: Tensor, element: Tensor) -> tuple[Tensor, Tensor]:
+    def _constraint_derivatives(
+        self, x: Tensor, aux: Tensor, element: Tensor
+    ) -> tuple[Tensor, Tensor]:
         """Exact first and second derivatives ``[R, A]`` of the constraint terms of ``-2 log L``
         with respect to each auxiliary datum's parameter."""
         constraint = self.model.constraint

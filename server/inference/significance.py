@@ -32,13 +32,15 @@ def z_from_p(p: Tensor) -> Tensor:
     return -torch.special.ndtri(p)
 
 
-def significance(model, data: Tensor | None = None, element=None, **hypotest_kwargs) -> SignificanceResults:
+def significance(
+    model, element=None, *, data: Tensor | None = None, **hypotest_kwargs
+) -> SignificanceResults:
     """Observed and expected discovery p-values and significances per element (or dataset).
 
     ``hypotest_kwargs`` go to :func:`~pyhf_gpu_server.inference.hypotest.hypotest`
     (``calctype="toybased"``, ``ntoys``, ``seed``, ``bounds``, ``options``, ...).
     """
-    res = hypotest(model, 0.0, data, element, test_stat="q0", **hypotest_kwargs)
+    res = hypotest(model, 0.0, element, data=data, test_stat="q0", **hypotest_kwargs)
     p0_obs, p0_set = res.clsb_obs, res.clsb_exp
     p0_exp = p0_set[:, 2]
     return SignificanceResults(

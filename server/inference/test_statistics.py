@@ -47,7 +47,9 @@ def q0_like(muhat: Tensor, fixed_twice_nll: Tensor, free_twice_nll: Tensor) -> T
     return t.masked_fill(muhat < 0, 0.0)
 
 
-def test_statistic(name: str, mu: Tensor, fixed: FitResults, free: FitResults, poi_index: int) -> Tensor:
+def test_statistic(
+    name: str, mu: Tensor, fixed: FitResults, free: FitResults, poi_index: int
+) -> Tensor:
     """The test statistic ``name`` (``"q0"``, ``"q"``, ``"qtilde"``) from the two fits' results."""
     muhat = free.bestfit[:, poi_index]
     if name == "q0":

@@ -38,18 +38,22 @@ __all__ = ["PERCENTILES", "ToyCalculator", "empirical_pvalues", "sample_toys"]
 PERCENTILES = (2.27501319, 15.86552539, 50.0, 84.13447461, 97.72498681)
 
 
-def sample_toys(model, pars: Tensor, element: Tensor, ntoys: int, generator: torch.Generator) -> Tensor:
+def sample_toys(
+    model, pars: Tensor, element: Tensor, ntoys: int, generator: torch.Generator
+) -> Tensor:
     """``[R, ntoys, N + A]`` pseudo-data drawn at parameters ``pars [R, P]`` as pyhf's
     ``model.make_pdf(pars).sample((ntoys,))``: Poisson main bins, Normal or Poisson aux data."""
     expected = model.expected_data(pars, element)  # [R, N + A]
     rates = expected.unsqueeze(1).expand(-1, ntoys, -1)
     n_main = model.n_main
-    main = torch.poisson(rates[..., :n_main].contiguous(), generator=generator)
+    main = torch.poisson(rates[..., :n_main].clamp(min=0).contiguous(), generator=generator)
     aux_mean = rates[..., n_main:]
+    is_poisson = model.constraint.is_poisson
     noise = torch.randn(aux_mean.shape, generator=generator, dtype=pars.dtype, device=pars.device)
     normal = aux_mean + model.constraint.sigma[element].unsqueeze(1) * noise
-    poisson = torch.poisson(aux_mean.contiguous(), generator=generator)
-    aux = torch.where(model.constraint.is_poisson, poisson, normal)
+    poisson_rate = torch.where(is_poisson, aux_mean, torch.zeros_like(aux_mean)).clamp(min=0)
+    poisson = torch.poisson(poisson_rate.contiguous(), generator=generator)
+    aux = torch.where(is_poisson, poisson, normal)
     return torch.cat([main, aux], dim=-1)
 
 
@@ -59,7 +63,9 @@ def _fraction_at_or_above(samples_sorted: Tensor, values: Tensor) -> Tensor:
     return 1.0 - below.to(values.dtype) / samples_sorted.shape[-1]
 
 
-def empirical_pvalues(teststat: Tensor, signal: Tensor, background: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def empirical_pvalues(
+    teststat: Tensor, signal: Tensor, background: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
     """``(CLsb, CLb, CLs)`` of ``teststat [R]`` against toy statistics ``[R, T]`` (pyhf's
     ``EmpiricalDistribution.pvalue``: fraction of toys ``>=`` the value)."""
     sig_sorted, _ = signal.sort(-1)
@@ -157,10 +163,15 @@ class ToyCalculator:
         toy_mu = tested.repeat_interleave(2 * T)
         fixed_toys, free_toys = fit_requests(
             model,
-            [FitRequest(toys, toy_element, toy_mu), FitRequest(toys, toy_element, torch.full_like(toy_mu, torch.nan))],
+            [
+                FitRequest(toys, toy_element, toy_mu),
+                FitRequest(toys, toy_element, torch.full_like(toy_mu, torch.nan)),
+            ],
             **self.fit_kwargs,
         )
-        stats = test_statistic(self.test_stat, toy_mu, fixed_toys, free_toys, model.poi_index).view(-1, 2, T)
+        stats = test_statistic(self.test_stat, toy_mu, fixed_toys, free_toys, model.poi_index).view(
+            -1, 2, T
+        )
         toys_ok = (fixed_toys.converged & free_toys.converged).view(-1, 2 * T)
         converged = {
             "signal_fit": signal_fit.converged,

@@ -41,8 +41,14 @@ def interp(x: Tensor, xp: Tensor, fp: Tensor) -> Tensor:
     n = xp.shape[-1]
     j = torch.searchsorted(xp.contiguous(), x.unsqueeze(-1).contiguous(), right=True).squeeze(-1)
     j = j.clamp(1, n - 1)
-    x0, x1 = xp.gather(-1, (j - 1).unsqueeze(-1)).squeeze(-1), xp.gather(-1, j.unsqueeze(-1)).squeeze(-1)
-    f0, f1 = fp.gather(-1, (j - 1).unsqueeze(-1)).squeeze(-1), fp.gather(-1, j.unsqueeze(-1)).squeeze(-1)
+    x0, x1 = (
+        xp.gather(-1, (j - 1).unsqueeze(-1)).squeeze(-1),
+        xp.gather(-1, j.unsqueeze(-1)).squeeze(-1),
+    )
+    f0, f1 = (
+        fp.gather(-1, (j - 1).unsqueeze(-1)).squeeze(-1),
+        fp.gather(-1, j.unsqueeze(-1)).squeeze(-1),
+    )
     inner = f0 + (x - x0) * (f1 - f0) / (x1 - x0)
     out = torch.where(x < xp[..., 0], fp[..., 0], inner)
     return torch.where(x >= xp[..., -1], fp[..., -1], out)
@@ -95,7 +101,9 @@ def _per_row(res: UpperLimitResults, index: Tensor) -> UpperLimitResults:
     )
 
 
-def _brackets(mus: Tensor, values: Tensor, lo: Tensor, level: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _brackets(
+    mus: Tensor, values: Tensor, lo: Tensor, level: float
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Per (row, curve): the tightest bracket ``[a, b]`` over all tested ``mus [R, T]`` with
     ``values [R, T, 6]`` (``a``: largest POI with CLs >= level, else ``lo``; ``b``: smallest
     POI with CLs < level, else +inf) and the CLs values at its ends (NaN where untested)."""
@@ -226,9 +234,9 @@ def toms748_like_scan(
 
 def upper_limit(
     model,
-    data: Tensor | None = None,
     element=None,
     *,
+    data: Tensor | None = None,
     scan=None,
     level: float = 0.05,
     test_stat: str = "qtilde",
@@ -241,8 +249,8 @@ def upper_limit(
 
     Args:
         model: a :class:`~pyhf_gpu_server.engine.HistFactoryModel`.
-        data: None (observations) or ``[B, N + A]`` datasets.
         element: None (every element) or ``[B]`` element indices.
+        data: None (observations) or ``[B, N + A]`` datasets.
         scan: POI values to test and interpolate (pyhf's ``scan=``); None: root search.
         level: the CLs level (0.05: 95% CL).
         test_stat, calctype: as :func:`~pyhf_gpu_server.inference.hypotest.hypotest`; the

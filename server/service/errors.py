@@ -15,8 +15,9 @@ import pyhf.exceptions
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pyhf_gpu_server.engine.errors import EngineError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pyhf_gpu_server.engine.errors import EngineError
 
 log = logging.getLogger("pyhf_gpu_server.service")
 

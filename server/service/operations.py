@@ -23,6 +23,7 @@ from typing import Any
 import pydantic
 import pyhf
 import torch
+
 from pyhf_gpu_server import inference
 from pyhf_gpu_server.engine import HistFactoryModel
 from pyhf_gpu_server.inference.results import group_parameters

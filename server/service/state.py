@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
 from pyhf_gpu_server.engine import KernelCache
 
 from .compiling import BackgroundCompiler

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# GPU check of the inference package: parity tests and benchmarks on cuda, then a short table.
+#
+#   bash benchmarks/gpu_check.sh            # from the repository root, on a machine with a GPU
+#
+# Needs a Python with a CUDA build of torch, pyhf 0.7.6 and pytest (PYTHON, default .venv's or
+# python3), and the shared workspaces (PYHF_GPU_SHARED_WORKSPACES, default ../shared/workspaces).
+# Writes its logs and the table under OUT (default ./gpu_check_out).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+OUT=${OUT:-gpu_check_out}
+mkdir -p "$OUT"
+export PYHF_GPU_TEST_DEVICE=cuda PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:${PYTHONPATH:-}"
+
+"$PYTHON" - <<'PY' || { echo "no CUDA device visible to torch"; exit 2; }
+import torch
+assert torch.cuda.is_available()
+print("device:", torch.cuda.get_device_name(0), "torch", torch.__version__)
+PY
+
+# 1. parity on cuda (the same tests as on the CPU, models built on the GPU)
+"$PYTHON" -m pytest -q -p no:cacheprovider tests/test_inference_minimize.py \
+    tests/test_inference_reference.py tests/test_inference_pyhf_parity.py \
+    tests/test_inference_toys.py 2>&1 | tee "$OUT/tests.log" | tail -5
+tests_status=${PIPESTATUS[0]}
+
+# 2. benchmarks on cuda (no peers there), then the H200 goals:
+#    480 hypotests (24 patches x 20 test_poi) on the largest workspace < 1 s, 10^4 toys < 5 s
+"$PYTHON" benchmarks/bench_inference.py --device cuda --peers none --threads 4 \
+    --out "$OUT/bench_cuda.md" --goals 2>&1 | tee "$OUT/bench.log" | grep -v '^ours '
+bench_status=${PIPESTATUS[0]}
+
+echo
+echo "| check | result |"
+echo "|---|---|"
+echo "| parity tests on cuda | $(tail -1 "$OUT/tests.log") |"
+grep '^GOAL' "$OUT/bench.log" | sed 's/^GOAL \(.*\): \(.*\)$/| \1 | \2 |/'
+echo "| benchmark table | $OUT/bench_cuda.md |"
+exit $(( tests_status != 0 || bench_status != 0 ))
