@@ -340,7 +340,9 @@ def main() -> None:
     parser.add_argument("--peer-python", default="/tmp/bench-venv/bin/python")
     parser.add_argument("--peer-budget", type=float, default=420.0, help="seconds per peer")
     parser.add_argument(
-        "--out", default=str(REPO / "docs" / "BENCH_INFERENCE.md"), help="'-' for stdout only"
+        "--out",
+        default="-",
+        help="markdown file to write ('-': stdout only; BENCHMARKS.md takes it)",
     )
     parser.add_argument("--goals", action="store_true", help="also time the H200 goals")
     parser.add_argument(

@@ -31,10 +31,32 @@ tests_status=${PIPESTATUS[0]}
     --out "$OUT/bench_cuda.md" --goals 2>&1 | tee "$OUT/bench.log" | grep -v '^ours '
 bench_status=${PIPESTATUS[0]}
 
+# 3. the engine's logpdf throughput on cuda (eager and compiled)
+"$PYTHON" benchmarks/bench_engine.py --device cuda 2>&1 | tee "$OUT/bench_engine_cuda.md" | tail -6
+
+# 4. the service on cuda, end to end with the client: one patchset CLS over HTTP
+WS=${PYHF_GPU_SHARED_WORKSPACES:-../shared/workspaces}/atlas-susy-2018-31-sbottom-B
+PORT=${PORT:-8123}
+"$PYTHON" -m pyhf_gpu_server.cli --device cuda --port "$PORT" --data-dir "$OUT/data" \
+    > "$OUT/server.log" 2>&1 &
+server_pid=$!
+for _ in $(seq 1 120); do
+    "$PYTHON" -c "import httpx; httpx.get('http://127.0.0.1:$PORT/healthz').raise_for_status()" \
+        2>/dev/null && break
+    sleep 1
+done
+"$PYTHON" -m pyhf_gpu_client.cli --server "http://127.0.0.1:$PORT" info > "$OUT/info.json" 2>&1
+"$PYTHON" -m pyhf_gpu_client.cli --server "http://127.0.0.1:$PORT" cls "$WS/BkgOnly.json" \
+    --patchset "$WS/patchset.json" > "$OUT/e2e_cls.json" 2>&1
+e2e_status=$?
+kill "$server_pid" 2>/dev/null; wait "$server_pid" 2>/dev/null
+
 echo
 echo "| check | result |"
 echo "|---|---|"
 echo "| parity tests on cuda | $(tail -1 "$OUT/tests.log") |"
 grep '^GOAL' "$OUT/bench.log" | sed 's/^GOAL \(.*\): \(.*\)$/| \1 | \2 |/'
 echo "| benchmark table | $OUT/bench_cuda.md |"
-exit $(( tests_status != 0 || bench_status != 0 ))
+echo "| engine logpdf table | $OUT/bench_engine_cuda.md |"
+echo "| server on cuda + client cls (24 patches) | exit $e2e_status, $OUT/e2e_cls.json, device: $(grep -o '"device": *"[^"]*"' "$OUT/info.json" | head -1) |"
+exit $(( tests_status != 0 || bench_status != 0 || e2e_status != 0 ))

@@ -61,7 +61,6 @@ def test_model_evaluates_on_fake_cuda(build):
         outputs = [
             model.expected_data(pars, element),
             model.logpdf(pars, data, element),
-            *model.twice_nll_gradient_and_fisher(pars, data, element),
             *model.expected_main_jacobian(pars, element),
         ]
         for output in outputs:
@@ -97,3 +96,26 @@ def test_no_process_wide_backend_state():
     assert model32.logpdf(model32.init, model32.observed).dtype == torch.float32
     assert pyhf.get_backend()[0] is before
     assert before.name == "numpy"
+
+
+def test_fit_runs_on_fake_cuda():
+    """A batched fit (Gauss-Newton with secant updates, fixed budget, no host synchronisation)
+    on a simulated cuda device: any cpu tensor created inside the fit loop would raise."""
+    from pyhf_gpu_server.inference.minimize import MinimizeOptions, minimize
+    from pyhf_gpu_server.inference.objective import TwiceNLL
+
+    with FakeTensorMode():
+        model = small_patchset_model("cuda")
+        element = torch.arange(model.n_elements, device="cuda").repeat(2)
+        data = model.observed.index_select(0, element)
+        objective = TwiceNLL(model, data, element, "gauss-newton")
+        result = minimize(
+            objective,
+            model.init.index_select(0, element),
+            model.bounds.index_select(0, element),
+            model.fixed.index_select(0, element),
+            MinimizeOptions(max_iter=3, check_every=0),
+        )
+        for tensor in (result.x, result.fun, result.converged, result.iterations):
+            assert isinstance(tensor, FakeTensor)
+            assert tensor.device == torch.device("cuda:0")

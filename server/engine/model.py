@@ -44,7 +44,6 @@ from .kernel import (
     expected_main,
     expected_main_jacobian,
     poisson_logpdf,
-    twice_nll_gradient_and_fisher,
 )
 from .layout import ElementLayout, read_model
 
@@ -301,15 +300,6 @@ class HistFactoryModel:
         element = self.element_index(element, pars.shape[0])
         return expected_main_jacobian(
             pars, element, self.main, self.histosys_code, self.normsys_code
-        )
-
-    def twice_nll_gradient_and_fisher(
-        self, pars: torch.Tensor, data: torch.Tensor, element: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``-2 log L`` ``[B]``, gradient ``[B, P]``, Fisher information ``[B, P, P]``; no autograd."""
-        element = self.element_index(element, pars.shape[0])
-        return twice_nll_gradient_and_fisher(
-            pars, data, element, self.main, self.constraint, self.histosys_code, self.normsys_code
         )
 
     def enable_compile(self, kernels: KernelCache) -> None:

@@ -63,6 +63,16 @@ def asymptotic_teststat(test_stat: str, sqrtq: Tensor, sqrtq_asimov: Tensor) -> 
     return torch.where(sqrtq <= sqrtq_asimov, linear, quadratic)
 
 
+# Twice-NLL differences below this are the minimiser's noise, not a test statistic: at
+# test_poi = 0 with the POI bounded at 0, q and q_A are exactly 0 and a noise-level q > q_A = 0
+# would send q~'s (q - q_A) / (2 sqrt(q_A)) to infinity and CLs to 0 / 0.
+FIT_NOISE_TWICE_NLL = 1e-9
+
+
+def _sqrt_above_fit_noise(q: Tensor) -> Tensor:
+    return torch.sqrt(torch.where(q < FIT_NOISE_TWICE_NLL, torch.zeros_like(q), q))
+
+
 def _tail(value: Tensor, shift: Tensor | float, cutoff: Tensor | float) -> Tensor:
     """Right-tail p-value of a unit normal shifted by ``shift`` (NaN below ``cutoff``)."""
     p = torch.special.ndtr(-(value - shift))
@@ -193,7 +203,7 @@ class AsymptoticCalculator:
         q_asimov = test_statistic(
             self.test_stat, tested, fixed_asimov, free_asimov, model.poi_index
         )
-        sqrtq, sqrtq_asimov = torch.sqrt(q), torch.sqrt(q_asimov)
+        sqrtq, sqrtq_asimov = _sqrt_above_fit_noise(q), _sqrt_above_fit_noise(q_asimov)
         converged = {
             "free_data": free_data.converged,
             "fixed_data": fixed_data.converged,

@@ -92,7 +92,9 @@ class MinimizeOptions:
     Attributes:
         max_iter: Newton iterations per row at most.
         tol: convergence when the Newton decrement ``-g.p`` is below this (objective units).
-        check_every: iterations between two host-side looks at the convergence flags.
+        check_every: iterations between two host-side looks at the convergence flags; ``0``
+            never looks: a fixed budget of ``max_iter`` iterations with no host synchronisation
+            (converged rows stop moving), as a CUDA graph or FakeTensorMode needs.
         damping: starting Levenberg-Marquardt ``lambda`` (relative to ``|diag H|``).
         damping_factors: the damped candidates tried each iteration, as multiples of ``lambda``
             (pure Newton, ``lambda = 0``, is always tried as well).
@@ -196,7 +198,7 @@ def _movable(
     """Free parameters that are not held at a bound by their gradient (projected Newton)."""
     at_lo = (x <= lo + bound_tol) & (g > 0)
     at_hi = (x >= hi - bound_tol) & (g < 0)
-    return free & ~at_lo & ~at_hi
+    return free & torch.logical_not(at_lo | at_hi)
 
 
 def _damped_steps(H: Tensor, g: Tensor, movable: Tensor, lams: Tensor) -> tuple[Tensor, Tensor]:
@@ -209,7 +211,7 @@ def _damped_steps(H: Tensor, g: Tensor, movable: Tensor, lams: Tensor) -> tuple[
     """
     m = movable.to(H.dtype)
     finite = torch.isfinite(H.sum((-2, -1)) + g.sum(-1))  # other rows are flagged, not fixed
-    Hm = H * (m[:, :, None] * m[:, None, :])
+    Hm = H * (m.unsqueeze(2) * m.unsqueeze(1))
     diag = Hm.diagonal(dim1=-2, dim2=-1)
     scale = torch.clamp(diag.abs(), min=1e-10 * (1 + diag.abs().amax(-1, keepdim=True))) * m
     A = Hm.unsqueeze(0).repeat(lams.shape[0], 1, 1, 1)  # [K, R, P, P]
@@ -238,13 +240,16 @@ def _iterate(
     """One damped-Newton iteration of every running row of ``s`` (in place on ``s``);
     ``constants``: the damping factors and step lengths as device tensors."""
     factors, alphas = constants
-    running = ~(s.converged | s.failed)
+    running = torch.logical_not(s.converged | s.failed)
     movable = _movable(s.x, s.g, lo, hi, free, options.bound_tol)
-    lams = factors[:, None] * s.lam[None, :]  # [K, R]: pure Newton first, then damped
+    lams = factors.unsqueeze(1) * s.lam.unsqueeze(0)  # [K, R]: pure Newton first, then damped
     steps, ok = _damped_steps(_curvature(s), s.g, movable, lams)
-    s.decrement = torch.where(ok[0], -(s.g * steps[0]).sum(-1), torch.full_like(s.f, torch.inf))
+    newton_ok, newton_step = ok.select(0, 0), steps.select(0, 0)
+    s.decrement = torch.where(
+        newton_ok, -(s.g * newton_step).sum(-1), torch.full_like(s.f, torch.inf)
+    )
     tol = torch.clamp(64 * torch.finfo(s.f.dtype).eps * (1 + s.f.abs()), min=options.tol)
-    newly_converged = running & ok[0] & (s.decrement <= tol) & (lams[0] <= 1e-3)
+    newly_converged = running & newton_ok & (s.decrement <= tol) & (lams.select(0, 0) <= 1e-3)
 
     # every candidate at every step length: objective values only
     n_alpha = alphas.shape[0]
@@ -259,15 +264,16 @@ def _iterate(
         ok & torch.isfinite(f_trial), f_trial, torch.full_like(f_trial, torch.inf)
     )
     best_f, best_k = f_trial.min(0)
-    accept = running & ~newly_converged & (best_f < s.f)
+    moving = running & torch.logical_not(newly_converged)
+    accept = moving & (best_f < s.f)
 
     x_old = s.x
     x_new = trial.gather(0, best_k.view(1, R, 1).expand(1, R, P)).squeeze(0)
     s.x = torch.where(accept.unsqueeze(-1), x_new, s.x)
     s.lam = torch.where(accept, _adapted_damping(s.lam, lams, alpha_of, best_k), s.lam * 256)
-    s.iterations = s.iterations + (running & ~newly_converged).long()
+    s.iterations = s.iterations + moving.long()
     s.converged = s.converged | newly_converged
-    stalled = running & ~newly_converged & ~accept & (s.lam > options.max_damping)
+    stalled = moving & torch.logical_not(accept) & (s.lam > options.max_damping)
     s.failed = s.failed | stalled
     _adopt(s, _as_derivatives(objective.derivatives(s.x, s.rows)), accept, s.x - x_old)
     return s
@@ -276,7 +282,7 @@ def _iterate(
 def _adapted_damping(lam: Tensor, lams: Tensor, alpha_of: Tensor, best_k: Tensor) -> Tensor:
     """After an accepted step: a full step trusts the model more, a shortened one less."""
     lam_best = lams.gather(0, best_k.view(1, -1)).squeeze(0)
-    alpha_best = alpha_of[best_k]
+    alpha_best = alpha_of.index_select(0, best_k)
     shrunk = torch.clamp(torch.maximum(lam_best, lam / 16) / 4, min=1e-15)
     raised = torch.maximum(lam_best, lam) * 2 / alpha_best
     return torch.where(alpha_best >= 1, shrunk, raised)
@@ -334,11 +340,16 @@ def minimize(
     B, P = init.shape
     device, dtype = init.device, init.dtype
     bounds = bounds.to(device=device, dtype=dtype).expand(B, P, 2)
-    free = torch.ones(B, P, dtype=torch.bool, device=device) if fixed is None else ~fixed.to(device)
+    free = (
+        torch.ones(B, P, dtype=torch.bool, device=device)
+        if fixed is None
+        else torch.logical_not(fixed.to(device))
+    )
     free = free.expand(B, P)
-    x0 = torch.where(free, torch.minimum(torch.maximum(init, bounds[..., 0]), bounds[..., 1]), init)
-    lo = torch.where(free, bounds[..., 0], x0)  # a fixed parameter may sit outside its bounds
-    hi = torch.where(free, bounds[..., 1], x0)
+    lower, upper = bounds.select(-1, 0), bounds.select(-1, 1)
+    x0 = torch.where(free, torch.minimum(torch.maximum(init, lower), upper), init)
+    lo = torch.where(free, lower, x0)  # a fixed parameter may sit outside its bounds
+    hi = torch.where(free, upper, x0)
     rows = torch.arange(B, device=device)
 
     d = _as_derivatives(objective.derivatives(x0, rows))
@@ -353,7 +364,7 @@ def minimize(
         iterations=torch.zeros(B, dtype=torch.long, device=device),
         decrement=torch.full((B,), torch.inf, dtype=dtype, device=device),
         converged=torch.zeros(B, dtype=torch.bool, device=device),
-        failed=~torch.isfinite(f),
+        failed=torch.logical_not(torch.isfinite(f)),
         S=None if d.J is None or not options.secant else torch.zeros_like(d.H),
         J=d.J,
         r=d.r,
@@ -367,11 +378,11 @@ def minimize(
     )
 
     def flush(st: _State) -> None:
-        out.x[st.rows] = st.x
-        out.fun[st.rows] = st.f
-        out.converged[st.rows] = st.converged & ~st.failed
-        out.iterations[st.rows] = st.iterations
-        out.decrement[st.rows] = st.decrement
+        out.x.index_copy_(0, st.rows, st.x)
+        out.fun.index_copy_(0, st.rows, st.f)
+        out.converged.index_copy_(0, st.rows, st.converged & torch.logical_not(st.failed))
+        out.iterations.index_copy_(0, st.rows, st.iterations)
+        out.decrement.index_copy_(0, st.rows, st.decrement)
 
     constants = (
         torch.tensor(
@@ -383,12 +394,20 @@ def minimize(
     )
     for it in range(1, options.max_iter + 1):
         sel = s.rows
-        s = _iterate(objective, s, lo[sel], hi[sel], free[sel], options, constants)
-        if it % options.check_every == 0 or it == options.max_iter:
+        s = _iterate(
+            objective,
+            s,
+            lo.index_select(0, sel),
+            hi.index_select(0, sel),
+            free.index_select(0, sel),
+            options,
+            constants,
+        )
+        if options.check_every and (it % options.check_every == 0 or it == options.max_iter):
             finished = s.converged | s.failed
             if bool(finished.any()):
                 flush(s.select(finished))
-                s = s.select(~finished)
+                s = s.select(torch.logical_not(finished))
             if s.rows.numel() == 0:
                 break
     flush(s)

@@ -6,15 +6,16 @@ matrix of ``-2 log L`` for any subset of its rows. Three curvature choices:
 
 - ``"hessian"``: the exact Hessian, forward-over-reverse through ``torch.func`` (one
   Jacobian-vector product of the gradient per parameter, vectorised with ``vmap``).
-- ``"gauss-newton"``: the Jacobian of the main-bin rates (reverse mode, one
-  vector-Jacobian product per bin) gives ``J^T diag(2 n / lambda^2) J`` plus the exact
+- ``"gauss-newton"``: the Jacobian of the main-bin rates (the engine's closed form, no
+  autograd) gives ``J^T diag(2 n / lambda^2) J`` plus the exact
   curvature of the constraint terms. It drops the rates' own second derivatives, so it is
   exact for rates linear in the parameters and always positive semi-definite.
 - ``"fisher"``: as ``"gauss-newton"`` with the expected weights ``2 / lambda`` (Fisher
   scoring).
 
 The last two also take the gradient from that Jacobian (``J^T 2 (1 - n / lambda)``), so a
-derivative call costs one forward pass and ``N`` backward passes instead of ``P`` of them.
+derivative call costs about one forward pass per modifier kind, and runs wherever the engine
+does, FakeTensorMode included.
 
 Example:
     >>> import pyhf, torch
@@ -65,7 +66,9 @@ class TwiceNLL:
 
     def value(self, x: Tensor, rows: Tensor) -> Tensor:
         """``-2 log L`` ``[R]`` at ``x [R, P]`` for the rows ``rows`` of the batch."""
-        return self.model.twice_nll(x, self.data[rows], self.element[rows])
+        return self.model.twice_nll(
+            x, self.data.index_select(0, rows), self.element.index_select(0, rows)
+        )
 
     def derivatives(self, x: Tensor, rows: Tensor) -> Derivatives:
         """Value ``[R]``, gradient ``[R, P]`` and curvature ``[R, P, P]`` at ``x`` (for
@@ -82,8 +85,9 @@ class TwiceNLL:
         """Exact derivatives: forward-over-reverse for the Poisson main terms, closed form for
         the constraint terms (each constrains one parameter, so their Hessian is diagonal)."""
         model = self.model
-        data, element = self.data[rows], self.element[rows]
-        observed_main, aux = data[:, : model.n_main], data[:, model.n_main :]
+        data, element = self.data.index_select(0, rows), self.element.index_select(0, rows)
+        observed_main = data.narrow(1, 0, model.n_main)
+        aux = data.narrow(1, model.n_main, model.n_aux)
 
         def main_term(z: Tensor) -> Tensor:
             rates = model.expected_data(z, element, include_auxdata=False)
@@ -105,11 +109,11 @@ class TwiceNLL:
 
     def _jacobian_based(self, x: Tensor, rows: Tensor) -> Derivatives:
         model = self.model
-        data, element = self.data[rows], self.element[rows]
-        n_main = model.n_main
-        observed_main, aux = data[:, :n_main], data[:, n_main:]
+        data, element = self.data.index_select(0, rows), self.element.index_select(0, rows)
+        observed_main = data.narrow(1, 0, model.n_main)
+        aux = data.narrow(1, model.n_main, model.n_aux)
 
-        rates, J = self._rates_and_jacobian(x, element)
+        rates, J = model.expected_main_jacobian(x, element)
         # n / lambda with 0 / 0 = 0 (an empty bin with zero rate), as pyhf's xlogy
         ratio = torch.where(observed_main > 0, observed_main / rates, torch.zeros_like(rates))
         residual = 2.0 * (1.0 - ratio)  # d(-2 log L)/d lambda
@@ -126,31 +130,15 @@ class TwiceNLL:
             return Derivatives(f, g, H, J, residual)
         return Derivatives(f, g, H)
 
-    def _rates_and_jacobian(self, x: Tensor, element: Tensor) -> tuple[Tensor, Tensor]:
-        """Main-bin rates ``[R, N]`` and their Jacobian ``[R, N, P]``: the engine's closed form
-        when it has one, else reverse mode (one vector-Jacobian product per bin)."""
-        model = self.model
-        if hasattr(model, "expected_main_jacobian"):
-            return model.expected_main_jacobian(x, element)
-
-        def rates_fn(z: Tensor) -> Tensor:
-            return model.expected_data(z, element, include_auxdata=False)
-
-        rates, vjp_fn = torch.func.vjp(rates_fn, x)
-        n_main, R = rates.shape[1], x.shape[0]
-        eye = torch.eye(n_main, dtype=x.dtype, device=x.device)
-        J = torch.func.vmap(vjp_fn)(eye[:, None, :].expand(n_main, R, n_main))[0]  # [N, R, P]
-        return rates, J.permute(1, 0, 2)
-
     def _constraint_derivatives(
         self, x: Tensor, aux: Tensor, element: Tensor
     ) -> tuple[Tensor, Tensor]:
         """Exact first and second derivatives ``[R, A]`` of the constraint terms of ``-2 log L``
         with respect to each auxiliary datum's parameter."""
         constraint = self.model.constraint
-        theta = x[:, constraint.param]
-        sigma = constraint.sigma[element]
-        scale = constraint.scale[element]
+        theta = x.index_select(1, constraint.param)
+        sigma = constraint.sigma.index_select(0, element)
+        scale = constraint.scale.index_select(0, element)
         normal_g = 2.0 * (theta - aux) / sigma**2
         normal_h = 2.0 / sigma**2
         poisson_g = 2.0 * (scale - aux / theta)
