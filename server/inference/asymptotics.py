@@ -31,7 +31,7 @@ from torch import Tensor
 
 from .mle import FitOptions, FitRequest, fit_requests
 from .results import FitResults
-from .test_statistics import TEST_STATS, test_statistic
+from .test_statistics import check_test_stat, test_statistic
 
 __all__ = [
     "N_SIGMA",
@@ -141,8 +141,7 @@ class AsymptoticCalculator:
         calc_base_dist: str = "normal",
         **fit_kwargs,
     ) -> None:
-        if test_stat not in TEST_STATS:
-            raise ValueError(f"unknown test statistic {test_stat!r}; expected one of {TEST_STATS}")
+        check_test_stat(test_stat)
         self.model = model
         self.data = data
         self.element = element

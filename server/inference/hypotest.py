@@ -30,7 +30,7 @@ from .asymptotics import AsymptoticCalculator
 from .mle import FitOptions, rows_data
 from .results import HypotestResults
 from .rows import rows_of, unique_datasets
-from .test_statistics import TEST_STATS
+from .test_statistics import check_test_stat
 
 __all__ = ["hypotest", "make_calculator", "prepare_rows", "run_calculator"]
 
@@ -61,8 +61,7 @@ def prepare_rows(
 def _check_model(model, test_stat: str) -> None:
     if model.poi_index is None:
         raise ValueError("No POI is defined. A POI is required to run a hypothesis test.")
-    if test_stat not in TEST_STATS:
-        raise ValueError(f"unknown test statistic {test_stat!r}; expected one of {TEST_STATS}")
+    check_test_stat(test_stat)
     if bool(model.fixed[:, model.poi_index].any()):
         raise ValueError("the POI is fixed: profile-likelihood-ratio inference is impossible")
 

@@ -25,9 +25,23 @@ from torch import Tensor
 from .mle import FitRequest, fit_requests
 from .results import FitResults
 
-__all__ = ["TEST_STATS", "compute", "q0_like", "qmu_like", "test_statistic", "tmu_like"]
+__all__ = [
+    "TEST_STATS",
+    "check_test_stat",
+    "compute",
+    "q0_like",
+    "qmu_like",
+    "test_statistic",
+    "tmu_like",
+]
 
 TEST_STATS = ("q0", "q", "qtilde")
+
+
+def check_test_stat(name: str) -> None:
+    """Raise ``ValueError`` unless ``name`` is one of :data:`TEST_STATS`."""
+    if name not in TEST_STATS:
+        raise ValueError(f"unknown test statistic {name!r}; expected one of {TEST_STATS}")
 
 
 def tmu_like(fixed_twice_nll: Tensor, free_twice_nll: Tensor) -> Tensor:

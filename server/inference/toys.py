@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from .mle import FitOptions, FitRequest, fit_requests
-from .test_statistics import TEST_STATS, test_statistic
+from .test_statistics import check_test_stat, test_statistic
 
 __all__ = ["PERCENTILES", "ToyCalculator", "empirical_pvalues", "sample_toys"]
 
@@ -119,8 +119,7 @@ class ToyCalculator:
         generator: torch.Generator,
         **fit_kwargs,
     ) -> None:
-        if test_stat not in TEST_STATS:
-            raise ValueError(f"unknown test statistic {test_stat!r}; expected one of {TEST_STATS}")
+        check_test_stat(test_stat)
         self.model = model
         self.data = data
         self.element = element
