@@ -98,9 +98,11 @@ def test_no_process_wide_backend_state():
     assert before.name == "numpy"
 
 
-def test_fit_runs_on_fake_cuda():
+@pytest.mark.parametrize("solver", ["dense", "low-rank"])
+def test_fit_runs_on_fake_cuda(solver):
     """A batched fit (Gauss-Newton with secant updates, fixed budget, no host synchronisation)
-    on a simulated cuda device: any cpu tensor created inside the fit loop would raise."""
+    on a simulated cuda device, with either step solver: any cpu tensor created inside the
+    fit loop would raise."""
     from pyhf_gpu_server.inference.minimize import MinimizeOptions, minimize
     from pyhf_gpu_server.inference.objective import TwiceNLL
 
@@ -114,7 +116,7 @@ def test_fit_runs_on_fake_cuda():
             model.init.index_select(0, element),
             model.bounds.index_select(0, element),
             model.fixed.index_select(0, element),
-            MinimizeOptions(max_iter=3, check_every=0),
+            MinimizeOptions(max_iter=3, check_every=0, solver=solver),
         )
         for tensor in (result.x, result.fun, result.converged, result.iterations):
             assert isinstance(tensor, FakeTensor)

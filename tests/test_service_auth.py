@@ -59,7 +59,9 @@ def test_the_right_token_is_accepted(server: ServerProcess) -> None:
 
 def test_slow_request_times_out_with_504(server: ServerProcess) -> None:
     with server.client(token=TOKEN) as client:
-        response = client.post("/cls", json=simple_workspace((3.0, 4.0)))
+        # 5000 toys take about a second, far past the server's 50 ms request timeout
+        toys = {"calctype": "toybased", "ntoys": 5000}
+        response = client.post("/cls", params=toys, json=simple_workspace((3.0, 4.0)))
         assert response.status_code == 504
         assert "POST /jobs" in response.json()["detail"]
         assert client.get("/healthz").status_code == 200

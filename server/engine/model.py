@@ -243,6 +243,12 @@ class HistFactoryModel:
             sigma=self._tensor(np.stack([e.aux_sigma for e in self.elements])),
             scale=self._tensor(np.stack([e.aux_scale for e in self.elements])),
         )
+        aux_param = np.asarray(first.aux_param, dtype=np.int64)
+        poisson = np.asarray(first.aux_is_poisson, dtype=bool)
+        # parameters without a constraint term, and those with a Poisson one (their
+        # curvature vanishes with a zero auxiliary count): the fitter's low-rank solver
+        self.unconstrained = self._tensor(np.setdiff1d(np.arange(self.n_pars), aux_param), long)
+        self.poisson_constrained = self._tensor(np.unique(aux_param[poisson]), long)
         self.init = self._tensor(np.stack([e.init for e in self.elements]))
         self.bounds = self._tensor(np.stack([e.bounds for e in self.elements]))
         self.fixed = self._tensor(np.stack([e.fixed for e in self.elements]), torch.bool)

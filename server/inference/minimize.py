@@ -7,11 +7,14 @@ fixed-parameter mask) is advanced in one loop. Every iteration:
    (:meth:`BatchedObjective.derivatives`),
 2. freezes the fixed parameters and the parameters held at a bound by their gradient
    (projected Newton: the active set of the box constraints),
-3. solves ``(H + lambda_k D) p_k = -g`` by Cholesky for a few damping values ``lambda_k``
-   at once (``lambda = 0`` is pure Newton; ``D = |diag H|`` is Marquardt's scaling), so a
+3. solves ``(H + lambda_k D) p_k = -g`` for a few damping values ``lambda_k`` at once
+   (``lambda = 0`` is pure Newton; ``D = |diag H|`` is Marquardt's scaling), so a
    non-positive-definite ``H`` is handled by the damped candidates; for a Gauss-Newton
    curvature, ``H`` includes a second-order term learnt by secant updates (NL2SOL's),
-   which turns the linear convergence of Gauss-Newton into a superlinear one,
+   which turns the linear convergence of Gauss-Newton into a superlinear one. The solve is
+   a Cholesky factorisation of the ``P x P`` matrix, or, for an objective that gives ``H`` as
+   diagonal plus low rank (many constrained parameters, few bins), Woodbury's identity on
+   ``r << P`` columns (:mod:`~pyhf_gpu_server.inference.curvature`),
 4. evaluates the objective at every projected trial point ``clip(x + a p_k, lo, hi)`` (a few
    step lengths ``a``) and keeps
    the best one if it lowers the objective (Levenberg-Marquardt acceptance), else raises the
@@ -43,28 +46,14 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Literal, Protocol
 
 import torch
 from torch import Tensor
 
+from .curvature import DenseCurvature, Derivatives, LowRankCurvature, curvature_of
+
 __all__ = ["BatchedObjective", "Derivatives", "MinimizeOptions", "MinimizeResult", "minimize"]
-
-
-class Derivatives(NamedTuple):
-    """What :meth:`BatchedObjective.derivatives` returns (a plain ``(f, g, H)`` tuple works too).
-
-    For an objective ``sum_i phi_i(lambda_i(x))`` whose ``H`` is the Gauss-Newton part
-    ``J^T diag(phi'') J`` (plus any exact curvature), ``J [R, N, P]`` (the Jacobian of the
-    ``lambda_i``) and ``r [R, N]`` (the ``phi_i'``) let the minimiser learn the missing
-    ``sum_i r_i Hess(lambda_i)`` by secant updates (Dennis, Gay and Welsch's NL2SOL update).
-    """
-
-    f: Tensor
-    g: Tensor
-    H: Tensor
-    J: Tensor | None = None
-    r: Tensor | None = None
 
 
 class BatchedObjective(Protocol):
@@ -80,8 +69,8 @@ class BatchedObjective(Protocol):
         ...
 
     def derivatives(self, x: Tensor, rows: Tensor) -> Derivatives | tuple[Tensor, Tensor, Tensor]:
-        """Value ``[R]``, gradient ``[R, P]`` and a symmetric curvature matrix ``[R, P, P]``
-        (optionally with the Gauss-Newton pieces, see :class:`Derivatives`)."""
+        """Value ``[R]``, gradient ``[R, P]`` and a symmetric curvature matrix ``[R, P, P]``, or
+        its low-rank pieces (see :class:`~pyhf_gpu_server.inference.curvature.Derivatives`)."""
         ...
 
 
@@ -106,6 +95,11 @@ class MinimizeOptions:
             updates (when the objective provides ``J`` and ``r``, see :class:`Derivatives`).
         pure_newton: also try the undamped step each iteration (one more factorisation); without
             it a row converges only once its damping is below ``1e-3``.
+        solver: how steps are solved from the curvature (see
+            :mod:`~pyhf_gpu_server.inference.curvature`): ``"dense"`` (Cholesky),
+            ``"low-rank"`` (Woodbury, for objectives that give the low-rank pieces) or
+            ``"auto"``.
+        secant_memory: secant pairs the low-rank curvature keeps.
     """
 
     max_iter: int = 200
@@ -113,11 +107,13 @@ class MinimizeOptions:
     check_every: int = 4
     damping: float = 1e-3
     damping_factors: tuple[float, ...] = (1.0,)
-    step_lengths: tuple[float, ...] = (1.0, 0.5, 0.25)
+    step_lengths: tuple[float, ...] = (1.0, 0.5)
     max_damping: float = 1e12
     bound_tol: float = 1e-12
     secant: bool = True
     pure_newton: bool = True
+    solver: Literal["auto", "dense", "low-rank"] = "auto"
+    secant_memory: int = 8
 
 
 @dataclass
@@ -147,49 +143,23 @@ class _State:
     x: Tensor
     f: Tensor
     g: Tensor
-    H: Tensor
+    curvature: DenseCurvature | LowRankCurvature
     lam: Tensor
     iterations: Tensor
     decrement: Tensor
     converged: Tensor
     failed: Tensor
-    S: Tensor | None = None  # learnt second-order part of the curvature (secant updates)
-    J: Tensor | None = None
-    r: Tensor | None = None
 
     def select(self, keep: Tensor) -> _State:
         """The sub-state of the rows where ``keep`` (bool ``[R]``) is true."""
         fields = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        return _State(**{k: None if v is None else v[keep] for k, v in fields.items()})
+        return _State(
+            **{k: v.select(keep) if k == "curvature" else v[keep] for k, v in fields.items()}
+        )
 
 
 def _as_derivatives(result: Derivatives | tuple) -> Derivatives:
     return result if isinstance(result, Derivatives) else Derivatives(*result)
-
-
-def _secant_update(S: Tensor, step: Tensor, y: Tensor, y_sharp: Tensor, accept: Tensor) -> Tensor:
-    """Dennis-Gay-Welsch (NL2SOL) update of the second-order term ``S`` with sizing, in place.
-
-    ``step``: ``x_new - x_old``; ``y``: gradient change; ``y_sharp = (J_new - J_old)^T r_new``,
-    the change that ``S`` should explain: ``S_new step = y_sharp``. The update
-    ``tau S + ((v y^T + y v^T) - (step.v / y.step) y y^T) / y.step`` with ``v = y_sharp - tau S step``
-    is written as the rank-2 ``a y^T + y a^T``. Rows not accepted, or where ``y.step`` is not
-    positive, keep their ``S``.
-    """
-    Ss = torch.einsum("rpq,rq->rp", S, step)
-    sSs = (step * Ss).sum(-1)
-    sy_sharp = (step * y_sharp).sum(-1)
-    tau = torch.where(
-        sSs.abs() > 0, (sy_sharp.abs() / sSs.abs()).clamp(max=1.0), torch.ones_like(sSs)
-    )
-    v = y_sharp - Ss * tau.unsqueeze(-1)
-    ys = (y * step).sum(-1)
-    valid = accept & (ys > 1e-12 * y.norm(dim=-1) * step.norm(dim=-1))
-    ys = torch.where(valid, ys, torch.ones_like(ys))
-    a = v / ys.unsqueeze(-1) - 0.5 * ((step * v).sum(-1) / ys**2).unsqueeze(-1) * y
-    a = torch.where(valid.unsqueeze(-1), a, torch.zeros_like(a))
-    S.mul_(torch.where(valid, tau, torch.ones_like(tau)).view(-1, 1, 1))
-    return S.baddbmm_(torch.stack([a, y], -1), torch.stack([y, a], -2))
 
 
 def _movable(
@@ -199,33 +169,6 @@ def _movable(
     at_lo = (x <= lo + bound_tol) & (g > 0)
     at_hi = (x >= hi - bound_tol) & (g < 0)
     return free & torch.logical_not(at_lo | at_hi)
-
-
-def _damped_steps(H: Tensor, g: Tensor, movable: Tensor, lams: Tensor) -> tuple[Tensor, Tensor]:
-    """Steps ``p [K, R, P]`` solving ``(H + lam_k |diag H|) p = -g`` on the movable parameters,
-    for the curvature ``H [R, P, P]`` and dampings ``lams [K, R]``.
-
-    Rows and columns of non-movable parameters are replaced by the identity, so their step
-    is zero. ``ok [K, R]`` is false where the damped matrix is not positive definite (or
-    not finite).
-    """
-    m = movable.to(H.dtype)
-    finite = torch.isfinite(H.sum((-2, -1)) + g.sum(-1))  # other rows are flagged, not fixed
-    Hm = H * (m.unsqueeze(2) * m.unsqueeze(1))
-    diag = Hm.diagonal(dim1=-2, dim2=-1)
-    scale = torch.clamp(diag.abs(), min=1e-10 * (1 + diag.abs().amax(-1, keepdim=True))) * m
-    A = Hm.unsqueeze(0).repeat(lams.shape[0], 1, 1, 1)  # [K, R, P, P]
-    A.diagonal(dim1=-2, dim2=-1).add_(lams.unsqueeze(-1) * scale + (1 - m))
-    L, info = torch.linalg.cholesky_ex(A)
-    rhs = torch.nan_to_num(-g * m).unsqueeze(-1).expand(lams.shape[0], -1, -1, 1)
-    p = torch.cholesky_solve(rhs, L).squeeze(-1)
-    ok = (info == 0) & finite & torch.isfinite(p.sum(-1))
-    return torch.where(ok.unsqueeze(-1), p * m, torch.zeros_like(p)), ok
-
-
-def _curvature(s: _State) -> Tensor:
-    """The model curvature: ``H``, plus the learnt second-order term ``S`` when there is one."""
-    return s.H if s.S is None else s.H + s.S
 
 
 def _iterate(
@@ -243,7 +186,7 @@ def _iterate(
     running = torch.logical_not(s.converged | s.failed)
     movable = _movable(s.x, s.g, lo, hi, free, options.bound_tol)
     lams = factors.unsqueeze(1) * s.lam.unsqueeze(0)  # [K, R]: pure Newton first, then damped
-    steps, ok = _damped_steps(_curvature(s), s.g, movable, lams)
+    steps, ok = s.curvature.steps(s.g, movable, lams)
     newton_ok, newton_step = ok.select(0, 0), steps.select(0, 0)
     s.decrement = torch.where(
         newton_ok, -(s.g * newton_step).sum(-1), torch.full_like(s.f, torch.inf)
@@ -289,17 +232,11 @@ def _adapted_damping(lam: Tensor, lams: Tensor, alpha_of: Tensor, best_k: Tensor
 
 
 def _adopt(s: _State, d: Derivatives, accept: Tensor, step: Tensor) -> None:
-    """Take the new derivatives on the accepted rows, updating the secant term ``S``."""
-    a1, a2 = accept.unsqueeze(-1), accept.view(-1, 1, 1)
-    if s.S is not None and d.J is not None:
-        y = d.g - s.g
-        y_sharp = torch.einsum("rnp,rn->rp", d.J - s.J, d.r)
-        s.S = _secant_update(s.S, step, y, y_sharp, accept)
-        s.J = torch.where(a2, d.J, s.J)
-        s.r = torch.where(a1, d.r, s.r)
+    """Take the new derivatives on the accepted rows (the curvature's secant term learns
+    from the step)."""
+    s.curvature.adopt(d, accept, step, d.g - s.g)
     s.f = torch.where(accept, d.f, s.f)
-    s.g = torch.where(a1, d.g, s.g)
-    s.H = torch.where(a2, d.H, s.H)
+    s.g = torch.where(accept.unsqueeze(-1), d.g, s.g)
 
 
 def minimize(
@@ -359,15 +296,12 @@ def minimize(
         x=x0,
         f=f,
         g=d.g,
-        H=d.H,
+        curvature=curvature_of(d, options.secant, options.solver, options.secant_memory),
         lam=torch.full((B,), options.damping, dtype=dtype, device=device),
         iterations=torch.zeros(B, dtype=torch.long, device=device),
         decrement=torch.full((B,), torch.inf, dtype=dtype, device=device),
         converged=torch.zeros(B, dtype=torch.bool, device=device),
         failed=torch.logical_not(torch.isfinite(f)),
-        S=None if d.J is None or not options.secant else torch.zeros_like(d.H),
-        J=d.J,
-        r=d.r,
     )
     out = MinimizeResult(
         x=x0.clone(),

@@ -38,9 +38,11 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from .minimize import Derivatives
+from .curvature import Derivatives
 
-__all__ = ["CURVATURES", "Curvature", "TwiceNLL"]
+__all__ = ["CPU_BLOCK_ROWS", "CURVATURES", "Curvature", "TwiceNLL"]
+
+CPU_BLOCK_ROWS = 256
 
 Curvature = Literal["hessian", "gauss-newton", "fisher"]
 CURVATURES: tuple[str, ...] = ("hessian", "gauss-newton", "fisher")
@@ -54,28 +56,62 @@ class TwiceNLL:
         data: ``[B, N + A]`` observations plus auxiliary data, one row per minimisation.
         element: ``[B]`` LongTensor, the model element (patch) of each row.
         curvature: ``"hessian"``, ``"gauss-newton"`` or ``"fisher"`` (see the module doc).
+        block_rows: evaluate at most this many rows per engine call (``None``: all at once).
+            The default, 256 on the CPU and unlimited elsewhere, keeps a block's intermediates
+            in the CPU's cache: per row, blocks of 256 run 2-2.5x faster than 2400 rows at once
+            on the shared workspaces.
     """
 
-    def __init__(self, model, data: Tensor, element: Tensor, curvature: Curvature = "hessian"):
+    def __init__(
+        self,
+        model,
+        data: Tensor,
+        element: Tensor,
+        curvature: Curvature = "hessian",
+        block_rows: int | Literal["auto"] | None = "auto",
+    ):
         if curvature not in CURVATURES:
             raise ValueError(f"curvature must be one of {CURVATURES}, not {curvature!r}")
         self.model = model
         self.data = data
         self.element = element
         self.curvature = curvature
+        self.flat = torch.cat([model.unconstrained, model.poisson_constrained])
+        if block_rows == "auto":
+            block_rows = CPU_BLOCK_ROWS if model.device.type == "cpu" else None
+        self.block_rows = block_rows
+
+    def _blocks(self, x: Tensor, rows: Tensor) -> list[tuple[Tensor, Tensor]]:
+        size = x.shape[0] if self.block_rows is None else self.block_rows
+        if x.shape[0] <= size:
+            return [(x, rows)]
+        return list(zip(x.split(size), rows.split(size), strict=True))
 
     def value(self, x: Tensor, rows: Tensor) -> Tensor:
         """``-2 log L`` ``[R]`` at ``x [R, P]`` for the rows ``rows`` of the batch."""
-        return self.model.twice_nll(
-            x, self.data.index_select(0, rows), self.element.index_select(0, rows)
+        return torch.cat(
+            [
+                self.model.twice_nll(
+                    xb, self.data.index_select(0, rb), self.element.index_select(0, rb)
+                )
+                for xb, rb in self._blocks(x, rows)
+            ]
         )
 
     def derivatives(self, x: Tensor, rows: Tensor) -> Derivatives:
-        """Value ``[R]``, gradient ``[R, P]`` and curvature ``[R, P, P]`` at ``x`` (for
-        ``"gauss-newton"`` also the rate Jacobian and residuals, for secant updates)."""
-        if self.curvature == "hessian":
-            return self._exact(x, rows)
-        return self._jacobian_based(x, rows)
+        """Value ``[R]``, gradient ``[R, P]`` and curvature at ``x``: the exact Hessian ``[R, P,
+        P]``, or for ``"gauss-newton"``/``"fisher"`` its low-rank pieces (see
+        :class:`~pyhf_gpu_server.inference.curvature.Derivatives`)."""
+        compute = self._exact if self.curvature == "hessian" else self._jacobian_based
+        parts = [compute(xb, rb) for xb, rb in self._blocks(x, rows)]
+        if len(parts) == 1:
+            return parts[0]
+        return Derivatives(
+            *(
+                None if field[0] is None else field[0] if name == "flat" else torch.cat(field)
+                for name, field in zip(Derivatives._fields, zip(*parts, strict=True), strict=True)
+            )
+        )
 
     def hessian(self, x: Tensor, rows: Tensor) -> Tensor:
         """The exact Hessian ``[R, P, P]`` of ``-2 log L`` (used for uncertainties)."""
@@ -119,16 +155,12 @@ class TwiceNLL:
         residual = 2.0 * (1.0 - ratio)  # d(-2 log L)/d lambda
         weight = 2.0 / rates if self.curvature == "fisher" else 2.0 * ratio / rates
         g = torch.einsum("rn,rnp->rp", residual, J)
-        H = torch.einsum("rn,rnp,rnq->rpq", weight, J, J)
-
         cg, ch = self._constraint_derivatives(x, aux, element)
         g = g.index_add(1, model.constraint.param, cg)
-        diag = torch.zeros_like(g).index_add(1, model.constraint.param, ch)
-        H = H + torch.diag_embed(diag)
+        diagonal = torch.zeros_like(g).index_add(1, model.constraint.param, ch)
         f = model.twice_nll(x, data, element)
-        if self.curvature == "gauss-newton":
-            return Derivatives(f, g, H, J, residual)
-        return Derivatives(f, g, H)
+        residual = residual if self.curvature == "gauss-newton" else None  # secant terms
+        return Derivatives(f, g, None, J, residual, weight, diagonal, self.flat)
 
     def _constraint_derivatives(
         self, x: Tensor, aux: Tensor, element: Tensor

@@ -1,0 +1,327 @@
+"""The minimiser's curvature matrices, and how damped Newton steps are solved from them.
+
+Every iteration of :func:`~pyhf_gpu_server.inference.minimize.minimize` solves, per row and
+per damping ``lambda_k``, ``(C + lambda_k |diag C|) p = -g`` on the movable parameters, where
+``C`` is the row's curvature: the objective's Gauss-Newton matrix ``H`` plus, when the
+objective gives the rate Jacobian ``J`` and residuals ``r``, the second-order term ``S``
+learnt by Dennis, Gay and Welsch's secant update (NL2SOL). Two representations:
+
+- :class:`DenseCurvature`: ``H`` and ``S`` as ``[R, P, P]`` matrices, steps by Cholesky
+  factorisation: ``O(P^3)`` per row. Any objective (an exact Hessian included).
+- :class:`LowRankCurvature`: ``H = diag(d) + J^T diag(w) J`` as the objective gives it (``d``:
+  the constraint terms' curvature), and ``S`` as its last ``m`` secant pairs, so that
+  ``C = diag(E) + U U^T - V V^T`` with ``r = N + 2m + F`` columns (``F``: the parameters whose
+  ``d`` may vanish, see below). Steps by the Woodbury identity and one Schur complement:
+  ``O(P r^2)`` per row, and no ``P x P`` matrix in memory. HistFactory likelihoods often have
+  many constrained nuisance parameters and few bins (a published one: 119 parameters, 5 bins),
+  where this is the cheaper one by an order of magnitude.
+
+The low-rank solve: with ``B = diag(E) + U U^T`` (positive definite as ``E > 0``),
+``C = B - V V^T`` is positive definite exactly when the Schur complement ``I - V^T B^-1 V``
+is (Haynsworth's inertia additivity), so one Cholesky factorisation of that ``[r-, r-]``
+matrix both tests definiteness, as the dense Cholesky does, and gives the step
+``p = B^-1 b + B^-1 V (I - V^T B^-1 V)^-1 V^T B^-1 b``. ``E`` must be positive: a parameter
+without a constraint term (``d = 0``: a normfactor, or a Poisson-constrained gamma whose
+auxiliary count may be 0) gets ``E = d + s`` and the column ``sqrt(s) e_j`` in ``V``, which
+takes ``s`` back out exactly.
+
+Example:
+    >>> import torch
+    >>> J = torch.tensor([[[1.0, 2.0, 0.0]]], dtype=torch.float64)  # one bin, three parameters
+    >>> d = torch.tensor([[0.0, 1.0, 4.0]], dtype=torch.float64)  # parameter 0 unconstrained
+    >>> w = torch.tensor([[3.0]], dtype=torch.float64)
+    >>> low = LowRankCurvature(d, J, w, None, flat=torch.tensor([0]), memory=0)
+    >>> dense = DenseCurvature(torch.diag_embed(d) + 3.0 * J.mT @ J)
+    >>> g = torch.tensor([[1.0, -1.0, 2.0]], dtype=torch.float64)
+    >>> movable = torch.ones(1, 3, dtype=torch.bool)
+    >>> lams = torch.tensor([[0.0], [0.1]], dtype=torch.float64)
+    >>> (p_low, ok_low), (p_dense, ok_dense) = low.steps(g, movable, lams), dense.steps(g, movable, lams)
+    >>> torch.allclose(p_low, p_dense), ok_low.tolist() == ok_dense.tolist() == [[True], [True]]
+    (True, True)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+__all__ = ["DenseCurvature", "Derivatives", "LowRankCurvature", "curvature_of"]
+
+
+class Derivatives(NamedTuple):
+    """What an objective's ``derivatives`` returns (a plain ``(f, g, H)`` tuple works too).
+
+    Either a dense curvature ``H [R, P, P]``, or (``H = None``) the low-rank pieces of
+    ``H = diag(diagonal) + J^T diag(weight) J``: ``diagonal [R, P]`` (non-negative),
+    ``weight [R, N]`` (non-negative) and ``flat [F]``, the parameters whose ``diagonal`` may
+    be zero. For an objective ``sum_i phi_i(lambda_i(x))`` with a Gauss-Newton ``H``, ``J [R,
+    N, P]`` (the Jacobian of the ``lambda_i``) and ``r [R, N]`` (the ``phi_i'``) let the
+    minimiser learn the missing ``sum_i r_i Hess(lambda_i)`` by secant updates.
+    """
+
+    f: Tensor
+    g: Tensor
+    H: Tensor | None
+    J: Tensor | None = None
+    r: Tensor | None = None
+    weight: Tensor | None = None
+    diagonal: Tensor | None = None
+    flat: Tensor | None = None
+
+
+def _secant_pair(
+    Ss: Tensor, step: Tensor, y: Tensor, y_sharp: Tensor, accept: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The NL2SOL update ``S <- tau S + a y^T + y a^T`` from ``Ss = S step``: ``(tau, a,
+    valid)``. ``step``: ``x_new - x_old``; ``y``: the gradient change; ``y_sharp = (J_new -
+    J_old)^T r_new``, what ``S`` should explain (``S_new step = y_sharp``). Rows not
+    ``valid`` (not accepted, or ``y.step`` not positive) keep their ``S``: ``tau = 1, a = 0``.
+    """
+    sSs = (step * Ss).sum(-1)
+    sy_sharp = (step * y_sharp).sum(-1)
+    tau = torch.where(
+        sSs.abs() > 0, (sy_sharp.abs() / sSs.abs()).clamp(max=1.0), torch.ones_like(sSs)
+    )
+    v = y_sharp - Ss * tau.unsqueeze(-1)
+    ys = (y * step).sum(-1)
+    valid = accept & (ys > 1e-12 * y.norm(dim=-1) * step.norm(dim=-1))
+    ys = torch.where(valid, ys, torch.ones_like(ys))
+    a = v / ys.unsqueeze(-1) - 0.5 * ((step * v).sum(-1) / ys**2).unsqueeze(-1) * y
+    a = torch.where(valid.unsqueeze(-1), a, torch.zeros_like(a))
+    return torch.where(valid, tau, torch.ones_like(tau)), a, valid
+
+
+def _masked_scale(diag: Tensor, m: Tensor) -> Tensor:
+    """Marquardt's damping scale ``|diag C|`` on the movable parameters (``m`` as 0/1), kept
+    away from zero."""
+    return torch.clamp(diag.abs(), min=1e-10 * (1 + diag.abs().amax(-1, keepdim=True))) * m
+
+
+@dataclass
+class DenseCurvature:
+    """``C = H + S`` as ``[R, P, P]`` matrices; ``J``/``r`` (the last accepted rate Jacobian
+    and residuals) are kept for the secant update when ``S`` is learnt."""
+
+    H: Tensor
+    S: Tensor | None = None
+    J: Tensor | None = None
+    r: Tensor | None = None
+
+    def matrix(self) -> Tensor:
+        return self.H if self.S is None else self.H + self.S
+
+    def steps(self, g: Tensor, movable: Tensor, lams: Tensor) -> tuple[Tensor, Tensor]:
+        """Steps ``p [K, R, P]`` solving ``(C + lam_k |diag C|) p = -g`` on the movable
+        parameters for dampings ``lams [K, R]``, and ``ok [K, R]``: false where the damped
+        matrix is not positive definite (or not finite). Rows and columns of non-movable
+        parameters are replaced by the identity, so their step is zero."""
+        C = self.matrix()
+        m = movable.to(C.dtype)
+        finite = torch.isfinite(C.sum((-2, -1)) + g.sum(-1))  # other rows are flagged, not fixed
+        Cm = C * (m.unsqueeze(2) * m.unsqueeze(1))
+        scale = _masked_scale(Cm.diagonal(dim1=-2, dim2=-1), m)
+        A = Cm.unsqueeze(0).repeat(lams.shape[0], 1, 1, 1)  # [K, R, P, P]
+        A.diagonal(dim1=-2, dim2=-1).add_(lams.unsqueeze(-1) * scale + (1 - m))
+        L, info = torch.linalg.cholesky_ex(A)
+        rhs = torch.nan_to_num(-g * m).unsqueeze(-1).expand(lams.shape[0], -1, -1, 1)
+        p = torch.cholesky_solve(rhs, L).squeeze(-1)
+        ok = (info == 0) & finite & torch.isfinite(p.sum(-1))
+        return torch.where(ok.unsqueeze(-1), p * m, torch.zeros_like(p)), ok
+
+    def adopt(self, new: Derivatives, accept: Tensor, step: Tensor, y: Tensor) -> None:
+        """Take the curvature of ``new`` on the accepted rows (``step``, ``y``: their change
+        of parameters and gradient), updating ``S``."""
+        a2 = accept.view(-1, 1, 1)
+        if self.S is not None:
+            y_sharp = torch.einsum("rnp,rn->rp", new.J - self.J, new.r)
+            Ss = torch.einsum("rpq,rq->rp", self.S, step)
+            tau, a, _ = _secant_pair(Ss, step, y, y_sharp, accept)
+            self.S = self.S.mul_(tau.view(-1, 1, 1)).baddbmm_(
+                torch.stack([a, y], -1), torch.stack([y, a], -2)
+            )
+            self.J = torch.where(a2, new.J, self.J)
+            self.r = torch.where(accept.unsqueeze(-1), new.r, self.r)
+        self.H = torch.where(a2, _dense(new), self.H)
+
+    def select(self, keep: Tensor) -> DenseCurvature:
+        return DenseCurvature(*(None if v is None else v[keep] for v in _values(self)))
+
+
+@dataclass
+class LowRankCurvature:
+    """``C = diag(d) + J^T diag(w) J + sum_k c_k (a_k y_k^T + y_k a_k^T)`` with the last
+    ``memory`` secant pairs ``(a_k, y_k)`` (``[R, m, P]`` each, weights ``c [R, m]``); no
+    secant term when ``r`` is None or ``memory`` is 0. ``flat [F]``: the parameters whose
+    ``d`` may be zero. Columns are stored ``[R, columns, P]``, parameters innermost, so that
+    scaling them by a per-parameter diagonal runs over contiguous memory."""
+
+    d: Tensor
+    J: Tensor
+    w: Tensor
+    r: Tensor | None
+    flat: Tensor
+    memory: int = 8
+    pairs_a: Tensor | None = None
+    pairs_y: Tensor | None = None
+    c: Tensor | None = None
+    slot: int = 0
+
+    def __post_init__(self) -> None:
+        if self.r is None:
+            self.memory = 0
+        if self.pairs_a is None:
+            R, P = self.d.shape
+            self.pairs_a = self.d.new_zeros(R, self.memory, P)
+            self.pairs_y = self.d.new_zeros(R, self.memory, P)
+            self.c = self.d.new_zeros(R, self.memory)
+
+    def _secant_columns(self) -> tuple[Tensor, Tensor]:
+        """``S = U U^T - V V^T``: ``U, V [R, m, P]``, from each pair scaled to equal norms
+        (``a y^T + y a^T = (b a)(y / b)^T + ...``) so that neither column cancels."""
+        a, y = self.pairs_a, self.pairs_y
+        a_norm, y_norm = a.norm(dim=-1, keepdim=True), y.norm(dim=-1, keepdim=True)
+        ratio = torch.where(a_norm > 0, y_norm / a_norm.clamp(min=1e-300), torch.ones_like(a_norm))
+        beta = ratio.sqrt()
+        a, y = a * beta, y / beta
+        weight = (0.5 * self.c).sqrt().unsqueeze(-1)
+        return (a + y) * weight, (a - y) * weight
+
+    def _secant_times(self, x: Tensor) -> Tensor:
+        """``S x`` ``[R, P]`` for ``x [R, P]``."""
+        x = x.unsqueeze(-1)
+        ya = (self.pairs_y @ x).squeeze(-1) * self.c  # [R, m]
+        ay = (self.pairs_a @ x).squeeze(-1) * self.c
+        return (ya.unsqueeze(1) @ self.pairs_a + ay.unsqueeze(1) @ self.pairs_y).squeeze(1)
+
+    def diagonal(self) -> Tensor:
+        """``diag C`` ``[R, P]``."""
+        gauss_newton = (self.w.unsqueeze(1) @ (self.J * self.J)).squeeze(1)
+        secant = 2.0 * (self.c.unsqueeze(1) @ (self.pairs_a * self.pairs_y)).squeeze(1)
+        return self.d + gauss_newton + secant
+
+    def steps(self, g: Tensor, movable: Tensor, lams: Tensor) -> tuple[Tensor, Tensor]:
+        """As :meth:`DenseCurvature.steps`, by Woodbury and a Schur complement.
+
+        Everything ``P``-sized is two batched products per damping: the Gram matrix
+        ``W E^-1 [W b]^T`` of the columns ``W = [U V]`` and the right-hand side ``b``, then
+        ``p = E^-1 (b + W^T t)``; the rest is ``r x r`` algebra.
+        """
+        dtype = self.d.dtype
+        m = movable.to(dtype)
+        scale = _masked_scale(self.diagonal() * m, m)
+        is_flat = (
+            self.flat.unsqueeze(1) == torch.arange(m.shape[-1], device=m.device).unsqueeze(0)
+        ).to(dtype)  # [F, P]
+        shift = scale * is_flat.sum(0)  # the flat parameters' E gets |diag C| ...
+        secant_u, secant_v = self._secant_columns()
+        b = torch.nan_to_num(-g * m)
+        Wb = torch.cat(
+            [
+                self.J * self.w.clamp(min=0).sqrt().unsqueeze(-1),
+                secant_u,
+                secant_v,
+                is_flat * shift.sqrt().unsqueeze(1),  # ... and is taken out here
+                b.unsqueeze(1),
+            ],
+            1,
+        ) * m.unsqueeze(1)  # [R, r + 1, P]: C = diag(E) + U U^T - V V^T with [U V] = W
+        n_u = self.J.shape[1] + self.memory
+        n_v = Wb.shape[1] - 1 - n_u
+        E = (self.d.unsqueeze(0) + lams.unsqueeze(-1) * scale + shift) * m + (1 - m)  # [K, R, P]
+        E_inv = E.reciprocal()
+        gram = torch.stack(
+            [(Wb * e.unsqueeze(1)) @ Wb.mT for e in E_inv.unbind(0)]
+        )  # [K, R, r+1, r+1]
+        G_uu = gram.narrow(-2, 0, n_u).narrow(-1, 0, n_u)
+        G_uv = gram.narrow(-2, 0, n_u).narrow(-1, n_u, n_v)
+        G_vv = gram.narrow(-2, n_u, n_v).narrow(-1, n_u, n_v)
+        h_u = gram.narrow(-2, 0, n_u).narrow(-1, n_u + n_v, 1)
+        h_v = gram.narrow(-2, n_u, n_v).narrow(-1, n_u + n_v, 1)
+        eye_u = torch.eye(n_u, dtype=dtype, device=m.device)
+        L_u, info_u = torch.linalg.cholesky_ex(eye_u + G_uu)  # B = E + U U^T, by Woodbury
+        ok = info_u == 0
+        if n_v:
+            X = torch.cholesky_solve(torch.cat([G_uv, h_u], -1), L_u)  # (I + G_uu)^-1 [G_uv h_u]
+            eye_v = torch.eye(n_v, dtype=dtype, device=m.device)
+            schur = eye_v - G_vv + G_uv.mT @ X.narrow(-1, 0, n_v)  # I - V^T B^-1 V
+            L_v, info_v = torch.linalg.cholesky_ex(schur)  # C is positive definite iff this is
+            y = torch.cholesky_solve(h_v - G_uv.mT @ X.narrow(-1, n_v, 1), L_v)
+            z = torch.cholesky_solve(h_u + G_uv @ y, L_u)
+            t = torch.cat([-z, y], -2)
+            ok = ok & (info_v == 0)
+        else:
+            t = -torch.cholesky_solve(h_u, L_u)
+        W = Wb.narrow(1, 0, n_u + n_v)
+        p = torch.stack([(tk.mT @ W).squeeze(-2) for tk in t.unbind(0)])
+        p = (b + p) * E_inv * m
+        ok = ok & torch.isfinite(gram.sum((-2, -1)) + p.sum(-1))
+        return torch.where(ok.unsqueeze(-1), p, torch.zeros_like(p)), ok
+
+    def adopt(self, new: Derivatives, accept: Tensor, step: Tensor, y: Tensor) -> None:
+        """As :meth:`DenseCurvature.adopt`; the newest secant pair replaces the oldest."""
+        a1, a2 = accept.unsqueeze(-1), accept.view(-1, 1, 1)
+        if self.memory:
+            y_sharp = (new.r.unsqueeze(1) @ (new.J - self.J)).squeeze(1)
+            tau, a, valid = _secant_pair(self._secant_times(step), step, y, y_sharp, accept)
+            slot = torch.arange(self.memory, device=step.device) == self.slot
+            write = valid.view(-1, 1, 1) & slot.view(1, -1, 1)  # [R, m, 1]
+            self.pairs_a = torch.where(write, a.unsqueeze(1), self.pairs_a)
+            self.pairs_y = torch.where(write, y.unsqueeze(1), self.pairs_y)
+            self.c = torch.where(
+                write.squeeze(-1), torch.ones_like(self.c), self.c * tau.unsqueeze(-1)
+            )
+            self.slot = (self.slot + 1) % self.memory
+            self.r = torch.where(a1, new.r, self.r)
+        self.J = torch.where(a2, new.J, self.J)
+        self.w = torch.where(a1, new.weight, self.w)
+        self.d = torch.where(a1, new.diagonal, self.d)
+
+    def select(self, keep: Tensor) -> LowRankCurvature:
+        kept = {
+            k: v[keep] if isinstance(v, Tensor) and k != "flat" else v
+            for k, v in zip(_names(self), _values(self), strict=True)
+        }
+        return LowRankCurvature(**kept)
+
+
+def _names(obj) -> list[str]:
+    return [f.name for f in fields(obj)]
+
+
+def _values(obj) -> list:
+    return [getattr(obj, name) for name in _names(obj)]
+
+
+def _dense(d: Derivatives) -> Tensor:
+    """``H [R, P, P]`` of derivatives, building it from the low-rank pieces if need be."""
+    if d.H is not None:
+        return d.H
+    return torch.diag_embed(d.diagonal) + torch.einsum("rn,rnp,rnq->rpq", d.weight, d.J, d.J)
+
+
+def curvature_of(
+    d: Derivatives, secant: bool, solver: str, memory: int
+) -> DenseCurvature | LowRankCurvature:
+    """The curvature for the first derivatives ``d`` of a minimisation.
+
+    ``solver``: ``"dense"``, ``"low-rank"`` (needs ``H = None`` and its pieces) or
+    ``"auto"``: low-rank when the pieces are there and its rank ``N + 2 memory + F`` is at most
+    half the parameter count, else dense. Measured on the shared workspaces (CPU, 24-patch
+    hypotests and toys): low-rank 1.3-2.5x faster at ranks from 20 (of 60 parameters) to 42
+    (of 115).
+    """
+    secant = secant and d.J is not None and d.r is not None
+    if d.H is None and solver != "dense":
+        N, P = d.J.shape[1:]
+        rank = N + 2 * memory * secant + d.flat.shape[0]
+        if solver == "low-rank" or 2 * rank <= P:
+            return LowRankCurvature(
+                d.diagonal, d.J, d.weight, d.r if secant else None, d.flat, memory
+            )
+    H = _dense(d)
+    if not secant:
+        return DenseCurvature(H)
+    return DenseCurvature(H, torch.zeros_like(H), d.J, d.r)
