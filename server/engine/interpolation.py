@@ -161,18 +161,39 @@ def normsys_log_factor(
     code4 polynomial below zero; pyhf multiplies such factors as they are, so the sign is
     carried separately to multiply exactly as pyhf does.
     """
+    log_abs, negative, _ = _normsys(code, alpha, coefficients, with_slope=False)
+    return log_abs, negative
+
+
+def normsys_log_factor_and_slope(
+    code: str, alpha: torch.Tensor, coefficients: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`normsys_log_factor` and ``d log|factor| / d alpha``, sharing the polynomial."""
+    return _normsys(code, alpha, coefficients, with_slope=True)
+
+
+def _normsys(
+    code: str, alpha: torch.Tensor, coefficients: torch.Tensor, with_slope: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     log_hi, log_lo = coefficients.select(0, 0), coefficients.select(0, 1)
     up = alpha * log_hi
     down = -alpha * log_lo
     if code == "code1":
-        return torch.where(alpha > 0, up, down), torch.zeros_like(alpha)
+        positive = alpha > 0
+        slope = torch.where(positive, log_hi, -log_lo) if with_slope else None
+        return torch.where(positive, up, down), torch.zeros_like(alpha), slope
     # code4: exponential outside |alpha| < 1, a 6th-order polynomial inside. The polynomial is
     # evaluated at the clamped alpha so that the branch not taken never produces NaN gradients.
-    inner = 1.0 + _code4_polynomial(alpha.clamp(-1.0, 1.0), coefficients)
+    inner_alpha = alpha.clamp(-1.0, 1.0)
+    inner = 1.0 + _code4_polynomial(inner_alpha, coefficients)
     outside_up, outside_down = alpha >= 1, alpha <= -1
     log_abs = torch.where(outside_up, up, torch.where(outside_down, down, torch.log(inner.abs())))
     negative = (torch.logical_not(outside_up | outside_down) & (inner < 0)).to(alpha.dtype)
-    return log_abs, negative
+    slope = None
+    if with_slope:
+        inside = _code4_polynomial_derivative(inner_alpha, coefficients) / inner
+        slope = torch.where(outside_up, log_hi, torch.where(outside_down, -log_lo, inside))
+    return log_abs, negative, slope
 
 
 def _code4_polynomial(alpha: torch.Tensor, coefficients: torch.Tensor) -> torch.Tensor:
@@ -189,18 +210,3 @@ def _code4_polynomial_derivative(alpha: torch.Tensor, coefficients: torch.Tensor
     for i in range(6, 1, -1):
         derivative = derivative * alpha + (i - 1) * coefficients.select(0, i)
     return derivative
-
-
-def normsys_log_factor_derivative(
-    code: str, alpha: torch.Tensor, coefficients: torch.Tensor
-) -> torch.Tensor:
-    """``d log|factor| / d alpha`` at ``alpha [B, T]``, the companion of normsys_log_factor."""
-    log_hi, log_lo = coefficients.select(0, 0), coefficients.select(0, 1)
-    up = log_hi.expand_as(alpha)
-    down = -log_lo.expand_as(alpha)
-    if code == "code1":
-        return torch.where(alpha > 0, up, down)
-    inner_alpha = alpha.clamp(-1.0, 1.0)
-    inner = 1.0 + _code4_polynomial(inner_alpha, coefficients)
-    slope = _code4_polynomial_derivative(inner_alpha, coefficients) / inner
-    return torch.where(alpha >= 1, up, torch.where(alpha <= -1, down, slope))

@@ -18,7 +18,7 @@ from .interpolation import (
     histosys_basis,
     histosys_basis_derivative,
     normsys_log_factor,
-    normsys_log_factor_derivative,
+    normsys_log_factor_and_slope,
 )
 
 LOG_SQRT_2PI = math.log(math.sqrt(2.0 * math.pi))
@@ -50,28 +50,38 @@ class _RateFactors(NamedTuple):
     base: torch.Tensor  # [B, Q] nominal + histosys shift
     normsys: torch.Tensor  # [B, Q] product of normsys factors
     multipliers: torch.Tensor  # [B, Q] product of plain multipliers
+    normsys_slope: torch.Tensor | None = None  # [B, T] d log|factor| / d alpha per entry
 
 
 def _rate_factors(
-    pars: torch.Tensor, main: MainTensors, histosys_code: str, normsys_code: str
+    pars: torch.Tensor,
+    main: MainTensors,
+    histosys_code: str,
+    normsys_code: str,
+    with_slopes: bool = False,
 ) -> _RateFactors:
     rows = pars.shape[0]
     base = main.nominal.expand(rows, -1)
     normsys = torch.ones_like(base)
     multipliers = torch.ones_like(base)
+    slope = None
     if main.histosys_params.numel():
         basis = histosys_basis(histosys_code, pars.index_select(1, main.histosys_params))
         base = base + basis.reshape(rows, -1) @ main.histosys_coefficients
     if main.normsys_column.numel():
-        log_abs, negative = normsys_log_factor(
-            normsys_code, pars.index_select(1, main.normsys_param), main.normsys_coefficients
-        )
+        alpha = pars.index_select(1, main.normsys_param)
+        if with_slopes:
+            log_abs, negative, slope = normsys_log_factor_and_slope(
+                normsys_code, alpha, main.normsys_coefficients
+            )
+        else:
+            log_abs, negative = normsys_log_factor(normsys_code, alpha, main.normsys_coefficients)
         total_log = torch.zeros_like(base).index_add(1, main.normsys_column, log_abs)
         total_negative = torch.zeros_like(base).index_add(1, main.normsys_column, negative)
         normsys = (1.0 - 2.0 * torch.remainder(total_negative, 2.0)) * torch.exp(total_log)
     if main.multiplier_params.numel():
         multipliers = _multiplier_factors(pars, main).prod(dim=1)
-    return _RateFactors(base, normsys, multipliers)
+    return _RateFactors(base, normsys, multipliers, slope)
 
 
 def _multiplier_factors(pars: torch.Tensor, main: MainTensors) -> torch.Tensor:
@@ -121,7 +131,7 @@ def expected_main_jacobian(
     n_columns = main.nominal.shape[0]
     n_main = n_columns // n_variants
     weights = main.membership.index_select(0, element)  # [B, U]
-    factors = _rate_factors(pars, main, histosys_code, normsys_code)
+    factors = _rate_factors(pars, main, histosys_code, normsys_code, with_slopes=True)
     rates = factors.base * factors.normsys * factors.multipliers
     weighted = rates.reshape(rows, n_variants, n_main) * weights.unsqueeze(2)
     expected = weighted.sum(dim=1)
@@ -140,18 +150,20 @@ def expected_main_jacobian(
         scale = (factors.normsys * factors.multipliers * column_weight).reshape(
             rows, n_variants, n_main
         )
-        coefficients = main.histosys_coefficients.reshape(-1, n_histosys, n_variants, n_main)
-        per_bin = torch.einsum("bkj,kjun,bun->bnj", slope, coefficients, scale)
+        # sum_u C[k, j, u, n] scale[b, u, n] as one product per bin, then sum_k slope[b, k, j]
+        coefficients = main.histosys_coefficients.reshape(-1, n_variants, n_main)  # [K * J, U, N]
+        scaled = scale.permute(2, 0, 1) @ coefficients.permute(2, 1, 0)  # [N, B, K * J]
+        scaled = scaled.reshape(n_main, rows, -1, n_histosys)
+        per_bin = (scaled * slope.unsqueeze(0)).sum(2).transpose(0, 1)  # [B, N, J]
         target = (
             torch.arange(n_main, device=pars.device).unsqueeze(1) * width
             + main.histosys_params.unsqueeze(0)
         ).reshape(-1)
         jacobian = jacobian.index_add(1, target, per_bin.reshape(rows, -1))
     if main.normsys_column.numel():
-        slope = normsys_log_factor_derivative(
-            normsys_code, pars.index_select(1, main.normsys_param), main.normsys_coefficients
+        contribution = factors.normsys_slope * (rates * column_weight).index_select(
+            1, main.normsys_column
         )
-        contribution = slope * (rates * column_weight).index_select(1, main.normsys_column)
         target = column_bin.index_select(0, main.normsys_column) * width + main.normsys_param
         jacobian = jacobian.index_add(1, target, contribution)
     if main.multiplier_params.numel():
@@ -180,6 +192,44 @@ def expected_aux(
 def poisson_logpdf(observed: torch.Tensor, rate: torch.Tensor) -> torch.Tensor:
     """Continuous Poisson ``log p(n | lambda)`` as pyhf: ``xlogy(n, lam) - lam - lgamma(n + 1)``."""
     return torch.xlogy(observed, rate) - rate - torch.lgamma(observed + 1)
+
+
+def poisson_deviance(observed: torch.Tensor, rate: torch.Tensor) -> torch.Tensor:
+    """``-2 log p(n | lambda)`` minus its value at ``lambda = n``: ``2 (lambda - n - n log(lambda
+    / n))`` (``2 lambda`` for ``n = 0``). Non-negative and small near a good fit, so that sums of
+    many terms keep their precision, in float32 too."""
+    positive = observed > 0
+    ratio = torch.where(positive, rate / torch.where(positive, observed, 1.0), 1.0)
+    return 2.0 * (rate - observed - torch.where(positive, observed * torch.log(ratio), 0.0))
+
+
+def poisson_saturated(observed: torch.Tensor) -> torch.Tensor:
+    """``-2 log p(n | lambda = n)``, what :func:`poisson_deviance` leaves out."""
+    return 2.0 * (observed - torch.xlogy(observed, observed) + torch.lgamma(observed + 1))
+
+
+def constraint_deviance(
+    pars: torch.Tensor, aux_data: torch.Tensor, element: torch.Tensor, constraint: ConstraintTensors
+) -> torch.Tensor:
+    """``-2 x`` :func:`constraint_logpdf` minus :func:`constraint_saturated`, per row ``[B]``:
+    squared pulls for Normal constraints, Poisson deviances for Poisson ones."""
+    means = pars.index_select(1, constraint.param)
+    sigma = constraint.sigma.index_select(0, element)
+    normal = ((aux_data - means) / sigma) ** 2
+    rate = torch.where(
+        constraint.is_poisson, means * constraint.scale.index_select(0, element), 1.0
+    )
+    poisson = poisson_deviance(aux_data, rate)
+    return torch.where(constraint.is_poisson, poisson, normal).sum(dim=1)
+
+
+def constraint_saturated(
+    aux_data: torch.Tensor, element: torch.Tensor, constraint: ConstraintTensors
+) -> torch.Tensor:
+    """The data-only part of ``-2 x`` :func:`constraint_logpdf`, per row ``[B]``."""
+    sigma = constraint.sigma.index_select(0, element)
+    normal = 2.0 * (torch.log(sigma) + LOG_SQRT_2PI)
+    return torch.where(constraint.is_poisson, poisson_saturated(aux_data), normal).sum(dim=1)
 
 
 def constraint_logpdf(

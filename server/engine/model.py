@@ -39,11 +39,15 @@ from .errors import IncompatibleModelsError
 from .kernel import (
     ConstraintTensors,
     MainTensors,
+    constraint_deviance,
     constraint_logpdf,
+    constraint_saturated,
     expected_aux,
     expected_main,
     expected_main_jacobian,
+    poisson_deviance,
     poisson_logpdf,
+    poisson_saturated,
 )
 from .layout import ElementLayout, read_model
 
@@ -283,21 +287,68 @@ class HistFactoryModel:
         return torch.cat([main, expected_aux(pars, element, self.constraint)], dim=1)
 
     def logpdf(
-        self, pars: torch.Tensor, data: torch.Tensor, element: torch.Tensor | None = None
+        self,
+        pars: torch.Tensor,
+        data: torch.Tensor,
+        element: torch.Tensor | None = None,
+        rates: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``log L`` per row ``[B]`` of data ``[B, N + A]`` at parameters ``[B, P]``, as pyhf."""
+        """``log L`` per row ``[B]`` of data ``[B, N + A]`` at parameters ``[B, P]``, as pyhf.
+
+        ``rates``: the expected main data at ``pars`` if already at hand (from
+        :meth:`expected_main_jacobian`), so that they are not computed twice.
+        """
         element = self.element_index(element, pars.shape[0])
         main_data = data.narrow(1, 0, self.n_main)
         aux_data = data.narrow(1, self.n_main, self.n_aux)
-        rates = self._expected_main(pars, element, self.main, self.histosys_code, self.normsys_code)
+        if rates is None:
+            rates = self._expected_main(
+                pars, element, self.main, self.histosys_code, self.normsys_code
+            )
         main = poisson_logpdf(main_data, rates).sum(dim=1)
         return main + constraint_logpdf(pars, aux_data, element, self.constraint)
 
     def twice_nll(
-        self, pars: torch.Tensor, data: torch.Tensor, element: torch.Tensor | None = None
+        self,
+        pars: torch.Tensor,
+        data: torch.Tensor,
+        element: torch.Tensor | None = None,
+        rates: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``-2 log L`` per row ``[B]``."""
-        return -2.0 * self.logpdf(pars, data, element)
+        """``-2 log L`` per row ``[B]`` (``rates``: as for :meth:`logpdf`)."""
+        return -2.0 * self.logpdf(pars, data, element, rates)
+
+    def deviance(
+        self,
+        pars: torch.Tensor,
+        data: torch.Tensor,
+        element: torch.Tensor | None = None,
+        rates: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``-2 log L`` minus :meth:`saturated_twice_nll` (a function of the data alone), per
+        row ``[B]``: Poisson deviances of the main bins and of Poisson constraints, squared
+        pulls of Normal constraints. Every term is non-negative and small near a good fit, so
+        a minimiser comparing values of order 1 instead of a ``-2 log L`` of order 100 loses
+        no digits (float32 keeps ~7 of them). ``rates``: as for :meth:`logpdf`.
+        """
+        element = self.element_index(element, pars.shape[0])
+        if rates is None:
+            rates = self._expected_main(
+                pars, element, self.main, self.histosys_code, self.normsys_code
+            )
+        main = poisson_deviance(data.narrow(1, 0, self.n_main), rates).sum(dim=1)
+        aux = data.narrow(1, self.n_main, self.n_aux)
+        return main + constraint_deviance(pars, aux, element, self.constraint)
+
+    def saturated_twice_nll(
+        self, data: torch.Tensor, element: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``twice_nll - deviance`` ``[B]``: ``-2 log L`` of data ``[B, N + A]`` with every
+        expectation equal to its observation (Normal constraints: their normalisation)."""
+        element = self.element_index(element, data.shape[0])
+        main = poisson_saturated(data.narrow(1, 0, self.n_main)).sum(dim=1)
+        aux = data.narrow(1, self.n_main, self.n_aux)
+        return main + constraint_saturated(aux, element, self.constraint)
 
     def expected_main_jacobian(
         self, pars: torch.Tensor, element: torch.Tensor | None = None

@@ -160,6 +160,10 @@ class AsymptoticCalculator:
     def _tested(self, mu: Tensor) -> Tensor:
         return torch.zeros_like(mu) if self.test_stat == "q0" else mu
 
+    def _fixed_asimov_request(self, tested: Tensor, index: Tensor) -> FitRequest:
+        start = self.asimov_fit.bestfit[index]
+        return FitRequest(self.asimov_data[index], self.element[index], tested, start)
+
     def teststatistic(self, mu: Tensor, index: Tensor) -> AsymptoticStats:
         """Asymptotic test statistics ``[M]`` for POI values ``mu [M]`` on datasets ``index [M]``."""
         model, tested = self.model, self._tested(mu)
@@ -180,21 +184,20 @@ class AsymptoticCalculator:
                 **self.fit_kwargs,
             )
             self.asimov_data = model.expected_data(self.asimov_fit.bestfit, self.element)
+            # The Asimov fits start where their data came from: the free fit's minimum is
+            # that point (pyhf starts from the init and lands there, less exactly)
             self.free_asimov, fixed_asimov = fit_requests(
                 model,
                 [
-                    FitRequest(self.asimov_data, self.element, nan),
-                    FitRequest(self.asimov_data[index], element, tested),
+                    FitRequest(self.asimov_data, self.element, nan, self.asimov_fit.bestfit),
+                    self._fixed_asimov_request(tested, index),
                 ],
                 **self.fit_kwargs,
             )
         else:
             fixed_data, fixed_asimov = fit_requests(
                 model,
-                [
-                    FitRequest(data, element, tested),
-                    FitRequest(self.asimov_data[index], element, tested),
-                ],
+                [FitRequest(data, element, tested), self._fixed_asimov_request(tested, index)],
                 **self.fit_kwargs,
             )
         free_data, free_asimov = self.free_data.select(index), self.free_asimov.select(index)

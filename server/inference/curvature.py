@@ -48,7 +48,11 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["DenseCurvature", "Derivatives", "LowRankCurvature", "curvature_of"]
+__all__ = ["CPU_BLOCK_ROWS", "DenseCurvature", "Derivatives", "LowRankCurvature", "curvature_of"]
+
+# Rows per block for the CPU: a block's intermediates stay in cache. Measured on the shared
+# workspaces: per row, blocks of 256 run 2-2.5x faster than 2400 rows at once.
+CPU_BLOCK_ROWS = 256
 
 
 class Derivatives(NamedTuple):
@@ -203,7 +207,32 @@ class LowRankCurvature:
         return self.d + gauss_newton + secant
 
     def steps(self, g: Tensor, movable: Tensor, lams: Tensor) -> tuple[Tensor, Tensor]:
-        """As :meth:`DenseCurvature.steps`, by Woodbury and a Schur complement.
+        """As :meth:`DenseCurvature.steps`, by Woodbury and a Schur complement; on the CPU in
+        blocks of :data:`CPU_BLOCK_ROWS` rows (their columns then stay in cache)."""
+        rows = g.shape[0]
+        if self.d.device.type != "cpu" or rows <= CPU_BLOCK_ROWS:
+            return self._steps(g, movable, lams)
+        parts = [
+            self._rows(start, min(CPU_BLOCK_ROWS, rows - start))._steps(
+                g.narrow(0, start, length := min(CPU_BLOCK_ROWS, rows - start)),
+                movable.narrow(0, start, length),
+                lams.narrow(1, start, length),
+            )
+            for start in range(0, rows, CPU_BLOCK_ROWS)
+        ]
+        return torch.cat([p for p, _ in parts], 1), torch.cat([ok for _, ok in parts], 1)
+
+    def _rows(self, start: int, length: int) -> LowRankCurvature:
+        """The rows ``start .. start + length`` (views)."""
+        return LowRankCurvature(
+            **{
+                k: v.narrow(0, start, length) if isinstance(v, Tensor) and k != "flat" else v
+                for k, v in zip(_names(self), _values(self), strict=True)
+            }
+        )
+
+    def _steps(self, g: Tensor, movable: Tensor, lams: Tensor) -> tuple[Tensor, Tensor]:
+        """:meth:`steps` on all rows at once.
 
         Everything ``P``-sized is two batched products per damping: the Gram matrix
         ``W E^-1 [W b]^T`` of the columns ``W = [U V]`` and the right-hand side ``b``, then

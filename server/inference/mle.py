@@ -187,6 +187,7 @@ def fit_rows(
             rows = torch.arange(part.x.shape[0], device=part.x.device)
             hessians.append(objective.hessian(part.x, rows))
     x = torch.cat([p.x for p in parts])
+    deviance = torch.cat([p.fun for p in parts])
     if uncertainties:
         unc, corr, _ = covariance(torch.cat(hessians), fixed)
     else:
@@ -196,7 +197,8 @@ def fit_rows(
         bestfit=x,
         uncertainty=unc,
         corr_mat=corr,
-        best_twice_nll=torch.cat([p.fun for p in parts]),
+        best_twice_nll=deviance + model.saturated_twice_nll(data, element),
+        deviance=deviance,
         converged=torch.cat([p.converged for p in parts]),
         iterations=torch.cat([p.iterations for p in parts]),
         labels=list(model.par_names),

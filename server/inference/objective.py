@@ -27,8 +27,9 @@ Example:
     >>> model = HistFactoryModel.from_workspace(ws)
     >>> nll = TwiceNLL(model, model.observed, torch.zeros(1, dtype=torch.long), "hessian")
     >>> f, g, H, *_ = nll.derivatives(model.init, torch.arange(1))
-    >>> round(f.item(), 6), H.shape
-    (9.602105, torch.Size([1, 2, 2]))
+    >>> constant = model.saturated_twice_nll(model.observed)  # f leaves it out
+    >>> round(f.item(), 6), round((f + constant).item(), 6), H.shape
+    (0.644555, 9.602105, torch.Size([1, 2, 2]))
 """
 
 from __future__ import annotations
@@ -38,11 +39,9 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from .curvature import Derivatives
+from .curvature import CPU_BLOCK_ROWS, Derivatives
 
-__all__ = ["CPU_BLOCK_ROWS", "CURVATURES", "Curvature", "TwiceNLL"]
-
-CPU_BLOCK_ROWS = 256
+__all__ = ["CURVATURES", "Curvature", "TwiceNLL"]
 
 Curvature = Literal["hessian", "gauss-newton", "fisher"]
 CURVATURES: tuple[str, ...] = ("hessian", "gauss-newton", "fisher")
@@ -57,9 +56,8 @@ class TwiceNLL:
         element: ``[B]`` LongTensor, the model element (patch) of each row.
         curvature: ``"hessian"``, ``"gauss-newton"`` or ``"fisher"`` (see the module doc).
         block_rows: evaluate at most this many rows per engine call (``None``: all at once).
-            The default, 256 on the CPU and unlimited elsewhere, keeps a block's intermediates
-            in the CPU's cache: per row, blocks of 256 run 2-2.5x faster than 2400 rows at once
-            on the shared workspaces.
+            The default: :data:`~pyhf_gpu_server.inference.curvature.CPU_BLOCK_ROWS` on the
+            CPU (cache-sized blocks), unlimited elsewhere.
     """
 
     def __init__(
@@ -88,10 +86,12 @@ class TwiceNLL:
         return list(zip(x.split(size), rows.split(size), strict=True))
 
     def value(self, x: Tensor, rows: Tensor) -> Tensor:
-        """``-2 log L`` ``[R]`` at ``x [R, P]`` for the rows ``rows`` of the batch."""
+        """``-2 log L`` ``[R]`` at ``x [R, P]`` for the rows ``rows`` of the batch, less its
+        data-only constant (the engine's ``deviance``: values near a minimum are of order 1,
+        so float32 fits keep their digits); gradients and curvatures are ``-2 log L``'s."""
         return torch.cat(
             [
-                self.model.twice_nll(
+                self.model.deviance(
                     xb, self.data.index_select(0, rb), self.element.index_select(0, rb)
                 )
                 for xb, rb in self._blocks(x, rows)
@@ -141,7 +141,7 @@ class TwiceNLL:
         g = gradient(x).index_add(1, model.constraint.param, cg)
         diag = torch.zeros_like(g).index_add(1, model.constraint.param, ch)
         H = 0.5 * (H + H.transpose(1, 2)) + torch.diag_embed(diag)
-        return Derivatives(model.twice_nll(x, data, element), g, H)
+        return Derivatives(model.deviance(x, data, element), g, H)
 
     def _jacobian_based(self, x: Tensor, rows: Tensor) -> Derivatives:
         model = self.model
@@ -158,7 +158,7 @@ class TwiceNLL:
         cg, ch = self._constraint_derivatives(x, aux, element)
         g = g.index_add(1, model.constraint.param, cg)
         diagonal = torch.zeros_like(g).index_add(1, model.constraint.param, ch)
-        f = model.twice_nll(x, data, element)
+        f = model.deviance(x, data, element, rates)
         residual = residual if self.curvature == "gauss-newton" else None  # secant terms
         return Derivatives(f, g, None, J, residual, weight, diagonal, self.flat)
 

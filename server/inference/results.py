@@ -59,6 +59,9 @@ class FitResults:
             parameters; NaN where the Hessian is not invertible, or not computed).
         corr_mat: ``[B, P, P]`` correlation matrix (0 rows/columns for fixed parameters).
         best_twice_nll: ``[B]`` ``-2 log L`` at the minimum.
+        deviance: ``[B]`` ``best_twice_nll`` less its data-only constant (the engine's
+            ``deviance``): test statistics subtract these, which in float32 keeps the digits
+            that subtracting two ``-2 log L`` of order 100 would lose.
         converged: ``[B]`` bool; a failed fit is never reported as converged.
         iterations: ``[B]`` minimiser iterations.
         labels: parameter names (pyhf's ``par_names``).
@@ -69,6 +72,7 @@ class FitResults:
     uncertainty: Tensor
     corr_mat: Tensor
     best_twice_nll: Tensor
+    deviance: Tensor
     converged: Tensor
     iterations: Tensor
     labels: list[str]
@@ -84,6 +88,7 @@ class FitResults:
             uncertainty=self.uncertainty[index],
             corr_mat=self.corr_mat[index],
             best_twice_nll=self.best_twice_nll[index],
+            deviance=self.deviance[index],
             converged=self.converged[index],
             iterations=self.iterations[index],
             labels=self.labels,

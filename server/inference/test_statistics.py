@@ -64,12 +64,13 @@ def q0_like(muhat: Tensor, fixed_twice_nll: Tensor, free_twice_nll: Tensor) -> T
 def test_statistic(
     name: str, mu: Tensor, fixed: FitResults, free: FitResults, poi_index: int
 ) -> Tensor:
-    """The test statistic ``name`` (``"q0"``, ``"q"``, ``"qtilde"``) from the two fits' results."""
+    """The test statistic ``name`` (``"q0"``, ``"q"``, ``"qtilde"``) from the two fits' results
+    (of the same datasets: their ``deviance`` differences are the ``-2 log L`` differences)."""
     muhat = free.bestfit[:, poi_index]
     if name == "q0":
-        return q0_like(muhat, fixed.best_twice_nll, free.best_twice_nll)
+        return q0_like(muhat, fixed.deviance, free.deviance)
     if name in ("q", "qtilde"):
-        return qmu_like(mu, muhat, fixed.best_twice_nll, free.best_twice_nll)
+        return qmu_like(mu, muhat, fixed.deviance, free.deviance)
     raise ValueError(f"unknown test statistic {name!r}; expected one of {TEST_STATS}")
 
 
