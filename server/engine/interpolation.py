@@ -175,38 +175,45 @@ def normsys_log_factor_and_slope(
 def _normsys(
     code: str, alpha: torch.Tensor, coefficients: torch.Tensor, with_slope: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    log_hi, log_lo = coefficients.select(0, 0), coefficients.select(0, 1)
-    up = alpha * log_hi
-    down = -alpha * log_lo
-    if code == "code1":
-        positive = alpha > 0
-        slope = torch.where(positive, log_hi, -log_lo) if with_slope else None
-        return torch.where(positive, up, down), torch.zeros_like(alpha), slope
+    # Written with clamps and fused multiply-adds rather than masks and torch.where: on the
+    # CPU a where over [B, T] costs as much as six multiply-adds.
+    log_hi, minus_log_lo = coefficients.select(0, 0), coefficients.select(0, 1).neg()
+    if code == "code1":  # alpha log(hi) above 0, -alpha log(lo) below
+        log_abs = torch.addcmul(alpha.clamp(min=0.0) * log_hi, alpha.clamp(max=0.0), minus_log_lo)
+        slope = torch.where(alpha > 0, log_hi, minus_log_lo) if with_slope else None
+        return log_abs, torch.zeros_like(alpha), slope
     # code4: exponential outside |alpha| < 1, a 6th-order polynomial inside. The polynomial is
-    # evaluated at the clamped alpha so that the branch not taken never produces NaN gradients.
+    # evaluated at the clamped alpha (the branch not taken never produces NaN gradients), where
+    # at +-1 it equals hi or lo (> 0, so only the inside can be negative); beyond, the
+    # exponential continues log|factor| linearly: log(hi) + (alpha - 1) log(hi) = alpha log(hi).
     inner_alpha = alpha.clamp(-1.0, 1.0)
-    inner = 1.0 + _code4_polynomial(inner_alpha, coefficients)
-    outside_up, outside_down = alpha >= 1, alpha <= -1
-    log_abs = torch.where(outside_up, up, torch.where(outside_down, down, torch.log(inner.abs())))
-    negative = (torch.logical_not(outside_up | outside_down) & (inner < 0)).to(alpha.dtype)
+    inner = _code4_factor(inner_alpha, coefficients)
+    beyond = alpha - inner_alpha  # > 0 above 1, < 0 below -1, else 0
+    log_abs = torch.addcmul(inner.abs().log_(), beyond.clamp(min=0.0), log_hi)
+    log_abs = log_abs.addcmul_(beyond.clamp(max=0.0), minus_log_lo)
+    negative = (inner < 0).to(alpha.dtype)
     slope = None
     if with_slope:
-        inside = _code4_polynomial_derivative(inner_alpha, coefficients) / inner
-        slope = torch.where(outside_up, log_hi, torch.where(outside_down, -log_lo, inside))
+        inside = _code4_factor_derivative(inner_alpha, coefficients).div_(inner)
+        outside = torch.where(beyond > 0, log_hi, minus_log_lo)
+        slope = torch.where(beyond == 0, inside, outside)
     return log_abs, negative, slope
 
 
-def _code4_polynomial(alpha: torch.Tensor, coefficients: torch.Tensor) -> torch.Tensor:
-    """``sum_i c_i alpha^i`` for i = 1..6 (Horner), coefficients rows 2..7."""
-    poly = coefficients.select(0, 7) * alpha
-    for i in range(6, 1, -1):
-        poly = (poly + coefficients.select(0, i)) * alpha
-    return poly
+def _code4_factor(alpha: torch.Tensor, coefficients: torch.Tensor) -> torch.Tensor:
+    """``1 + sum_i c_i alpha^i`` for i = 1..6 (Horner, one fused multiply-add per degree);
+    coefficients rows 2..7 are ``c_1 .. c_6``."""
+    poly = torch.addcmul(coefficients.select(0, 6), coefficients.select(0, 7), alpha)
+    for row in range(5, 1, -1):
+        poly = torch.addcmul(coefficients.select(0, row), poly, alpha)
+    return poly.mul_(alpha).add_(1.0)
 
 
-def _code4_polynomial_derivative(alpha: torch.Tensor, coefficients: torch.Tensor) -> torch.Tensor:
+def _code4_factor_derivative(alpha: torch.Tensor, coefficients: torch.Tensor) -> torch.Tensor:
     """``sum_i i c_i alpha^(i-1)`` for i = 1..6 (Horner)."""
-    derivative = 6.0 * coefficients.select(0, 7)
-    for i in range(6, 1, -1):
-        derivative = derivative * alpha + (i - 1) * coefficients.select(0, i)
+    derivative = torch.addcmul(
+        5.0 * coefficients.select(0, 6), 6.0 * coefficients.select(0, 7), alpha
+    )
+    for row in range(5, 1, -1):
+        derivative = torch.addcmul((row - 1) * coefficients.select(0, row), derivative, alpha)
     return derivative
