@@ -286,37 +286,28 @@ class HistFactoryModel:
             return main
         return torch.cat([main, expected_aux(pars, element, self.constraint)], dim=1)
 
-    def logpdf(
-        self,
-        pars: torch.Tensor,
-        data: torch.Tensor,
-        element: torch.Tensor | None = None,
-        rates: torch.Tensor | None = None,
+    def _main_rates(
+        self, pars: torch.Tensor, element: torch.Tensor, rates: torch.Tensor | None
     ) -> torch.Tensor:
-        """``log L`` per row ``[B]`` of data ``[B, N + A]`` at parameters ``[B, P]``, as pyhf.
+        if rates is not None:
+            return rates
+        return self._expected_main(pars, element, self.main, self.histosys_code, self.normsys_code)
 
-        ``rates``: the expected main data at ``pars`` if already at hand (from
-        :meth:`expected_main_jacobian`), so that they are not computed twice.
-        """
+    def logpdf(
+        self, pars: torch.Tensor, data: torch.Tensor, element: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``log L`` per row ``[B]`` of data ``[B, N + A]`` at parameters ``[B, P]``, as pyhf."""
         element = self.element_index(element, pars.shape[0])
         main_data = data.narrow(1, 0, self.n_main)
         aux_data = data.narrow(1, self.n_main, self.n_aux)
-        if rates is None:
-            rates = self._expected_main(
-                pars, element, self.main, self.histosys_code, self.normsys_code
-            )
-        main = poisson_logpdf(main_data, rates).sum(dim=1)
+        main = poisson_logpdf(main_data, self._main_rates(pars, element, None)).sum(dim=1)
         return main + constraint_logpdf(pars, aux_data, element, self.constraint)
 
     def twice_nll(
-        self,
-        pars: torch.Tensor,
-        data: torch.Tensor,
-        element: torch.Tensor | None = None,
-        rates: torch.Tensor | None = None,
+        self, pars: torch.Tensor, data: torch.Tensor, element: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """``-2 log L`` per row ``[B]`` (``rates``: as for :meth:`logpdf`)."""
-        return -2.0 * self.logpdf(pars, data, element, rates)
+        """``-2 log L`` per row ``[B]``."""
+        return -2.0 * self.logpdf(pars, data, element)
 
     def deviance(
         self,
@@ -329,13 +320,12 @@ class HistFactoryModel:
         row ``[B]``: Poisson deviances of the main bins and of Poisson constraints, squared
         pulls of Normal constraints. Every term is non-negative and small near a good fit, so
         a minimiser comparing values of order 1 instead of a ``-2 log L`` of order 100 loses
-        no digits (float32 keeps ~7 of them). ``rates``: as for :meth:`logpdf`.
+        no digits (float32 keeps ~7 of them). ``rates``: the expected main data at ``pars`` if
+        already at hand (from :meth:`expected_main_jacobian`), so that they are not computed
+        twice.
         """
         element = self.element_index(element, pars.shape[0])
-        if rates is None:
-            rates = self._expected_main(
-                pars, element, self.main, self.histosys_code, self.normsys_code
-            )
+        rates = self._main_rates(pars, element, rates)
         main = poisson_deviance(data.narrow(1, 0, self.n_main), rates).sum(dim=1)
         aux = data.narrow(1, self.n_main, self.n_aux)
         return main + constraint_deviance(pars, aux, element, self.constraint)

@@ -224,9 +224,13 @@ class LowRankCurvature:
 
     def _rows(self, start: int, length: int) -> LowRankCurvature:
         """The rows ``start .. start + length`` (views)."""
+        return self._map_rows(lambda v: v.narrow(0, start, length))
+
+    def _map_rows(self, take) -> LowRankCurvature:
+        """The curvature of the rows ``take`` picks from every per-row tensor."""
         return LowRankCurvature(
             **{
-                k: v.narrow(0, start, length) if isinstance(v, Tensor) and k != "flat" else v
+                k: take(v) if isinstance(v, Tensor) and k != "flat" else v
                 for k, v in zip(_names(self), _values(self), strict=True)
             }
         )
@@ -309,11 +313,7 @@ class LowRankCurvature:
         self.d = torch.where(a1, new.diagonal, self.d)
 
     def select(self, keep: Tensor) -> LowRankCurvature:
-        kept = {
-            k: v[keep] if isinstance(v, Tensor) and k != "flat" else v
-            for k, v in zip(_names(self), _values(self), strict=True)
-        }
-        return LowRankCurvature(**kept)
+        return self._map_rows(lambda v: v[keep])
 
 
 def _names(obj) -> list[str]:
