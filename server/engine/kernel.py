@@ -213,14 +213,9 @@ def constraint_deviance(
 ) -> torch.Tensor:
     """``-2 x`` :func:`constraint_logpdf` minus :func:`constraint_saturated`, per row ``[B]``:
     squared pulls for Normal constraints, Poisson deviances for Poisson ones."""
-    means = pars.index_select(1, constraint.param)
-    sigma = constraint.sigma.index_select(0, element)
-    normal = ((aux_data - means) / sigma) ** 2
-    rate = torch.where(
-        constraint.is_poisson, means * constraint.scale.index_select(0, element), 1.0
-    )
+    pull, _, rate = _constraint_terms(pars, aux_data, element, constraint)
     poisson = poisson_deviance(aux_data, rate)
-    return torch.where(constraint.is_poisson, poisson, normal).sum(dim=1)
+    return torch.where(constraint.is_poisson, poisson, pull**2).sum(dim=1)
 
 
 def constraint_saturated(
@@ -236,13 +231,22 @@ def constraint_logpdf(
     pars: torch.Tensor, aux_data: torch.Tensor, element: torch.Tensor, constraint: ConstraintTensors
 ) -> torch.Tensor:
     """Sum of the Normal and Poisson constraint terms per row ``[B]``."""
+    pull, sigma, rate = _constraint_terms(pars, aux_data, element, constraint)
+    normal = -0.5 * pull**2 - torch.log(sigma) - LOG_SQRT_2PI
+    poisson = poisson_logpdf(aux_data, rate)
+    return torch.where(constraint.is_poisson, poisson, normal).sum(dim=1)
+
+
+def _constraint_terms(
+    pars: torch.Tensor, aux_data: torch.Tensor, element: torch.Tensor, constraint: ConstraintTensors
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per auxiliary datum ``[B, A]``: the Normal pull ``(a - theta) / sigma``, the sigma, and
+    the Poisson rate ``tau theta``. The Poisson term is evaluated on every slot and kept on
+    Poisson slots only, so the Normal slots get a harmless rate (1): no NaN reaches a gradient
+    through torch.where."""
     means = pars.index_select(1, constraint.param)
     sigma = constraint.sigma.index_select(0, element)
-    normal = -0.5 * ((aux_data - means) / sigma) ** 2 - torch.log(sigma) - LOG_SQRT_2PI
-    # the Poisson term is evaluated on every slot and kept on Poisson slots only: give the
-    # Normal slots a harmless rate so that no NaN reaches a gradient through torch.where
     rate = torch.where(
         constraint.is_poisson, means * constraint.scale.index_select(0, element), 1.0
     )
-    poisson = poisson_logpdf(aux_data, rate)
-    return torch.where(constraint.is_poisson, poisson, normal).sum(dim=1)
+    return (aux_data - means) / sigma, sigma, rate

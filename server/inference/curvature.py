@@ -159,7 +159,7 @@ class LowRankCurvature:
     """``C = diag(d) + J^T diag(w) J + sum_k c_k (a_k y_k^T + y_k a_k^T)`` with the last
     ``memory`` secant pairs ``(a_k, y_k)`` (``[R, m, P]`` each, weights ``c [R, m]``); no
     secant term when ``r`` is None or ``memory`` is 0. ``flat [F]``: the parameters whose
-    ``d`` may be zero. Columns are stored ``[R, columns, P]``, parameters innermost, so that
+    ``d`` may be zero (kept as their one-hot rows ``[F, P]``). Columns are stored ``[R, columns, P]``, parameters innermost, so that
     scaling them by a per-parameter diagonal runs over contiguous memory."""
 
     d: Tensor
@@ -174,6 +174,9 @@ class LowRankCurvature:
     slot: int = 0
 
     def __post_init__(self) -> None:
+        if self.flat.dim() == 1:  # indices [F] -> their one-hot rows [F, P], built once
+            columns = torch.arange(self.d.shape[-1], device=self.d.device)
+            self.flat = (self.flat.unsqueeze(1) == columns.unsqueeze(0)).to(self.d.dtype)
         if self.r is None:
             self.memory = 0
         if self.pairs_a is None:
@@ -245,10 +248,7 @@ class LowRankCurvature:
         dtype = self.d.dtype
         m = movable.to(dtype)
         scale = _masked_scale(self.diagonal() * m, m)
-        is_flat = (
-            self.flat.unsqueeze(1) == torch.arange(m.shape[-1], device=m.device).unsqueeze(0)
-        ).to(dtype)  # [F, P]
-        shift = scale * is_flat.sum(0)  # the flat parameters' E gets |diag C| ...
+        shift = scale * self.flat.sum(0)  # the flat parameters' E gets |diag C| ...
         secant_u, secant_v = self._secant_columns()
         b = torch.nan_to_num(-g * m)
         Wb = torch.cat(
@@ -256,7 +256,7 @@ class LowRankCurvature:
                 self.J * self.w.clamp(min=0).sqrt().unsqueeze(-1),
                 secant_u,
                 secant_v,
-                is_flat * shift.sqrt().unsqueeze(1),  # ... and is taken out here
+                self.flat * shift.sqrt().unsqueeze(1),  # ... and is taken out here
                 b.unsqueeze(1),
             ],
             1,
