@@ -109,6 +109,43 @@ def test_upper_limits_match_pyhf(name):
     assert ours.exp[0].tolist() == pytest.approx([float(e) for e in exp], rel=1e-3)
 
 
+def test_upper_limits_below_every_first_probe_match_pyhf():
+    """A strong signal puts every limit below the root search's first tested values, so
+    brackets are approached from above: the limits still equal pyhf's."""
+    pyhf_model = pyhf.simplemodels.uncorrelated_background([600.0, 550.0], [50.0, 52.0], [3.0, 7.0])
+    observations = [51.0, 48.0]
+    model = HistFactoryModel.from_workspace(as_workspace(pyhf_model, observations), device=DEVICE)
+    data = observations + pyhf_model.config.auxdata
+    obs, exp = pyhf.infer.intervals.upper_limits.upper_limit(data, pyhf_model, level=0.05)
+    ours = upper_limit(model)
+    assert ours.obs.item() < 0.03
+    assert ours.converged.all()
+    assert ours.obs.item() == pytest.approx(float(obs), rel=1e-3)
+    assert ours.exp[0].tolist() == pytest.approx([float(e) for e in exp], rel=1e-3)
+
+
+def test_later_calculator_calls_start_warm_and_find_the_same_results():
+    """The root search calls one calculator again and again; those calls start their fits at
+    earlier minima. Their results equal a fresh calculator's (cold starts)."""
+    from pyhf_gpu_server.inference.hypotest import make_calculator, prepare_rows, run_calculator
+
+    _, _, model = simple("correlated")
+    first, later = torch.tensor([1.0, 3.0]), torch.tensor([1.2, 2.0, 2.9])
+    _, datasets, elements, _ = prepare_rows(model, 0.0, None, None)
+    calc = make_calculator(model, datasets, elements)
+    zeros = torch.zeros(3, dtype=torch.long, device=model.device)
+    run_calculator(calc, first.to(model.dtype).to(model.device), zeros[:2])
+    warm = run_calculator(calc, later.to(model.dtype).to(model.device), zeros)
+    starts = calc.conditional_minima[2]
+    assert starts.shape[0] == 5 and not torch.allclose(starts[0], model.init[0])
+    cold = hypotest(model, later.tolist())
+    assert warm.converged.all()
+    assert warm.cls_obs.tolist() == pytest.approx(cold.cls_obs.tolist(), abs=1e-7)
+    assert warm.cls_exp.flatten().tolist() == pytest.approx(
+        cold.cls_exp.flatten().tolist(), abs=1e-7
+    )
+
+
 def test_upper_limit_beyond_the_poi_bound_widens_it():
     _, _, model = simple("uncorrelated")
     bounds = model.bounds[0].clone()

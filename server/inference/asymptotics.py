@@ -8,7 +8,9 @@ and conditional fits to the data, the conditional fit at ``asimov_mu`` (0 for ``
   the Asimov data) run once per distinct dataset, not once per row;
 - the first call of :meth:`AsymptoticCalculator.teststatistic` runs all data fits in one
   batched minimiser call and all Asimov fits in a second; later calls (new ``mu`` values,
-  e.g. while root-finding an upper limit) run their conditional fits in one call.
+  e.g. while root-finding an upper limit) run their conditional fits in one call, each
+  starting at the minimum of the conditional fit at the nearest POI value tested before on
+  its dataset (pyhf starts every fit at the model's init; the minima are the same).
 
 The p-values follow pyhf's ``AsymptoticTestStatDistribution`` (``normal`` or
 ``clipped_normal`` base distribution) and ``expected_pvalues`` (n_sigma = 2, 1, 0, -1, -2).
@@ -152,6 +154,9 @@ class AsymptoticCalculator:
         self.free_asimov: FitResults | None = None
         self.asimov_fit: FitResults | None = None
         self.asimov_data: Tensor | None = None
+        # every conditional fit so far: (tested POI [H], dataset index [H], data fit minima
+        # [H, P], Asimov fit minima [H, P]), the warm starts of later calls
+        self.conditional_minima: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
 
     @property
     def options(self) -> FitOptions | None:
@@ -160,9 +165,25 @@ class AsymptoticCalculator:
     def _tested(self, mu: Tensor) -> Tensor:
         return torch.zeros_like(mu) if self.test_stat == "q0" else mu
 
-    def _fixed_asimov_request(self, tested: Tensor, index: Tensor) -> FitRequest:
-        start = self.asimov_fit.bestfit[index]
-        return FitRequest(self.asimov_data[index], self.element[index], tested, start)
+    def _warm_starts(self, tested: Tensor, index: Tensor) -> tuple[Tensor, Tensor]:
+        """Start points ``[M, P]`` of new conditional fits to the data and to the Asimov data:
+        the minima found before on the same dataset at the nearest tested POI value; NaN
+        rows (the default start) for the data, the Asimov fit's minimum for the Asimov data,
+        where there is none."""
+        mus, datasets, data_minima, asimov_minima = self.conditional_minima
+        distance = (tested.unsqueeze(1) - mus.unsqueeze(0)).abs()
+        distance = torch.where(index.unsqueeze(1) == datasets, distance, torch.inf)
+        gap, nearest = distance.min(1)
+        known = torch.isfinite(gap).unsqueeze(-1)
+        data_start = torch.where(known, data_minima[nearest], torch.nan)
+        asimov_start = torch.where(known, asimov_minima[nearest], self.asimov_fit.bestfit[index])
+        return data_start, asimov_start
+
+    def _remember(self, tested: Tensor, index: Tensor, data: FitResults, asimov: FitResults):
+        new = (tested, index, data.bestfit, asimov.bestfit)
+        if self.conditional_minima is not None:
+            new = tuple(torch.cat(pair) for pair in zip(self.conditional_minima, new, strict=True))
+        self.conditional_minima = new
 
     def teststatistic(self, mu: Tensor, index: Tensor) -> AsymptoticStats:
         """Asymptotic test statistics ``[M]`` for POI values ``mu [M]`` on datasets ``index [M]``."""
@@ -190,16 +211,26 @@ class AsymptoticCalculator:
                 model,
                 [
                     FitRequest(self.asimov_data, self.element, nan, self.asimov_fit.bestfit),
-                    self._fixed_asimov_request(tested, index),
+                    FitRequest(
+                        self.asimov_data[index],
+                        element,
+                        tested,
+                        self.asimov_fit.bestfit[index],
+                    ),
                 ],
                 **self.fit_kwargs,
             )
         else:
+            data_start, asimov_start = self._warm_starts(tested, index)
             fixed_data, fixed_asimov = fit_requests(
                 model,
-                [FitRequest(data, element, tested), self._fixed_asimov_request(tested, index)],
+                [
+                    FitRequest(data, element, tested, data_start),
+                    FitRequest(self.asimov_data[index], element, tested, asimov_start),
+                ],
                 **self.fit_kwargs,
             )
+        self._remember(tested, index, fixed_data, fixed_asimov)
         free_data, free_asimov = self.free_data.select(index), self.free_asimov.select(index)
         q = test_statistic(self.test_stat, tested, fixed_data, free_data, model.poi_index)
         q_asimov = test_statistic(

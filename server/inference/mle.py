@@ -69,7 +69,7 @@ class FitOptions:
 class FitRequest:
     """A block of rows for :func:`fit_requests`: datasets ``[R, N + A]``, elements ``[R]``,
     POI values ``[R]`` (NaN: free POI) and optional start points ``[R, P]`` (warm starts;
-    else the ``init`` given to :func:`fit_requests`, else the model's)."""
+    else, and in rows of NaN, the ``init`` given to :func:`fit_requests`, else the model's)."""
 
     data: Tensor
     element: Tensor
@@ -280,10 +280,10 @@ def fit_requests(model, requests: list[FitRequest], **kwargs) -> list[FitResults
     sizes = [r.element.shape[0] for r in requests]
     if any(r.init is not None for r in requests):
         default = kwargs.pop("init", None)
-        starts = [
-            r.init if r.init is not None else _start(model, r.element, None, default, None, None)[0]
-            for r in requests
-        ]
+        starts = []
+        for r in requests:
+            start = _start(model, r.element, None, default, None, None)[0]
+            starts.append(start if r.init is None else torch.where(r.init.isnan(), start, r.init))
         kwargs["init"] = torch.cat(starts)
     merged = fit_rows(
         model,

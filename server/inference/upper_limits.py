@@ -6,10 +6,11 @@
 - Without: a batched root search on all six curves of every element at once (pyhf runs
   ``toms748`` per curve). Each iteration tests one new POI value per curve and element in
   a single calculator call; the unconditional and Asimov fits are reused from the first
-  call. Brackets use every tested value; the next value interpolates linearly in
-  ``Phi^-1(CLs)``, which is nearly linear in the POI asymptotically (a regula falsi with a
-  bisection fallback when a bracket does not halve). A bracket whose upper end lies above
-  the POI's upper bound is widened by doubling, as pyhf does, and the fits go on beyond the
+  call, and each conditional fit starts at the minimum found at the nearest value tested
+  before. Brackets use every tested value; the next value is the secant's root in
+  ``Phi^-1(CLs)``, which is nearly linear in the POI asymptotically (bisection when it
+  leaves the bracket). A bracket open above the POI's upper bound is widened by
+  extrapolating (at most 4x, else doubling; pyhf doubles), and the fits go on beyond the
   bound.
 
 Example:
@@ -101,24 +102,15 @@ def _per_row(res: UpperLimitResults, index: Tensor) -> UpperLimitResults:
     )
 
 
-def _brackets(
-    mus: Tensor, values: Tensor, lo: Tensor, level: float
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _brackets(mus: Tensor, values: Tensor, lo: Tensor, level: float) -> tuple[Tensor, Tensor]:
     """Per (row, curve): the tightest bracket ``[a, b]`` over all tested ``mus [R, T]`` with
     ``values [R, T, 6]`` (``a``: largest POI with CLs >= level, else ``lo``; ``b``: smallest
-    POI with CLs < level, else +inf) and the CLs values at its ends (NaN where untested)."""
+    POI with CLs < level, else +inf)."""
     above = values >= level
     m = mus.unsqueeze(-1).expand_as(values)
-    inf = torch.full_like(m, torch.inf)
-    a_val, a_idx = torch.where(above, m, -inf).max(1)
-    b_val, b_idx = torch.where(~above, m, inf).min(1)
-    fa = values.gather(1, a_idx.unsqueeze(1)).squeeze(1)
-    fb = values.gather(1, b_idx.unsqueeze(1)).squeeze(1)
-    a_missing = torch.isinf(a_val)
-    a = torch.where(a_missing, lo.unsqueeze(-1).expand_as(a_val), a_val)
-    fa = torch.where(a_missing, torch.full_like(fa, torch.nan), fa)
-    fb = torch.where(torch.isinf(b_val), torch.full_like(fb, torch.nan), fb)
-    return a, b_val, fa, fb
+    a = torch.where(above, m, torch.full_like(m, -torch.inf)).amax(1)
+    b = torch.where(above, torch.full_like(m, torch.inf), m).amin(1)
+    return torch.where(torch.isinf(a), lo.unsqueeze(-1).expand_as(a), a), b
 
 
 def _z(values: Tensor, level: float) -> Tensor:
@@ -127,22 +119,37 @@ def _z(values: Tensor, level: float) -> Tensor:
     return torch.special.ndtri(values) - target
 
 
-def _next_points(mus: Tensor, values: Tensor, a: Tensor, b: Tensor, level: float) -> Tensor:
-    """The next POI per (row, curve): the secant through the two tested points nearest the
-    root in ``Phi^-1(CLs)``, kept inside the bracket (else bisection); doubling while the
-    bracket is open above."""
+def _secant(mus: Tensor, values: Tensor, level: float) -> tuple[Tensor, Tensor]:
+    """Per (row, curve): the root of the secant in ``Phi^-1(CLs)`` through the two tested
+    points nearest the root (at distinct POI values), and the nearest point."""
     z = _z(values, level)  # [R, T, 6]
     m = mus.unsqueeze(-1).expand_as(z)
     distance = z.abs().nan_to_num(torch.inf)
     first = distance.argmin(1, keepdim=True)
     m1, z1 = m.gather(1, first).squeeze(1), z.gather(1, first).squeeze(1)
     distance = torch.where(m == m1.unsqueeze(1), torch.full_like(distance, torch.inf), distance)
-    second = distance.argmin(1, keepdim=True)  # the best at another POI value
+    second = distance.argmin(1, keepdim=True)
     m2, z2 = m.gather(1, second).squeeze(1), z.gather(1, second).squeeze(1)
-    secant = m1 - z1 * (m2 - m1) / (z2 - z1)
-    usable = torch.isfinite(secant) & (secant > a) & (secant < b)
-    guess = torch.where(usable, secant, 0.5 * (a + b))
-    return torch.where(torch.isinf(b), 2 * torch.clamp(torch.maximum(a, m1), min=1e-3), guess)
+    return m1 - z1 * (m2 - m1) / (z2 - z1), m1
+
+
+def _next_points(
+    mus: Tensor, values: Tensor, a: Tensor, b: Tensor, level: float, rtol: float
+) -> Tensor:
+    """The next POI per (row, curve): the secant's root, kept inside the bracket (else
+    bisection); while the bracket is open above, extrapolated up to four times the largest
+    value below the root (else that value doubled). A root closer than ``rtol`` to the
+    nearest tested point is moved ``rtol / 2`` beyond, so that the bracket closes instead of
+    being approached from one side."""
+    secant, nearest = _secant(mus, values, level)
+    below = torch.clamp(torch.maximum(a, nearest), min=1e-3)
+    top = torch.where(torch.isinf(b), 4 * below, b)
+    usable = torch.isfinite(secant) & (secant > a) & (secant < top)
+    fallback = torch.where(torch.isinf(b), 2 * below, 0.5 * (a + b))
+    guess = torch.where(usable, secant, fallback)
+    beyond = guess + torch.sign(guess - nearest) * 0.5 * rtol * guess.abs()
+    close = (guess - nearest).abs() < rtol * guess.abs()
+    return torch.where(close & (beyond > a) & (beyond < top), beyond, guess)
 
 
 PROBES = (1.0, 0.3, 0.1, 0.03)  # first tested POI values, as fractions of the upper bound
@@ -170,11 +177,11 @@ def _asymptotic_guesses(probe: HypotestResults, mus: Tensor, muhat: Tensor, leve
     return torch.where(torch.isfinite(guesses) & (guesses > 0), guesses, fallback)
 
 
-def _root(a: Tensor, b: Tensor, fa: Tensor, fb: Tensor, level: float) -> Tensor:
-    """Final limit inside ``[a, b]``: linear interpolation in ``Phi^-1(CLs)``."""
-    za, zb = _z(fa, level), _z(fb, level)
-    root = a + (b - a) * za / (za - zb)
-    return torch.where(torch.isfinite(root) & (root >= a) & (root <= b), root, 0.5 * (a + b))
+def _root(mus: Tensor, values: Tensor, a: Tensor, b: Tensor, level: float) -> Tensor:
+    """Final limit: the secant's root, inside the bracket ``[a, b]`` (else its middle)."""
+    root, _ = _secant(mus, values, level)
+    inside = torch.isfinite(root) & (root >= a) & (root <= b)
+    return torch.where(inside, root, 0.5 * (a + b))
 
 
 def toms748_like_scan(
@@ -182,7 +189,7 @@ def toms748_like_scan(
     data: Tensor | None = None,
     element=None,
     level: float = 0.05,
-    rtol: float = 1e-6,
+    rtol: float = 1e-4,
     atol: float = 2e-12,
     max_iter: int = 40,
     **hypotest_kwargs,
@@ -213,14 +220,14 @@ def toms748_like_scan(
         mus = torch.cat([mus, points], dim=1)
         values = torch.cat([values, _curves(res).view(R, 6, 6)], dim=1)
         converged = converged & res.converged.view(R, 6).all(-1)
-        a, b, fa, fb = _brackets(mus, values, lo, level)
+        a, b = _brackets(mus, values, lo, level)
         hit = _z(values, level).abs().nan_to_num(torch.inf).amin(1) <= rtol
         done = torch.isfinite(b) & (((b - a) <= atol + rtol * b.abs()) | hit)
         if bool(done.all()):
             break
-        points = torch.where(done, b, _next_points(mus, values, a, b, level))
-    a, b, fa, fb = _brackets(mus, values, lo, level)
-    limits = _root(a, b, fa, fb, level)
+        points = torch.where(done, b, _next_points(mus, values, a, b, level, rtol))
+    a, b = _brackets(mus, values, lo, level)
+    limits = _root(mus, values, a, b, level)
     out = UpperLimitResults(
         obs=limits[:, 0],
         exp=limits[:, 1:],
@@ -241,7 +248,7 @@ def upper_limit(
     level: float = 0.05,
     test_stat: str = "qtilde",
     calctype: str = "asymptotics",
-    rtol: float = 1e-6,
+    rtol: float = 1e-4,
     options: FitOptions | None = None,
     **hypotest_kwargs,
 ) -> UpperLimitResults:
@@ -255,7 +262,8 @@ def upper_limit(
         level: the CLs level (0.05: 95% CL).
         test_stat, calctype: as :func:`~pyhf_gpu_server.inference.hypotest.hypotest`; the
             root search needs ``"asymptotics"`` (toys are noisy: give a ``scan`` for them).
-        rtol: relative width of the final brackets (root search).
+        rtol: relative width of the final brackets (root search); pyhf's and NextStat's
+            default.
         options: fit options; ``hypotest_kwargs`` go to the calculator (``bounds``, ...).
 
     Returns:
