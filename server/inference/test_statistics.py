@@ -29,6 +29,7 @@ __all__ = [
     "TEST_STATS",
     "check_test_stat",
     "compute",
+    "from_deviances",
     "q0_like",
     "qmu_like",
     "test_statistic",
@@ -66,11 +67,17 @@ def test_statistic(
 ) -> Tensor:
     """The test statistic ``name`` (``"q0"``, ``"q"``, ``"qtilde"``) from the two fits' results
     (of the same datasets: their ``deviance`` differences are the ``-2 log L`` differences)."""
-    muhat = free.bestfit[:, poi_index]
+    return from_deviances(name, mu, free.bestfit[:, poi_index], fixed.deviance, free.deviance)
+
+
+def from_deviances(
+    name: str, mu: Tensor, muhat: Tensor, fixed_deviance: Tensor, free_deviance: Tensor
+) -> Tensor:
+    """The test statistic ``name`` from the fits' deviances and the best-fit POI ``muhat``."""
     if name == "q0":
-        return q0_like(muhat, fixed.deviance, free.deviance)
+        return q0_like(muhat, fixed_deviance, free_deviance)
     if name in ("q", "qtilde"):
-        return qmu_like(mu, muhat, fixed.deviance, free.deviance)
+        return qmu_like(mu, muhat, fixed_deviance, free_deviance)
     raise ValueError(f"unknown test statistic {name!r}; expected one of {TEST_STATS}")
 
 

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from .mle import FitOptions, FitRequest, fit_requests
-from .test_statistics import check_test_stat, q0_like, qmu_like, test_statistic
+from .test_statistics import check_test_stat, from_deviances, test_statistic
 
 __all__ = ["PERCENTILES", "ToyCalculator", "empirical_pvalues", "sample_toys"]
 
@@ -201,11 +201,7 @@ class ToyCalculator:
             )[0]
             fixed_deviance = fixed_deviance.index_copy(0, rows, fixed.deviance)
             fixed_converged = fixed_converged.index_copy(0, rows, fixed.converged)
-        stats = (
-            q0_like(muhat, fixed_deviance, free.deviance)
-            if self.test_stat == "q0"
-            else qmu_like(tested, muhat, fixed_deviance, free.deviance)
-        )
+        stats = from_deviances(self.test_stat, tested, muhat, fixed_deviance, free.deviance)
         return stats, free.converged & fixed_converged
 
     def pvalues(self, stats: ToyStats) -> tuple[Tensor, Tensor, Tensor]:
