@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 from functools import cache
@@ -20,6 +21,15 @@ WORKSPACE_NAMES = sorted(p.parent.name for p in WORKSPACES_DIR.glob("*/reference
 def load_json(path: Path) -> dict:
     """A JSON file, read once per test session (callers must not mutate it)."""
     return json.loads(Path(path).read_text())
+
+
+@cache
+def load_patchset(path: Path) -> dict:
+    """A patchset file, gzip-compressed (``.gz``) or not, read once per test session."""
+    path = Path(path)
+    if path.suffix == ".gz":
+        return json.loads(gzip.decompress(path.read_bytes()))
+    return load_json(path)
 
 
 def shared_workspace(name: str) -> tuple[dict, dict, dict]:

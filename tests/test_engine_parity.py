@@ -49,16 +49,18 @@ def assert_matches_pyhf(engine: HistFactoryModel, reference: pyhf.Model, data, s
 def shared_models(shared_name):
     workspace, patchset, _ = shared_workspace(shared_name)
     patchset = pyhf.PatchSet(patchset)
-    return [
-        HistFactoryModel.from_workspace(workspace, patches=[patchset[name]])
-        for name in reference_patches(shared_name)
-    ]
+    models = []
+    for name in reference_patches(shared_name):
+        reference = patchset.apply(pyhf.Workspace(workspace), name).model()
+        engine = HistFactoryModel.from_workspace(workspace, patches=[patchset[name]])
+        models.append((engine, reference))
+    return models
 
 
 def test_shared_workspaces_match_pyhf(shared_models):
     assert len(shared_models) >= 3
-    for seed, model in enumerate(shared_models):
-        assert_matches_pyhf(model, model.pyhf_model, model.observed[0].numpy(), seed)
+    for seed, (model, reference) in enumerate(shared_models):
+        assert_matches_pyhf(model, reference, model.observed[0].numpy(), seed)
 
 
 def test_observed_data_is_pyhfs(shared_name, shared_models):
@@ -66,16 +68,16 @@ def test_observed_data_is_pyhfs(shared_name, shared_models):
     name = reference_patches(shared_name)[0]
     patched = pyhf.PatchSet(patchset).apply(pyhf.Workspace(workspace), name)
     reference = patched.model()
-    np.testing.assert_array_equal(shared_models[0].observed[0].numpy(), patched.data(reference))
+    np.testing.assert_array_equal(shared_models[0][0].observed[0].numpy(), patched.data(reference))
     np.testing.assert_array_equal(
-        shared_models[0].init[0].numpy(), reference.config.suggested_init()
+        shared_models[0][0].init[0].numpy(), reference.config.suggested_init()
     )
     np.testing.assert_array_equal(
-        shared_models[0].bounds[0].numpy(), reference.config.suggested_bounds()
+        shared_models[0][0].bounds[0].numpy(), reference.config.suggested_bounds()
     )
-    assert shared_models[0].fixed[0].tolist() == reference.config.suggested_fixed()
-    assert shared_models[0].par_names == reference.config.par_names
-    assert shared_models[0].poi_index == reference.config.poi_index
+    assert shared_models[0][0].fixed[0].tolist() == reference.config.suggested_fixed()
+    assert shared_models[0][0].par_names == reference.config.par_names
+    assert shared_models[0][0].poi_index == reference.config.poi_index
 
 
 @pytest.mark.parametrize(
@@ -186,7 +188,7 @@ def test_rate_jacobian_matches_autograd_on_a_stacked_patchset(shared_name):
 def test_deviance_plus_saturated_constant_is_twice_nll(shared_models):
     """The fitter's objective (deviance, non-negative) differs from -2 log L by a function of
     the data alone."""
-    model = shared_models[0]
+    model = shared_models[0][0]
     gen = torch.Generator().manual_seed(11)
     pars = model.init + 0.1 * torch.randn(8, model.n_pars, generator=gen, dtype=torch.float64)
     lo, hi = model.bounds[0].unbind(-1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pyhf
 import pytest
 import torch
-from conftest import shared_workspace
+from conftest import WORKSPACES_DIR, load_patchset, shared_workspace
 from hand_built import all_modifiers_workspace, with_signal_scale
 
 from pyhf_gpu_server.engine import HistFactoryModel, IncompatibleModelsError
@@ -97,7 +97,86 @@ def test_different_structures_never_mix():
     )
     for model in (other, settings, simple):
         assert model.structure_key != base.structure_key
-        with pytest.raises(IncompatibleModelsError, match="different structure"):
+        with pytest.raises(IncompatibleModelsError, match="cannot be stacked"):
             HistFactoryModel.stack([base, model])
     with pytest.raises(IncompatibleModelsError, match="devices or dtypes"):
         HistFactoryModel.stack([base, base.to(dtype=torch.float32)])
+
+
+def _heterogeneous(name: str, file: str, count: int):
+    """``count`` patches of a shared heterogeneous/published patchset, stacked and alone."""
+    workspace = shared_workspace(name)[0]
+    patchset = load_patchset(WORKSPACES_DIR / name / file)
+    patches, seen = [], set()
+    for patch in patchset["patches"]:  # patches with distinct sets of signal modifiers
+        modifiers = frozenset(
+            (m["name"], m["type"])
+            for op in patch["patch"]
+            if op["op"] == "add"
+            for m in op["value"].get("modifiers", ())
+        )
+        if modifiers and modifiers not in seen and len(patches) < count:
+            seen.add(modifiers)
+            patches.append(patch)
+    names = [p["metadata"]["name"] for p in patches]
+    stacked = HistFactoryModel.from_patchset(workspace, patchset, patch_names=names)
+    singles = [
+        HistFactoryModel.from_workspace(workspace, patches=[p["patch"]], name=n)
+        for p, n in zip(patches, names, strict=True)
+    ]
+    return stacked, singles
+
+
+@pytest.mark.parametrize(
+    ("name", "file"),
+    [
+        ("atlas-susy-2018-04-stau", "patchset.heterogeneous.json"),
+        ("atlas-susy-2019-09-3l-onshell", "patchset.heterogeneous.json"),
+        ("atlas-susy-2018-31-sbottom-B", "patchset.hepdata.json.gz"),
+    ],
+)
+def test_heterogeneous_patches_stack_and_equal_each_alone(name, file):
+    stacked, singles = _heterogeneous(name, file, 6)
+    # the signals carry different modifier sets: a union of parameters, one model
+    assert len({tuple(s.par_names) for s in singles}) > 1
+    assert stacked.n_pars >= max(s.n_pars for s in singles)
+    assert stacked.stack.n_slots >= 1 and stacked.stack.n_common >= 1
+    generator = torch.Generator().manual_seed(3)
+    rows = 3 * stacked.n_elements
+    element = torch.arange(rows) % stacked.n_elements
+    low, high = stacked.bounds[element, :, 0], stacked.bounds[element, :, 1]
+    init = stacked.init[element]
+    noise = torch.rand(rows, stacked.n_pars, generator=generator, dtype=torch.float64) - 0.5
+    pars = torch.where(stacked.fixed[element], init, init + 0.1 * noise * (high - low))
+    data = stacked.observed[element]
+    expected = stacked.expected_data(pars, element, include_auxdata=False)
+    logpdf = stacked.logpdf(pars, data, element)
+    deviance = stacked.deviance(pars, data, element)
+    _, jacobian = stacked.expected_main_jacobian(pars, element)
+    for row in range(rows):
+        e = int(element[row])
+        single, columns = singles[e], stacked.element_columns(e)
+        own = pars[row : row + 1, columns]
+        assert stacked.par_names[stacked.poi_index] == single.par_names[single.poi_index]
+        assert [stacked.par_names[c] for c in columns] == single.par_names
+        torch.testing.assert_close(stacked.init[e, columns], single.init[0], rtol=0, atol=0)
+        torch.testing.assert_close(
+            expected[row],
+            single.expected_data(own, include_auxdata=False)[0],
+            rtol=1e-12,
+            atol=1e-12,
+        )
+        own_data = single.observed
+        torch.testing.assert_close(data[row, : stacked.n_main], own_data[0, : single.n_main])
+        torch.testing.assert_close(
+            logpdf[row], single.logpdf(own, own_data)[0], rtol=1e-12, atol=1e-12
+        )
+        torch.testing.assert_close(
+            deviance[row], single.deviance(own, own_data)[0], rtol=1e-12, atol=1e-12
+        )
+        _, single_jacobian = single.expected_main_jacobian(own)
+        torch.testing.assert_close(
+            jacobian[row][:, columns], single_jacobian[0], rtol=1e-12, atol=1e-12
+        )
+        absent = sorted(set(range(stacked.n_pars)) - set(columns))
+        assert not jacobian[row][:, absent].any()

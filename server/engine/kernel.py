@@ -25,16 +25,28 @@ LOG_SQRT_2PI = math.log(math.sqrt(2.0 * math.pi))
 
 
 class MainTensors(NamedTuple):
-    """Main-model tensors over ``U`` sample variants and ``N`` bins (``Q = U * N`` columns)."""
+    """Main-model tensors over ``N`` bins, in two blocks of sample variants (see
+    :mod:`~pyhf_gpu_server.engine.stacking`): ``U`` *common* variants that every element sums
+    (``Q = U * N`` columns), and each element's *own* variants in ``S`` slots (``Q_s = S * N``
+    columns), gathered per row so that a row's cost does not grow with the number of elements.
+    Parameter index ``P`` in the multiplier indices means "times 1" (padding)."""
 
+    bins: torch.Tensor  # [N] 0..N-1
+    membership: torch.Tensor  # [E, U] how often element e sums common variant u
     nominal: torch.Tensor  # [Q]
-    membership: torch.Tensor  # [E, U] 1 where element e sums variant u
     histosys_params: torch.Tensor  # [J_h] parameter index of each histosys parameter
     histosys_coefficients: torch.Tensor  # [K * J_h, Q]
     normsys_param: torch.Tensor  # [T] parameter index of each normsys entry
     normsys_column: torch.Tensor  # [T] column of each normsys entry
     normsys_coefficients: torch.Tensor  # [8, T]
-    multiplier_params: torch.Tensor  # [M, Q] parameter indices; P means "times 1"
+    multiplier_params: torch.Tensor  # [M, Q] parameter indices
+    own_nominal: torch.Tensor  # [E, Q_s]
+    own_histosys_params: torch.Tensor  # [J_s]
+    own_histosys_coefficients: torch.Tensor  # [E, K * J_s, Q_s]
+    own_normsys_param: torch.Tensor  # [E, T_s]
+    own_normsys_column: torch.Tensor  # [E, T_s]
+    own_normsys_coefficients: torch.Tensor  # [8, E, T_s]
+    own_multiplier_params: torch.Tensor  # [E, M_s, Q_s]
 
 
 class ConstraintTensors(NamedTuple):
@@ -44,6 +56,22 @@ class ConstraintTensors(NamedTuple):
     is_poisson: torch.Tensor  # [A] bool
     sigma: torch.Tensor  # [E, A] Normal sigma (1 on Poisson slots)
     scale: torch.Tensor  # [E, A] Poisson rate factor (1 on Normal slots)
+    present: torch.Tensor  # [E, A] bool: the element has this constraint term
+
+
+class _Block(NamedTuple):
+    """One block of variants as seen by ``B`` rows: the common block's index tensors have no
+    row axis (every row alike, indexed all at once), the own block's are gathered by each
+    row's element (a leading row axis)."""
+
+    nominal: torch.Tensor  # [B, Q]
+    histosys_params: torch.Tensor  # [J]
+    histosys_coefficients: torch.Tensor  # [K * J, Q] or [B, K * J, Q]
+    normsys_param: torch.Tensor  # [T] or [B, T]
+    normsys_column: torch.Tensor  # [T] or [B, T]
+    normsys_coefficients: torch.Tensor  # [8, T] or [8, B, T]
+    multiplier_params: torch.Tensor  # [M, Q] or [B, M, Q]
+    weight: torch.Tensor | None  # [B, Q] element weights of the columns (None: all 1)
 
 
 class _RateFactors(NamedTuple):
@@ -53,51 +81,94 @@ class _RateFactors(NamedTuple):
     normsys_slope: torch.Tensor | None = None  # [B, T] d log|factor| / d alpha per entry
 
 
+def _blocks(element: torch.Tensor, main: MainTensors) -> tuple[_Block, _Block]:
+    """The common and the own block for rows of ``element [B]``."""
+    rows, n_main = element.shape[0], main.bins.shape[0]
+    n_common = main.membership.shape[1]
+    common = _Block(
+        nominal=main.nominal.expand(rows, -1),
+        histosys_params=main.histosys_params,
+        histosys_coefficients=main.histosys_coefficients,
+        normsys_param=main.normsys_param,
+        normsys_column=main.normsys_column,
+        normsys_coefficients=main.normsys_coefficients,
+        multiplier_params=main.multiplier_params,
+        weight=main.membership.index_select(0, element).repeat_interleave(n_main, dim=1)
+        if n_common
+        else None,
+    )
+    own = _Block(
+        nominal=main.own_nominal.index_select(0, element),
+        histosys_params=main.own_histosys_params,
+        histosys_coefficients=main.own_histosys_coefficients.index_select(0, element),
+        normsys_param=main.own_normsys_param.index_select(0, element),
+        normsys_column=main.own_normsys_column.index_select(0, element),
+        normsys_coefficients=main.own_normsys_coefficients.index_select(1, element),
+        multiplier_params=main.own_multiplier_params.index_select(0, element),
+        weight=None,
+    )
+    return common, own
+
+
 def _rate_factors(
     pars: torch.Tensor,
-    main: MainTensors,
+    block: _Block,
     histosys_code: str,
     normsys_code: str,
     with_slopes: bool = False,
 ) -> _RateFactors:
-    rows = pars.shape[0]
-    base = main.nominal.expand(rows, -1)
+    """The factors of every column's rate."""
+    base = block.nominal
     normsys = torch.ones_like(base)
     multipliers = torch.ones_like(base)
     slope = None
-    if main.histosys_params.numel():
-        basis = histosys_basis(histosys_code, pars.index_select(1, main.histosys_params))
-        base = base + basis.reshape(rows, -1) @ main.histosys_coefficients
-    if main.normsys_column.numel():
-        alpha = pars.index_select(1, main.normsys_param)
+    if block.histosys_params.shape[0]:
+        alpha = pars.index_select(1, block.histosys_params)
+        basis = histosys_basis(histosys_code, alpha).reshape(pars.shape[0], 1, -1)
+        base = base + (basis @ block.histosys_coefficients).squeeze(1)
+    if block.normsys_column.shape[-1]:
+        alpha = _take(pars, block.normsys_param)
         if with_slopes:
             log_abs, negative, slope = normsys_log_factor_and_slope(
-                normsys_code, alpha, main.normsys_coefficients
+                normsys_code, alpha, block.normsys_coefficients
             )
         else:
-            log_abs, negative = normsys_log_factor(normsys_code, alpha, main.normsys_coefficients)
-        total_log = torch.zeros_like(base).index_add(1, main.normsys_column, log_abs)
-        total_negative = torch.zeros_like(base).index_add(1, main.normsys_column, negative)
+            log_abs, negative = normsys_log_factor(normsys_code, alpha, block.normsys_coefficients)
+        total_log = _add_at(torch.zeros_like(base), block.normsys_column, log_abs)
+        total_negative = _add_at(torch.zeros_like(base), block.normsys_column, negative)
         normsys = (1.0 - 2.0 * torch.remainder(total_negative, 2.0)) * torch.exp(total_log)
-    if main.multiplier_params.numel():
-        multipliers = _multiplier_factors(pars, main).prod(dim=1)
+    if block.multiplier_params.shape[-2]:
+        multipliers = _multiplier_factors(pars, block).prod(dim=1)
     return _RateFactors(base, normsys, multipliers, slope)
 
 
-def _multiplier_factors(pars: torch.Tensor, main: MainTensors) -> torch.Tensor:
+def _take(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``values [B, X]`` at ``index`` ``[I]`` (every row alike) or ``[B, I]``: ``[B, I]``."""
+    if index.dim() == 1:
+        return values.index_select(1, index)
+    return values.gather(1, index)
+
+
+def _add_at(target: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``target [B, X]`` with ``values [B, I]`` added at ``index`` ``[I]`` or ``[B, I]``."""
+    if index.dim() == 1:
+        return target.index_add(1, index, values)
+    return target.scatter_add(1, index, values)
+
+
+def _multiplier_factors(pars: torch.Tensor, block: _Block) -> torch.Tensor:
     """The parameter values ``[B, M, Q]`` multiplying each column (1 where none)."""
     extended = torch.cat([pars, torch.ones_like(pars.narrow(1, 0, 1))], dim=1)
-    depth, columns = main.multiplier_params.shape
-    flat = extended.index_select(1, main.multiplier_params.reshape(-1))
-    return flat.reshape(pars.shape[0], depth, columns)
+    depth, columns = block.multiplier_params.shape[-2:]
+    index = block.multiplier_params.flatten(-2)
+    return _take(extended, index).reshape(pars.shape[0], depth, columns)
 
 
-def main_rates(
-    pars: torch.Tensor, main: MainTensors, histosys_code: str, normsys_code: str
-) -> torch.Tensor:
-    """Rates ``[B, Q]`` of every sample variant in every main bin at parameters ``[B, P]``."""
-    factors = _rate_factors(pars, main, histosys_code, normsys_code)
-    return factors.base * factors.normsys * factors.multipliers
+def _summed(rates: torch.Tensor, block: _Block, n_main: int) -> torch.Tensor:
+    """``[B, N]``: the block's column rates summed over its variants, with their weights."""
+    if block.weight is not None:
+        rates = rates * block.weight
+    return rates.reshape(rates.shape[0], -1, n_main).sum(dim=1)
 
 
 def expected_main(
@@ -108,10 +179,13 @@ def expected_main(
     normsys_code: str,
 ) -> torch.Tensor:
     """Expected main data ``[B, N]``: each row sums the variants of its own element."""
-    n_variants = main.membership.shape[1]
-    rates = main_rates(pars, main, histosys_code, normsys_code)
-    rates = rates.reshape(pars.shape[0], n_variants, -1)
-    return torch.einsum("bu,bun->bn", main.membership.index_select(0, element), rates)
+    n_main = main.bins.shape[0]
+    expected = torch.zeros(pars.shape[0], n_main, dtype=pars.dtype, device=pars.device)
+    for block in _blocks(element, main):
+        if block.nominal.shape[1]:
+            f = _rate_factors(pars, block, histosys_code, normsys_code)
+            expected = expected + _summed(f.base * f.normsys * f.multipliers, block, n_main)
+    return expected
 
 
 def expected_main_jacobian(
@@ -127,59 +201,72 @@ def expected_main_jacobian(
     under FakeTensorMode, with the same code.
     """
     rows, n_pars = pars.shape
-    n_variants = main.membership.shape[1]
-    n_columns = main.nominal.shape[0]
-    n_main = n_columns // n_variants
-    weights = main.membership.index_select(0, element)  # [B, U]
-    factors = _rate_factors(pars, main, histosys_code, normsys_code, with_slopes=True)
-    rates = factors.base * factors.normsys * factors.multipliers
-    weighted = rates.reshape(rows, n_variants, n_main) * weights.unsqueeze(2)
-    expected = weighted.sum(dim=1)
-    column = torch.arange(n_columns, device=pars.device)
-    column_bin = torch.remainder(column, n_main)
-    column_weight = weights.repeat_interleave(n_main, dim=1)  # [B, Q]
+    n_main = main.bins.shape[0]
     # flattened (bin, parameter) Jacobian with one spare parameter slot for "no parameter"
     width = n_pars + 1
+    expected = torch.zeros(rows, n_main, dtype=pars.dtype, device=pars.device)
     jacobian = torch.zeros(rows, n_main * width, dtype=pars.dtype, device=pars.device)
-
-    if main.histosys_params.numel():
-        n_histosys = main.histosys_params.shape[0]
-        slope = histosys_basis_derivative(
-            histosys_code, pars.index_select(1, main.histosys_params)
-        )  # [B, K, J]
-        scale = (factors.normsys * factors.multipliers * column_weight).reshape(
-            rows, n_variants, n_main
-        )
-        # sum_u C[k, j, u, n] scale[b, u, n] as one product per bin, then sum_k slope[b, k, j]
-        coefficients = main.histosys_coefficients.reshape(-1, n_variants, n_main)  # [K * J, U, N]
-        scaled = scale.permute(2, 0, 1) @ coefficients.permute(2, 1, 0)  # [N, B, K * J]
-        scaled = scaled.reshape(n_main, rows, -1, n_histosys)
-        per_bin = (scaled * slope.unsqueeze(0)).sum(2).transpose(0, 1)  # [B, N, J]
-        target = (
-            torch.arange(n_main, device=pars.device).unsqueeze(1) * width
-            + main.histosys_params.unsqueeze(0)
-        ).reshape(-1)
-        jacobian = jacobian.index_add(1, target, per_bin.reshape(rows, -1))
-    if main.normsys_column.numel():
-        contribution = factors.normsys_slope * (rates * column_weight).index_select(
-            1, main.normsys_column
-        )
-        target = column_bin.index_select(0, main.normsys_column) * width + main.normsys_param
-        jacobian = jacobian.index_add(1, target, contribution)
-    if main.multiplier_params.numel():
-        values = _multiplier_factors(pars, main)  # [B, M, Q]
-        ones = torch.ones_like(values.narrow(1, 0, 1))
-        before = torch.cumprod(torch.cat([ones, values], dim=1), dim=1).narrow(
-            1, 0, values.shape[1]
-        )
-        after = torch.cumprod(torch.cat([ones, values.flip(1)], dim=1), dim=1)
-        after = after.narrow(1, 0, values.shape[1]).flip(1)
-        others = before * after  # product of the other multipliers of the column
-        scale = (factors.base * factors.normsys * column_weight).unsqueeze(1)
-        target = column_bin.unsqueeze(0) * width + main.multiplier_params  # [M, Q]
-        jacobian = jacobian.index_add(1, target.reshape(-1), (others * scale).reshape(rows, -1))
+    for block in _blocks(element, main):
+        n_columns = block.nominal.shape[1]
+        if not n_columns:
+            continue
+        factors = _rate_factors(pars, block, histosys_code, normsys_code, with_slopes=True)
+        rates = factors.base * factors.normsys * factors.multipliers
+        expected = expected + _summed(rates, block, n_main)
+        weight = block.weight if block.weight is not None else torch.ones_like(rates)
+        column_bin = main.bins.repeat(n_columns // n_main)  # [Q]
+        if block.histosys_params.shape[0]:
+            slope = histosys_basis_derivative(
+                histosys_code, pars.index_select(1, block.histosys_params)
+            )  # [B, K, J]
+            scale = factors.normsys * factors.multipliers * weight
+            per_bin = _histosys_per_bin(block, scale, slope, n_main)  # [B, N, J]
+            target = (main.bins.unsqueeze(1) * width + block.histosys_params.unsqueeze(0)).flatten()
+            jacobian = jacobian.index_add(1, target, per_bin.reshape(rows, -1))
+        if block.normsys_column.shape[-1]:
+            weighted = _take(rates * weight, block.normsys_column)
+            target = (
+                column_bin.index_select(0, block.normsys_column.reshape(-1)).reshape_as(
+                    block.normsys_column
+                )
+                * width
+                + block.normsys_param
+            )
+            jacobian = _add_at(jacobian, target, factors.normsys_slope * weighted)
+        if block.multiplier_params.shape[-2]:
+            values = _multiplier_factors(pars, block)  # [B, M, Q]
+            ones = torch.ones_like(values.narrow(1, 0, 1))
+            before = torch.cumprod(torch.cat([ones, values], dim=1), dim=1).narrow(
+                1, 0, values.shape[1]
+            )
+            after = torch.cumprod(torch.cat([ones, values.flip(1)], dim=1), dim=1)
+            after = after.narrow(1, 0, values.shape[1]).flip(1)
+            others = before * after  # product of the other multipliers of the column
+            scale = (factors.base * factors.normsys * weight).unsqueeze(1)
+            target = column_bin * width + block.multiplier_params  # [M, Q] or [B, M, Q]
+            jacobian = _add_at(jacobian, target.flatten(-2), (others * scale).reshape(rows, -1))
     jacobian = jacobian.reshape(rows, n_main, width).narrow(2, 0, n_pars)
     return expected, jacobian
+
+
+def _histosys_per_bin(
+    block: _Block, scale: torch.Tensor, slope: torch.Tensor, n_main: int
+) -> torch.Tensor:
+    """``[B, N, J]``: d(expected bin n) / d(alpha_j) through the histosys shifts of the block;
+    ``scale [B, Q]``: what multiplies each column's shifted nominal."""
+    rows = scale.shape[0]
+    n_variants = scale.shape[1] // n_main
+    scale = scale.reshape(rows, n_variants, n_main)
+    coefficients = block.histosys_coefficients
+    if coefficients.dim() == 2:  # common: one product per bin, sum_u C[kj, u, n] scale[b, u, n]
+        coefficients = coefficients.reshape(-1, n_variants, n_main)  # [K * J, U, N]
+        scaled = scale.permute(2, 0, 1) @ coefficients.permute(2, 1, 0)  # [N, B, K * J]
+        scaled = scaled.permute(1, 2, 0)  # [B, K * J, N]
+    else:  # own: per row
+        coefficients = coefficients.reshape(rows, -1, n_variants, n_main)  # [B, K * J, S, N]
+        scaled = (coefficients * scale.unsqueeze(1)).sum(dim=2)  # [B, K * J, N]
+    scaled = scaled.reshape(rows, -1, block.histosys_params.shape[0], n_main)  # [B, K, J, N]
+    return (scaled * slope.unsqueeze(3)).sum(dim=1).transpose(1, 2)  # [B, N, J]
 
 
 def expected_aux(
@@ -215,7 +302,7 @@ def constraint_deviance(
     squared pulls for Normal constraints, Poisson deviances for Poisson ones."""
     pull, _, rate = _constraint_terms(pars, aux_data, element, constraint)
     poisson = poisson_deviance(aux_data, rate)
-    return torch.where(constraint.is_poisson, poisson, pull**2).sum(dim=1)
+    return _present(torch.where(constraint.is_poisson, poisson, pull**2), element, constraint)
 
 
 def constraint_saturated(
@@ -224,7 +311,8 @@ def constraint_saturated(
     """The data-only part of ``-2 x`` :func:`constraint_logpdf`, per row ``[B]``."""
     sigma = constraint.sigma.index_select(0, element)
     normal = 2.0 * (torch.log(sigma) + LOG_SQRT_2PI)
-    return torch.where(constraint.is_poisson, poisson_saturated(aux_data), normal).sum(dim=1)
+    terms = torch.where(constraint.is_poisson, poisson_saturated(aux_data), normal)
+    return _present(terms, element, constraint)
 
 
 def constraint_logpdf(
@@ -234,7 +322,15 @@ def constraint_logpdf(
     pull, sigma, rate = _constraint_terms(pars, aux_data, element, constraint)
     normal = -0.5 * pull**2 - torch.log(sigma) - LOG_SQRT_2PI
     poisson = poisson_logpdf(aux_data, rate)
-    return torch.where(constraint.is_poisson, poisson, normal).sum(dim=1)
+    return _present(torch.where(constraint.is_poisson, poisson, normal), element, constraint)
+
+
+def _present(
+    terms: torch.Tensor, element: torch.Tensor, constraint: ConstraintTensors
+) -> torch.Tensor:
+    """Per row ``[B]``: the sum of the constraint terms ``[B, A]`` its element has."""
+    present = constraint.present.index_select(0, element)
+    return torch.where(present, terms, torch.zeros_like(terms)).sum(dim=1)
 
 
 def _constraint_terms(

@@ -11,7 +11,7 @@ numbers that the device kernel only has to multiply and add:
 - per auxiliary datum, the parameter it constrains, its Normal sigma or Poisson scale.
 
 The result is an :class:`ElementLayout` (one model); :func:`pyhf_gpu_server.engine.model`
-stacks any number of them with equal ``structure_key`` onto one device.
+stacks any number of them with equal ``stack_key`` onto one device (:mod:`.stacking`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import hashlib
 import inspect
 import json
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import pyhf
@@ -34,8 +33,13 @@ SUPPORTED_TYPES = (*MULTIPLIER_TYPES, "histosys", "normsys")
 
 @dataclass
 class SampleLayout:
-    """One sample's numbers over all main bins (zeros where a channel lacks the sample)."""
+    """One sample's numbers over all main bins (zeros where a channel lacks the sample).
 
+    Parameter indices (``histosys`` axis 1, ``normsys_param``, ``multipliers``) are the
+    element's own: into its ``histosys_params``, ``normsys_params`` and parameter vector.
+    """
+
+    name: str
     nominal: np.ndarray  # [N]
     histosys: np.ndarray  # [K, J_h, N] basis coefficients per histosys parameter
     normsys_param: np.ndarray  # [T] index into the normsys parameter list
@@ -43,29 +47,34 @@ class SampleLayout:
     normsys_coefficients: np.ndarray  # [8, T]
     multipliers: list[list[int]]  # per bin, the parameter indices that multiply it
 
-    def fingerprint(self) -> bytes:
-        """Bytes that are equal exactly when two samples compute the same rates."""
-        digest = hashlib.sha256()
-        for array in (
-            self.nominal,
-            self.histosys,
-            self.normsys_param,
-            self.normsys_bin,
-            self.normsys_coefficients,
-        ):
-            digest.update(np.ascontiguousarray(array).tobytes())
-        digest.update(json.dumps(self.multipliers).encode())
-        return digest.digest()
+
+@dataclass(frozen=True)
+class ParameterSet:
+    """One of pyhf's parameter sets (``config.param_set(name)``) as plain values."""
+
+    name: str
+    n_parameters: int
+    is_scalar: bool
+    constraint: str | None  # "normal", "poisson" or None (unconstrained)
+    modifier_type: str
+
+    def labels(self) -> list[str]:
+        """pyhf's ``par_names`` entries of this set: ``name``, or ``name[i]`` per component."""
+        if self.is_scalar:
+            return [self.name]
+        return [f"{self.name}[{i}]" for i in range(self.n_parameters)]
 
 
 @dataclass
 class ElementLayout:
-    """Everything the device model needs from one pyhf model."""
+    """Everything the device model needs from one workspace (after its patches), in the
+    element's own parameter space: pyhf's ``par_order``, ``suggested_*`` and ``auxdata``."""
 
-    structure_key: str
-    structure: dict[str, Any]
-    pyhf_model: pyhf.Model
-    samples: list[SampleLayout]
+    name: str
+    channels: list[tuple[str, int]]  # pyhf's (sorted) channel order, with bin counts
+    parameters: list[ParameterSet]  # pyhf's par_order
+    poi_name: str | None
+    samples: list[SampleLayout]  # pyhf's config.samples order
     histosys_code: str
     normsys_code: str
     histosys_params: list[int]  # parameter index per histosys parameter
@@ -78,7 +87,42 @@ class ElementLayout:
     bounds: np.ndarray  # [P, 2]
     fixed: np.ndarray  # [P] bool
     observed: np.ndarray  # [N + A]
-    name: str = "nominal"
+
+    @property
+    def par_names(self) -> list[str]:
+        """pyhf's ``config.par_names``."""
+        return [label for parset in self.parameters for label in parset.labels()]
+
+    @property
+    def n_pars(self) -> int:
+        return len(self.init)
+
+    @property
+    def n_main(self) -> int:
+        return sum(n for _, n in self.channels)
+
+    @property
+    def poi_index(self) -> int | None:
+        """pyhf's ``config.poi_index``."""
+        if self.poi_name is None:
+            return None
+        return self.par_start(self.poi_name)
+
+    def par_start(self, name: str) -> int:
+        """pyhf's ``config.par_slice(name).start``."""
+        start = 0
+        for parset in self.parameters:
+            if parset.name == name:
+                return start
+            start += parset.n_parameters
+        raise KeyError(name)
+
+    @property
+    def stack_key(self) -> str:
+        """Elements with equal keys stack into one model, whatever their parameters: same
+        channels and bins, POI and interpolation codes."""
+        key = [self.channels, self.poi_name, self.histosys_code, self.normsys_code]
+        return hashlib.sha256(json.dumps(key).encode()).hexdigest()
 
 
 def interpolation_codes(model: pyhf.Model) -> tuple[str, str]:
@@ -171,6 +215,7 @@ def read_model(model: pyhf.Model, observed: list[float], name: str = "nominal") 
 
     samples = {
         s: SampleLayout(
+            name=s,
             nominal=np.zeros(n_main),
             histosys=np.zeros((n_basis, len(histosys_names), n_main)),
             normsys_param=np.zeros(0, dtype=np.int64),
@@ -230,20 +275,19 @@ def read_model(model: pyhf.Model, observed: list[float], name: str = "nominal") 
             samples[sname].normsys_coefficients = normsys_coefficients(normsys_code, lo, hi)
 
     aux_param, aux_is_poisson, aux_sigma, aux_scale = _aux_layout(config)
-    structure = {
-        "channels": [[c, config.channel_nbins[c]] for c in config.channels],
-        "samples": list(config.samples),
-        "parameters": [[p, config.param_set(p).n_parameters] for p in config.par_order],
-        "modifiers": sorted(modifier_layout),
-        "poi": config.poi_name,
-        "interpolation": [histosys_code, normsys_code],
-        "aux": [aux_param.tolist(), aux_is_poisson.tolist()],
-    }
-    structure_key = hashlib.sha256(json.dumps(structure, sort_keys=True).encode()).hexdigest()
+    parameters = []
+    for pname in config.par_order:
+        parset = config.param_set(pname)
+        mtype = next(t for n, t in config.modifiers if n == pname)
+        constraint = parset.pdf_type if parset.constrained else None
+        parameters.append(
+            ParameterSet(pname, parset.n_parameters, parset.is_scalar, constraint, mtype)
+        )
     return ElementLayout(
-        structure_key=structure_key,
-        structure=structure,
-        pyhf_model=model,
+        name=name,
+        channels=[(c, config.channel_nbins[c]) for c in config.channels],
+        parameters=parameters,
+        poi_name=config.poi_name,
         samples=[samples[s] for s in config.samples],
         histosys_code=histosys_code,
         normsys_code=normsys_code,
@@ -257,5 +301,4 @@ def read_model(model: pyhf.Model, observed: list[float], name: str = "nominal") 
         bounds=np.asarray(config.suggested_bounds(), dtype=np.float64),
         fixed=np.asarray(config.suggested_fixed(), dtype=bool),
         observed=np.asarray(observed, dtype=np.float64),
-        name=name,
     )

@@ -50,6 +50,7 @@ from .kernel import (
     poisson_saturated,
 )
 from .layout import ElementLayout, read_model
+from .stacking import StackLayout
 
 if TYPE_CHECKING:
     from .compiled import KernelCache
@@ -94,31 +95,24 @@ class HistFactoryModel:
         device: DeviceLike = "cpu",
         dtype: torch.dtype = torch.float64,
     ) -> None:
-        if not elements:
-            raise ValueError("a model needs at least one element")
-        keys = {e.structure_key for e in elements}
-        if len(keys) != 1:
-            raise IncompatibleModelsError(
-                "models of different structure (parameters, channels, samples or modifiers) "
-                f"cannot be stacked: {len(keys)} distinct structure keys"
-            )
-        first = elements[0]
+        stack = StackLayout(elements)
         self.device = torch.device(device)
         self.dtype = dtype
-        self.elements = list(elements)
-        self.structure_key = first.structure_key
+        self.elements = stack.elements
+        self.stack = stack
+        self.structure_key = stack.structure_key
+        first = stack.elements[0]
         self.histosys_code = first.histosys_code
         self.normsys_code = first.normsys_code
-        self.pyhf_model = first.pyhf_model
-        config = first.pyhf_model.config
-        self.par_names: list[str] = list(config.par_names)
-        self.poi_index: int | None = config.poi_index
-        self.poi_name: str | None = config.poi_name
-        self.element_names = [e.name for e in elements]
-        self.n_elements = len(elements)
-        self.n_pars = len(first.init)
-        self.n_main = config.nmaindata
-        self.n_aux = len(first.aux_param)
+        self.par_names: list[str] = stack.par_names
+        self.poi_index: int | None = stack.poi_index
+        self.poi_name: str | None = stack.poi_name
+        self.element_names = [e.name for e in stack.elements]
+        self.n_elements = stack.n_elements
+        self.n_pars = stack.n_pars
+        self.n_main = stack.n_main
+        self.n_aux = stack.n_aux
+        self.n_variants = stack.n_variants
         self._expected_main = expected_main
         self._build_tensors()
 
@@ -195,68 +189,46 @@ class HistFactoryModel:
         return tensor.reshape(array.shape)
 
     def _build_tensors(self) -> None:
-        first = self.elements[0]
-        n_main, long = self.n_main, torch.long
-        # the distinct sample variants over all elements, and which element sums which
-        variant_of: dict[bytes, int] = {}
-        variants = []
-        members = []
-        for element in self.elements:
-            row = []
-            for sample in element.samples:
-                row.append(variant_of.setdefault(sample.fingerprint(), len(variants)))
-                if row[-1] == len(variants):
-                    variants.append(sample)
-            members.append(row)
-        membership = np.zeros((self.n_elements, len(variants)))
-        for e, row in enumerate(members):
-            membership[e, row] = 1.0
-        self.n_variants = len(variants)
-
-        depth = max((len(m) for v in variants for m in v.multipliers), default=0)
-        multipliers = np.full((depth, len(variants) * n_main), self.n_pars, dtype=np.int64)
-        for u, v in enumerate(variants):
-            for b, indices in enumerate(v.multipliers):
-                multipliers[: len(indices), u * n_main + b] = indices
-        n_basis = first.samples[0].histosys.shape[0]
-        normsys_params = np.asarray(first.normsys_params, dtype=np.int64)
+        stack, long = self.stack, torch.long
+        common, own = stack.common, stack.own
         self.main = MainTensors(
-            nominal=self._tensor(np.concatenate([v.nominal for v in variants])),
-            membership=self._tensor(membership),
-            histosys_params=self._tensor(first.histosys_params, long),
-            histosys_coefficients=self._tensor(
-                np.concatenate([v.histosys for v in variants], axis=2).reshape(
-                    n_basis * len(first.histosys_params), len(variants) * n_main
-                )
-            ),
-            normsys_param=self._tensor(
-                np.concatenate([normsys_params[v.normsys_param] for v in variants]), long
-            ),
-            normsys_column=self._tensor(
-                np.concatenate([u * n_main + v.normsys_bin for u, v in enumerate(variants)]),
-                long,
-            ),
-            normsys_coefficients=self._tensor(
-                np.concatenate([v.normsys_coefficients for v in variants], axis=1)
-            ),
-            multiplier_params=self._tensor(multipliers, long),
+            bins=self._tensor(np.arange(self.n_main), long),
+            membership=self._tensor(stack.membership),
+            nominal=self._tensor(common.nominal[0]),
+            histosys_params=self._tensor(common.histosys_params, long),
+            histosys_coefficients=self._tensor(common.histosys[0]),
+            normsys_param=self._tensor(common.normsys_param[0], long),
+            normsys_column=self._tensor(common.normsys_column[0], long),
+            normsys_coefficients=self._tensor(common.normsys_coefficients[:, 0]),
+            multiplier_params=self._tensor(common.multiplier_params[0], long),
+            own_nominal=self._tensor(own.nominal),
+            own_histosys_params=self._tensor(own.histosys_params, long),
+            own_histosys_coefficients=self._tensor(own.histosys),
+            own_normsys_param=self._tensor(own.normsys_param, long),
+            own_normsys_column=self._tensor(own.normsys_column, long),
+            own_normsys_coefficients=self._tensor(own.normsys_coefficients),
+            own_multiplier_params=self._tensor(own.multiplier_params, long),
         )
         self.constraint = ConstraintTensors(
-            param=self._tensor(first.aux_param, long),
-            is_poisson=self._tensor(first.aux_is_poisson, torch.bool),
-            sigma=self._tensor(np.stack([e.aux_sigma for e in self.elements])),
-            scale=self._tensor(np.stack([e.aux_scale for e in self.elements])),
+            param=self._tensor(stack.aux_param, long),
+            is_poisson=self._tensor(stack.aux_is_poisson, torch.bool),
+            sigma=self._tensor(stack.aux_sigma),
+            scale=self._tensor(stack.aux_scale),
+            present=self._tensor(stack.aux_present, torch.bool),
         )
-        aux_param = np.asarray(first.aux_param, dtype=np.int64)
-        poisson = np.asarray(first.aux_is_poisson, dtype=bool)
+        aux_param, poisson = stack.aux_param, stack.aux_is_poisson
         # parameters without a constraint term, and those with a Poisson one (their
         # curvature vanishes with a zero auxiliary count): the fitter's low-rank solver
         self.unconstrained = self._tensor(np.setdiff1d(np.arange(self.n_pars), aux_param), long)
         self.poisson_constrained = self._tensor(np.unique(aux_param[poisson]), long)
-        self.init = self._tensor(np.stack([e.init for e in self.elements]))
-        self.bounds = self._tensor(np.stack([e.bounds for e in self.elements]))
-        self.fixed = self._tensor(np.stack([e.fixed for e in self.elements]), torch.bool)
-        self.observed = self._tensor(np.stack([e.observed for e in self.elements]))
+        self.init = self._tensor(stack.init)
+        self.bounds = self._tensor(stack.bounds)
+        self.fixed = self._tensor(stack.fixed, torch.bool)
+        self.observed = self._tensor(stack.observed)
+
+    def element_columns(self, element: int) -> list[int]:
+        """The model's parameter columns of ``element``'s own parameters, in its pyhf order."""
+        return self.stack.columns[element].tolist()
 
     # ------------------------------------------------------------------ evaluation
     def tensors(self) -> dict[str, torch.Tensor]:

@@ -175,6 +175,8 @@ class TwiceNLL:
         normal_h = 2.0 / sigma**2
         poisson_g = 2.0 * (scale - aux / theta)
         poisson_h = 2.0 * aux / theta**2
-        g = torch.where(constraint.is_poisson, poisson_g, normal_g)
+        present = constraint.present.index_select(0, element)
+        zero = torch.zeros_like(theta)
+        g = torch.where(present, torch.where(constraint.is_poisson, poisson_g, normal_g), zero)
         h = torch.where(constraint.is_poisson, poisson_h, normal_h.expand_as(theta))
-        return g, h
+        return g, torch.where(present, h, zero)
