@@ -35,9 +35,11 @@ from .results import (
     CLsResult,
     FitResult,
     Job,
+    PatchError,
     SignificanceResult,
     UpperLimitResult,
     parse_result,
+    patch_errors,
     result_to_json,
 )
 from .workspace import digest, load_json
@@ -59,6 +61,7 @@ __all__ = [
     "JobError",
     "JobFailedError",
     "NotFoundError",
+    "PatchError",
     "PyhfGpuError",
     "RateLimitedError",
     "ServerError",
@@ -73,5 +76,6 @@ __all__ = [
     "digest",
     "load_json",
     "parse_result",
+    "patch_errors",
     "result_to_json",
 ]

@@ -30,7 +30,7 @@ from .exceptions import (
     format_detail,
 )
 from .protocol import DEFAULT_SERVER, ENV_SERVER, ENV_TOKEN
-from .results import Job, result_to_json
+from .results import Job, patch_errors, result_to_json
 
 __all__ = ["main", "parse_test_poi"]
 
@@ -261,6 +261,12 @@ def _workspace_options(f: Callable[..., Any]) -> Callable[..., Any]:
             metavar="NAME",
             help="Only these patches of --patchset (repeatable; default all).",
         ),
+        click.option(
+            "--strict",
+            is_flag=True,
+            help="Exit 1 when some patch of --patchset could not be tested (default: report "
+            "it on stderr, print the others).",
+        ),
     ]
     for decorator in reversed(decorators):
         f = decorator(f)
@@ -354,6 +360,11 @@ def _operation_kwargs(operation: str, kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def _output(result: Any, kwargs: dict[str, Any]) -> None:
+    """Print the results as pyhf would; patches that could not be tested are left out of it
+    and reported on stderr (an error exit only with ``--strict``)."""
+    failed = patch_errors(result)
+    if failed:
+        result = {name: r for name, r in result.items() if name not in failed}
     emit(
         result_to_json(
             result,
@@ -362,6 +373,12 @@ def _output(result: Any, kwargs: dict[str, Any]) -> None:
         ),
         kwargs.get("output_file"),
     )
+    for name, error in failed.items():
+        click.echo(
+            f"Warning: patch {name!r} was not tested ({error.status}): {error.detail}", err=True
+        )
+    if failed and kwargs.get("strict"):
+        raise CommandFailed(f"{len(failed)} of {len(failed) + len(result)} patches were not tested")
 
 
 _METHODS = {

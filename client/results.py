@@ -247,6 +247,40 @@ class SignificanceResult:
         return {**self.extra, p0o: self.p0_obs, p0e: self.p0_exp, zo: self.z_obs, ze: self.z_exp}
 
 
+@dataclass
+class PatchError:
+    """A patch of a patchset that the server could not test (the others have results).
+
+    Attributes:
+        status: the HTTP status it would have answered alone (422: the patch does not apply,
+            or leaves no parameter of interest).
+        detail: the server's reason.
+    """
+
+    status: int
+    detail: Any
+
+    @classmethod
+    def matches(cls, data: Mapping[str, Any]) -> bool:
+        """Whether a patch's entry is an error (``{"error": {"status", "detail"}}``)."""
+        error = data.get("error")
+        return set(data) == {"error"} and isinstance(error, Mapping) and "status" in error
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> PatchError:
+        return cls(status=int(data["error"]["status"]), detail=data["error"].get("detail"))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"error": {"status": self.status, "detail": self.detail}}
+
+
+def patch_errors(result: Any) -> dict[str, PatchError]:
+    """The patches of a ``{patch: ...}`` result that could not be tested, by name."""
+    if not isinstance(result, Mapping):
+        return {}
+    return {name: r for name, r in result.items() if isinstance(r, PatchError)}
+
+
 Single = CLsResult | FitResult | UpperLimitResult | SignificanceResult
 #: what every operation returns: one result, a list (a ``test_poi`` scan) or ``{patch: ...}``
 Result = Single | list[Any] | dict[str, Any]
@@ -282,7 +316,13 @@ def parse_result(operation: str, data: Any) -> Result:
     if isinstance(data, Mapping):
         if "results" in data and len(set(data) - {"results", "meta"}) == 0:
             return parse_result(operation, data["results"])
-        return {k: parse_result(operation, v) for k, v in data.items() if k != "meta"}
+        return {
+            k: PatchError.from_json(v)
+            if isinstance(v, Mapping) and PatchError.matches(v)
+            else parse_result(operation, v)
+            for k, v in data.items()
+            if k != "meta"
+        }
     raise ValueError(f"unexpected {operation} answer: {data!r:.200}")
 
 
@@ -304,6 +344,8 @@ def result_to_json(result: Any, *, value: bool = True, uncertainties: bool = Fal
                 js = {"test_poi": item.test_poi, **js}
             out.append(js)
         return out
+    if isinstance(result, PatchError):
+        return result.to_json()
     if isinstance(result, Mapping):
         return {
             k: result_to_json(v, value=value, uncertainties=uncertainties)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import os
@@ -65,7 +66,8 @@ def to_jsonable(obj: Any) -> Any:
 
 
 def load_json(source: JSONSource, what: str = "workspace") -> Any:
-    """Read JSON from a mapping, a path (``"-"`` is stdin), a text/binary stream or JSON text.
+    """Read JSON from a mapping, a path (``"-"`` is stdin; gzip-compressed files too), a
+    text/binary stream or JSON text.
 
     Raises:
         WorkspaceError: the file is missing or the content is not JSON.
@@ -90,10 +92,12 @@ def load_json(source: JSONSource, what: str = "workspace") -> Any:
             return _parse(source, what, "<string>")
         path = Path(name)
         try:
-            text = path.read_text(encoding="utf-8")
+            raw = path.read_bytes()
+            # HEPData ships patchsets gzip-compressed (.json.gz): read them as they come
+            text = (gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw).decode("utf-8")
         except FileNotFoundError as exc:
             raise WorkspaceError(f"{what} file not found: {name}") from exc
-        except OSError as exc:
+        except (OSError, EOFError, UnicodeDecodeError) as exc:
             raise WorkspaceError(f"cannot read {what} file {name}: {exc}") from exc
         return _parse(text, what, name)
     raise WorkspaceError(f"cannot read a {what} from {type(source).__name__}")

@@ -415,3 +415,31 @@ def test_python_api_sync_and_async(server, files):
     with pgc.Client(server, token=TOKEN) as client, pytest.raises(pgc.BadRequestError) as info:
         client.cls(spec, test_stat="q0")
     assert info.value.status == 422
+
+
+PUBLISHED = SHARED / "patchset.hepdata.json.gz"
+NO_SIGNAL = "sbottom_1500_1495_60"  # this published point's patch only removes a channel
+
+
+@pytest.mark.skipif(not PUBLISHED.exists(), reason="shared workspaces not present")
+def test_published_patchset_reports_untestable_points_and_strict_fails(server):
+    reference = json.loads((SHARED / "reference.hepdata.json").read_text())["results"]
+    chosen = [*reference, NO_SIGNAL]
+    args = [
+        "cls",
+        str(SHARED / "BkgOnly.json"),
+        "--patchset",
+        str(PUBLISHED),  # gzip-compressed, as HEPData ships it
+        *[arg for name in chosen for arg in ("--patch-name", name)],
+    ]
+    res = client_cli(server, *args)
+    assert res.exit_code == 0, res.output
+    results = assert_pyhf_format(res.stdout)
+    assert sorted(results) == sorted(reference)  # the untestable point is not in the JSON...
+    for name, ref in reference.items():
+        assert_close(results[name], {"CLs_obs": ref["CLs_obs"], "CLs_exp": ref["CLs_exp"]})
+    assert NO_SIGNAL in res.stderr and "422" in res.stderr  # ...but reported on stderr
+    strict = client_cli(server, *args, "--strict")
+    assert strict.exit_code == 1
+    assert strict.stdout == res.stdout
+    assert "1 of 2 patches were not tested" in strict.stderr

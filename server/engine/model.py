@@ -26,15 +26,14 @@ Example:
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import jsonpatch
 import numpy as np
 import pyhf
 import torch
 
+from . import schema
 from .errors import IncompatibleModelsError
 from .kernel import (
     ConstraintTensors,
@@ -49,8 +48,9 @@ from .kernel import (
     poisson_logpdf,
     poisson_saturated,
 )
-from .layout import ElementLayout, read_model
+from .layout import ElementLayout
 from .stacking import StackLayout
+from .translate import WorkspaceTranslator
 
 if TYPE_CHECKING:
     from .compiled import KernelCache
@@ -58,27 +58,21 @@ if TYPE_CHECKING:
 DeviceLike = str | torch.device
 
 
-def _as_workspace(workspace: dict | pyhf.Workspace) -> pyhf.Workspace:
-    return workspace if isinstance(workspace, pyhf.Workspace) else pyhf.Workspace(workspace)
+def _operations(patch: Any) -> list[dict[str, Any]]:
+    """The JSON-patch operations of a patch: a list, a pyhf Patch, or ``{"patch": [...]}``."""
+    if hasattr(patch, "patch"):
+        return list(patch.patch)
+    if isinstance(patch, dict):
+        return list(patch["patch"])
+    return list(patch)
 
 
-def _apply_patches(workspace: pyhf.Workspace, patches: Iterable[Any]) -> pyhf.Workspace:
-    spec = copy.deepcopy(dict(workspace))
-    for patch in patches:
-        operations = patch.patch if hasattr(patch, "patch") else patch
-        spec = jsonpatch.JsonPatch(list(operations)).apply(spec)
-    return pyhf.Workspace(spec)
-
-
-def _read_element(
-    workspace: pyhf.Workspace, measurement: str | None, modifier_settings: dict | None, name: str
-) -> ElementLayout:
-    # the workspace was validated when it was built; its model spec is a part of it
-    kwargs: dict[str, Any] = {"measurement_name": measurement, "validate": False}
-    if modifier_settings is not None:
-        kwargs["modifier_settings"] = modifier_settings
-    model = workspace.model(**kwargs)
-    return read_model(model, workspace.data(model), name=name)
+def _patchset_operations(patchset: Any) -> dict[str, list[dict[str, Any]]]:
+    """Patch name -> operations of a pyhf PatchSet or its JSON (validated by pyhf's schema)."""
+    if not hasattr(patchset, "patches"):
+        schema.validate(patchset, "patchset.json")
+        return {p["metadata"]["name"]: p["patch"] for p in patchset["patches"]}
+    return {p.name: list(p.patch) for p in patchset.patches}
 
 
 class HistFactoryModel:
@@ -133,13 +127,14 @@ class HistFactoryModel:
 
         The element is called ``name``, by default after the patches (``"nominal"`` if none).
         """
-        ws = _as_workspace(workspace)
+        translator = WorkspaceTranslator(
+            dict(workspace), measurement=measurement, modifier_settings=modifier_settings
+        )
         patches = list(patches)
-        if patches:
-            ws = _apply_patches(ws, patches)
         if name is None:
             name = "+".join(getattr(p, "name", "patch") for p in patches) or "nominal"
-        return cls([_read_element(ws, measurement, modifier_settings, name)], device, dtype)
+        operations = [op for patch in patches for op in _operations(patch)]
+        return cls([translator.element(operations, name)], device, dtype)
 
     @classmethod
     def from_patchset(
@@ -154,21 +149,16 @@ class HistFactoryModel:
         dtype: torch.dtype = torch.float64,
     ) -> HistFactoryModel:
         """One stacked model with an element per patch of ``patchset`` (all, or ``patch_names``)."""
-        ws = _as_workspace(workspace)
-        if not isinstance(patchset, pyhf.PatchSet):
-            patchset = pyhf.PatchSet(patchset)
-        names = list(patch_names) if patch_names is not None else [p.name for p in patchset.patches]
-        elements = [
-            _read_element(
-                _apply_patches(ws, [patchset[name]]), measurement, modifier_settings, name
-            )
-            for name in names
-        ]
-        return cls(elements, device, dtype)
+        translator = WorkspaceTranslator(
+            dict(workspace), measurement=measurement, modifier_settings=modifier_settings
+        )
+        operations = _patchset_operations(patchset)
+        names = list(patch_names) if patch_names is not None else list(operations)
+        return cls([translator.element(operations[n], n) for n in names], device, dtype)
 
     @classmethod
     def stack(cls, models: Sequence[HistFactoryModel]) -> HistFactoryModel:
-        """Stack models of equal structure (and device and dtype) into one batched model."""
+        """Stack models (stackable elements, one device and dtype) into one batched model."""
         devices = {(m.device, m.dtype) for m in models}
         if len(devices) != 1:
             raise IncompatibleModelsError("models on different devices or dtypes cannot be stacked")

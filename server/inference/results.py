@@ -95,6 +95,22 @@ class FitResults:
             element=self.element[index],
         )
 
+    def restrict(self, columns: list[int]) -> FitResults:
+        """The same fits over the parameters ``columns`` only, in that order (a stacked
+        element's own parameters: the others are held fixed in its rows)."""
+        index = torch.tensor(columns, dtype=torch.long, device=self.bestfit.device)
+        return FitResults(
+            bestfit=self.bestfit.index_select(1, index),
+            uncertainty=self.uncertainty.index_select(1, index),
+            corr_mat=self.corr_mat.index_select(1, index).index_select(2, index),
+            best_twice_nll=self.best_twice_nll,
+            deviance=self.deviance,
+            converged=self.converged,
+            iterations=self.iterations,
+            labels=[self.labels[c] for c in columns],
+            element=self.element,
+        )
+
     def to_pyhf_json(self, i: int = 0) -> dict:
         """Row ``i`` as pyhf's fit output: ``{"mle_parameters": {...}, "twice_nll": float}``."""
         values = self.bestfit[i].tolist()

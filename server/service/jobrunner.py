@@ -90,8 +90,8 @@ class JobRunner:
         plan = await asyncio.to_thread(plan_request, operation, envelope, self.workspaces, True)
         if "workspace" in envelope:
             envelope = {k: v for k, v in envelope.items() if k != "workspace"}
-            envelope["workspace_id"] = plan.source.workspace_digest
-        job_id = await asyncio.to_thread(self.store.create, operation, envelope, len(plan.rows))
+            envelope["workspace_id"] = plan.background.workspace_digest
+        job_id = await asyncio.to_thread(self.store.create, operation, envelope, plan.n_rows)
         self._wakeup.set()
         self.changed()
         return job_id

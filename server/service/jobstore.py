@@ -190,4 +190,15 @@ def _view(row: sqlite3.Row, with_result: bool) -> dict[str, Any]:
     if with_result:
         view["result"] = None if row["result"] is None else json.loads(row["result"])
         view["error"] = None if row["error"] is None else json.loads(row["error"])
+        view["failed_patches"] = _failed_patches(view["result"])
     return view
+
+
+def _failed_patches(result: Any) -> int | None:
+    """How many patches of a patchset job's ``{patch: result}`` answered an error entry."""
+    if not isinstance(result, dict) or not result:
+        return None
+    entries = [v for v in result.values() if isinstance(v, dict)]
+    if len(entries) != len(result):  # one result, not {patch: result}
+        return None
+    return sum(1 for v in entries if set(v) == {"error"})

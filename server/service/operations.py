@@ -4,8 +4,10 @@
 * :func:`envelope_from` turns a bare workspace + query options, or an envelope, into one dict.
 * :func:`plan_request` validates it and resolves the model inputs into a :class:`Plan`: one row
   per (element, test_poi) hypothesis.
-* :func:`build_model` runs on the build thread, :func:`run_rows` on the device thread.
-* :class:`Operations` ties the model cache and the scheduler together and assembles the answer.
+* :class:`Operations` translates the elements (:mod:`.elements`, build thread), stacks them
+  into warm models (the model cache), queues their rows (the scheduler, which joins rows of
+  many requests on one background: :meth:`Operations.combine`) and assembles the answer;
+  :func:`run_rows` is the one engine call per batch, on the device thread.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import math
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -25,12 +28,14 @@ import pyhf
 import torch
 
 from pyhf_gpu_server import inference
-from pyhf_gpu_server.engine import HistFactoryModel
+from pyhf_gpu_server.engine import HistFactoryModel, schema
+from pyhf_gpu_server.engine.stacking import partition, split_reason
 from pyhf_gpu_server.inference.results import group_parameters
 
-from .errors import BadRequest, Unprocessable, pydantic_detail, translate
+from .elements import Background, Element, ElementStore, PatchSpec
+from .errors import BadRequest, ServiceError, Unprocessable, pydantic_detail, translate
 from .models_cache import CachedModel, ModelCache
-from .scheduler import Lane, RowOutcome, Scheduler
+from .scheduler import Lane, RowOutcome, Scheduler, WorkItem
 from .schemas import OPTION_MODELS, REQUEST_MODELS, ModelSelection
 from .workspace_store import WorkspaceStore
 
@@ -114,67 +119,48 @@ def envelope_from(document: Any, query: Mapping[str, list[str]], operation: str)
 
 # ----------------------------------------------------------------------------------------- plans
 @dataclass(frozen=True)
-class ModelSource:
-    """Everything an engine model is built from, and the digests that identify it."""
-
-    workspace: dict[str, Any]
-    workspace_digest: str
-    measurement: str
-    patches: tuple[list[dict[str, Any]], ...]
-    patchset: pyhf.PatchSet | None
-    element_names: tuple[str, ...] | None
-    patch_digests: tuple[str, ...]
-    modifier_settings: dict[str, dict[str, str]] | None
-
-    def key(self, device: str, dtype: str) -> tuple[Any, ...]:
-        """The warm-cache key of this model on ``device`` in ``dtype``."""
-        settings = json.dumps(self.modifier_settings, sort_keys=True)
-        return (
-            self.workspace_digest,
-            self.measurement,
-            self.element_names,
-            self.patch_digests,
-            settings,
-            device,
-            dtype,
-        )
-
-
-@dataclass(frozen=True)
 class Row:
-    """One hypothesis: an element of the model (a patch) and, for CLs, the tested POI."""
+    """One hypothesis: an element (by its patch digest) and, for CLs, the tested POI."""
 
-    element: int
+    element: str
     poi: float | None = None
 
 
 @dataclass(frozen=True)
 class Plan:
-    """A validated request: its model, options and rows, and how to shape the answer."""
+    """A validated request: its background, one patch per element, options, and how to shape
+    the answer (``named``: ``{patch_name: result}``)."""
 
     operation: str
-    source: ModelSource
+    background: Background
+    patches: tuple[PatchSpec, ...]
+    named: bool
     options: dict[str, Any]
     pois: tuple[float, ...] | None
     poi_list: bool
 
-    @property
-    def rows(self) -> list[Row]:
+    def rows(self, patches: Sequence[PatchSpec]) -> list[Row]:
         """Elements x POIs, element-major."""
-        elements = range(len(self.source.element_names or ("nominal",)))
         if self.pois is None:
-            return [Row(e) for e in elements]
-        return [Row(e, poi) for e in elements for poi in self.pois]
+            return [Row(p.digest) for p in patches]
+        return [Row(p.digest, poi) for p in patches for poi in self.pois]
 
-    def batch_key(self, model_key: tuple[Any, ...]) -> tuple[Any, ...]:
-        """Rows with equal keys may share an engine call.
+    @property
+    def n_rows(self) -> int:
+        """Hypotheses in the whole request."""
+        return len(self.patches) * len(self.pois or (None,))
+
+    def batch_key(self, stack_key: str) -> tuple[Any, ...]:
+        """Rows with equal keys may share an engine call: the same background, stackable
+        elements (channels, bins, POI, interpolation codes), operation and options, whatever
+        their patches and requests.
 
         Toy-based tests batch only within one request: their toys are drawn per call, so a
         request gives the same numbers alone or in company.
         """
         options = tuple(sorted((k, _hashable(v)) for k, v in self.options.items()))
         private = uuid.uuid4().hex if self.options.get("calctype") == "toybased" else None
-        return (model_key, self.operation, options, private)
+        return (self.background.key, stack_key, self.operation, options, private)
 
 
 def _hashable(value: Any) -> Any:
@@ -193,36 +179,44 @@ def plan_request(
         request = REQUEST_MODELS[operation].model_validate(envelope)
     except pydantic.ValidationError as exc:
         raise Unprocessable(pydantic_detail(exc)) from None
-    source = resolve_source(request, store, persist)
+    background, patches, named = resolve_source(request, store, persist)
     options = request.model_dump(exclude=set(ModelSelection.model_fields) | {"test_poi"})
     test_poi = getattr(request, "test_poi", None)
     if test_poi is None:
-        return Plan(operation, source, options, None, False)
+        return Plan(operation, background, patches, named, options, None, False)
     is_list = isinstance(test_poi, list)
     pois = tuple(test_poi) if is_list else (float(test_poi),)
-    return Plan(operation, source, options, pois, is_list)
+    return Plan(operation, background, patches, named, options, pois, is_list)
 
 
-def resolve_source(request: ModelSelection, store: WorkspaceStore, persist: bool) -> ModelSource:
-    """Load/validate the workspace, measurement, patches and patchset of a request."""
+def resolve_source(
+    request: ModelSelection, store: WorkspaceStore, persist: bool
+) -> tuple[Background, tuple[PatchSpec, ...], bool]:
+    """The background of a request, its elements' patches, and whether they are named (a
+    patchset). Inline ``patches`` are applied together: one element."""
     if request.workspace is not None:
         digest = store.admit(request.workspace, persist)
         spec = request.workspace
     else:
         digest = request.workspace_id or ""
         spec = store.get(digest)
-    measurement = _measurement(spec, request.measurement)
-    patches = tuple(_patch_operations(p, f"patches[{i}]") for i, p in enumerate(request.patches))
-    patchset, names = None, None
+    background = Background(
+        spec, digest, _measurement(spec, request.measurement), request.modifier_settings
+    )
     if request.patchset is not None:
         patchset = _load_patchset(request.patchset, digest)
         names = _patch_names(patchset, request.patch_names)
-        digests = tuple(pyhf.utils.digest(patchset[name].patch) for name in names)
-    else:
-        digests = tuple(pyhf.utils.digest(p) for p in patches)
-    return ModelSource(
-        spec, digest, measurement, patches, patchset, names, digests, request.modifier_settings
-    )
+        patches = tuple(
+            PatchSpec(name, pyhf.utils.digest(patchset[name]), tuple(patchset[name]))
+            for name in names
+        )
+        return background, patches, True
+    operations = [
+        op for i, p in enumerate(request.patches) for op in _patch_operations(p, f"patches[{i}]")
+    ]
+    name = "patch" if operations else "nominal"
+    digest = pyhf.utils.digest(operations) if operations else ""
+    return background, (PatchSpec(name, digest, tuple(operations)),), False
 
 
 def _measurement(spec: dict[str, Any], name: str | None) -> str:
@@ -241,30 +235,49 @@ def _patch_operations(patch: list[dict[str, Any]] | dict[str, Any], where: str) 
     if not isinstance(operations, list):
         raise Unprocessable(f"{where} is neither a JSON patch (a list) nor {{'patch': [...]}}")
     try:
-        pyhf.schema.validate(operations, "jsonpatch.json")
+        schema.validate(operations, "jsonpatch.json")
     except pyhf.exceptions.InvalidSpecification as exc:
         raise translate(exc, where) from None
     return operations
 
 
-def _load_patchset(spec: dict[str, Any], workspace_digest: str) -> pyhf.PatchSet:
-    """A validated pyhf PatchSet made for this workspace (pyhf's digest check)."""
+def _load_patchset(spec: dict[str, Any], workspace_digest: str) -> dict[str, list]:
+    """The operations of each patch of a validated patchset made for this workspace
+    (pyhf's schema and digest checks, as ``pyhf.PatchSet`` and its ``verify``)."""
     try:
-        patchset = pyhf.PatchSet(spec)
-    except Exception as exc:
-        raise (translate(exc, "patchset") or Unprocessable(f"invalid patchset: {exc}")) from None
-    expected = patchset.digests.get("sha256")
+        schema.validate(spec, "patchset.json")
+    except pyhf.exceptions.InvalidSpecification as exc:
+        raise translate(exc, "patchset") from None
+    expected = spec["metadata"]["digests"].get("sha256")
     if expected is not None and expected != workspace_digest:
         raise Unprocessable(
             f"the patchset was made for workspace sha256 {expected}, not this one "
             f"({workspace_digest}); pyhf's PatchSet.verify would refuse it"
         )
-    return patchset
+    patches: dict[str, list] = {}
+    values: set[tuple] = set()
+    labels = spec["metadata"]["labels"]
+    for patch in spec["patches"]:  # pyhf.PatchSet's checks, in its words
+        name, value = patch["metadata"]["name"], tuple(patch["metadata"]["values"])
+        if name in patches:
+            raise Unprocessable(f"InvalidPatchSet: Multiple patches were defined by name {name!r}.")
+        if value in values:
+            raise Unprocessable(
+                f"InvalidPatchSet: Multiple patches were defined by values {list(value)}."
+            )
+        if len(value) != len(labels):
+            raise Unprocessable(
+                f"InvalidPatchSet: Incompatible number of values ({len(value)}) for patch "
+                f"{name!r} in patchset. Expected {len(labels)}."
+            )
+        patches[name] = patch["patch"]
+        values.add(value)
+    return patches
 
 
-def _patch_names(patchset: pyhf.PatchSet, wanted: list[str] | None) -> tuple[str, ...]:
+def _patch_names(patchset: dict[str, list], wanted: list[str] | None) -> tuple[str, ...]:
     """The selected patch names (default: all), each checked to exist."""
-    available = [p.name for p in patchset.patches]
+    available = list(patchset)
     if wanted is None:
         return tuple(available)
     unknown = [name for name in wanted if name not in available]
@@ -277,59 +290,69 @@ def _patch_names(patchset: pyhf.PatchSet, wanted: list[str] | None) -> tuple[str
     return tuple(wanted)
 
 
-# -------------------------------------------------------------------------- build and device
+# -------------------------------------------------------------------------- batches and device
 @dataclass(frozen=True)
-class BatchContext:
-    """What the device thread needs besides the rows: the model and the options."""
+class WorkContext:
+    """What one work item (the rows of one group of stackable elements of one request) brings
+    to a batch: its elements, by patch digest, and the operation with its options."""
 
-    model: HistFactoryModel
+    background_key: tuple[str, ...]
     operation: str
     options: dict[str, Any]
+    elements: tuple[Element, ...]
 
 
-def build_model(source: ModelSource, device: str, dtype: torch.dtype) -> HistFactoryModel:
-    """The engine model of ``source`` (runs on the build thread)."""
-    common: dict[str, Any] = {
-        "measurement": source.measurement,
-        "modifier_settings": source.modifier_settings,
-        "device": device,
-        "dtype": dtype,
-    }
-    if source.patchset is not None:
-        return HistFactoryModel.from_patchset(
-            source.workspace,
-            source.patchset,
-            patch_names=list(source.element_names or ()),
-            **common,
-        )
-    return HistFactoryModel.from_workspace(source.workspace, patches=source.patches, **common)
+@dataclass(frozen=True)
+class BatchContext:
+    """What an engine call needs besides its rows: a warm model stacking the rows' elements
+    (identified by patch digest), and the operation with its options."""
+
+    operation: str
+    options: dict[str, Any]
+    cached: CachedModel
+    digests: tuple[str, ...]
+
+    def element_of(self, rows: Sequence[Row]) -> list[int]:
+        """The model's element index of each row."""
+        index = {digest: i for i, digest in enumerate(self.digests)}
+        return [index[row.element] for row in rows]
 
 
-def run_rows(
-    context: BatchContext, rows: Sequence[Row]
-) -> list[tuple[dict[str, Any], bool | None]]:
-    """ONE batched inference call for ``rows``; per row its pyhf JSON and fit status."""
-    model = context.model
-    element = torch.tensor([r.element for r in rows], dtype=torch.long, device=model.device)
+@dataclass(frozen=True)
+class RowResult:
+    """One row's answer from the device: its pyhf JSON, fit status, and the model it ran on."""
+
+    payload: dict[str, Any]
+    converged: bool | None
+    model: CachedModel
+
+
+def run_rows(context: BatchContext, rows: Sequence[Row]) -> list[RowResult]:
+    """ONE batched inference call for ``rows``."""
+    model = context.cached.model
+    element = torch.tensor(context.element_of(rows), dtype=torch.long, device=model.device)
     options = context.options
     if context.operation == "cls":
         test_poi = torch.tensor([r.poi for r in rows], dtype=model.dtype, device=model.device)
         result = inference.hypotest(model, test_poi, element=element, **options)
-        return [(result.to_pyhf_json(i), _flag(result, i)) for i in range(len(rows))]
-    if context.operation == "fit":
-        fitted = inference.fit(model, element=element)
-        return [(_fit_json(fitted, i), _flag(fitted, i)) for i in range(len(rows))]
-    if context.operation == "upper-limit":
+        payloads = [result.to_pyhf_json(i) for i in range(len(rows))]
+    elif context.operation == "fit":
+        result = inference.fit(model, element=element)
+        columns = [model.element_columns(e) for e in element.tolist()]
+        payloads = [_fit_json(result, i, columns[i]) for i in range(len(rows))]
+    elif context.operation == "upper-limit":
         scan = options["scan"]
         scan_tensor = (
             None if scan is None else torch.tensor(scan, dtype=model.dtype, device=model.device)
         )
-        limits = inference.upper_limit(
+        result = inference.upper_limit(
             model, element=element, scan=scan_tensor, level=options["level"]
         )
-        return [(limits.to_json(i), _flag(limits, i)) for i in range(len(rows))]
-    found = inference.significance(model, element=element)
-    return [(found.to_json(i), _flag(found, i)) for i in range(len(rows))]
+        payloads = [result.to_json(i) for i in range(len(rows))]
+    else:
+        result = inference.significance(model, element=element)
+        payloads = [result.to_json(i) for i in range(len(rows))]
+    return [RowResult(p, _flag(result, i), context.cached) for i, p in enumerate(payloads)]
 
 
 def _flag(result: Any, i: int) -> bool | None:
@@ -338,12 +361,14 @@ def _flag(result: Any, i: int) -> bool | None:
     return None if converged is None else bool(converged[i])
 
 
-def _fit_json(fitted: Any, i: int) -> dict[str, Any]:
-    """`pyhf fit --value` JSON plus uncertainties (grouped like the parameters) and corr_mat."""
+def _fit_json(fitted: Any, i: int, columns: list[int]) -> dict[str, Any]:
+    """`pyhf fit --value` JSON plus uncertainties (grouped like the parameters) and corr_mat,
+    over the element's own parameters (a stacked element holds the others fixed)."""
+    own = fitted.select(slice(i, i + 1)).restrict(columns)
     return {
-        **fitted.to_pyhf_json(i),
-        "uncertainties": group_parameters(fitted.labels, fitted.uncertainty[i].tolist()),
-        "corr_mat": fitted.corr_mat[i].tolist(),
+        **own.to_pyhf_json(0),
+        "uncertainties": group_parameters(own.labels, own.uncertainty[0].tolist()),
+        "corr_mat": own.corr_mat[0].tolist(),
     }
 
 
@@ -370,24 +395,45 @@ def assemble(plan: Plan, results: list[dict[str, Any]]) -> Any:
     per_element = [
         chunk if plan.poi_list else chunk[0] for chunk in _chunks(results, len(plan.pois or (0,)))
     ]
-    if plan.source.element_names is None:
+    if not plan.named:
         return per_element[0]
-    return dict(zip(plan.source.element_names, per_element, strict=True))
+    return dict(zip((p.name for p in plan.patches), per_element, strict=True))
+
+
+def patch_error(error: ServiceError) -> dict[str, Any]:
+    """The answer of a patch that could not be tested, in place of its result."""
+    return {"error": {"status": error.status_code, "detail": error.detail}}
+
+
+@dataclass
+class _Submission:
+    """One group of stackable elements of a request, queued as one work item."""
+
+    elements: list[Element]
+    rows: list[Row]
+    item: WorkItem
+    split_reason: str | None
 
 
 class Operations:
-    """Runs plans: warm model from the cache, rows through the scheduler, JSON back."""
+    """Runs plans: elements from the warm backgrounds (build thread), rows through the
+    scheduler, whose batches join the rows of every request on one background into one
+    stacked model (:meth:`combine`, the model cache), JSON back."""
 
     def __init__(
         self,
         cache: ModelCache,
         scheduler: Scheduler,
+        elements: ElementStore,
+        build_executor: Executor,
         device: str,
         dtype: torch.dtype,
     ) -> None:
-        """Serve models on ``device`` in ``dtype``."""
+        """Serve models on ``device`` in ``dtype``; translate and build on ``build_executor``."""
         self.cache = cache
         self.scheduler = scheduler
+        self.elements = elements
+        self.build_executor = build_executor
         self.device = device
         self.dtype = dtype
         self.dtype_name = str(dtype).removeprefix("torch.")
@@ -398,35 +444,65 @@ class Operations:
         lane: Lane = "interactive",
         on_progress: Callable[[int, int], None] | None = None,
     ) -> Any:
-        """The pyhf-shaped answer of ``plan`` (library errors become 4xx :class:`ServiceError`)."""
+        """The pyhf-shaped answer of ``plan`` (library errors become 4xx :class:`ServiceError`).
+
+        Patches of a patchset that cannot be tested answer their own error; the request fails
+        only when none can."""
         start = time.perf_counter()
-        model_key = plan.source.key(self.device, self.dtype_name)
-        build = partial(build_model, plan.source, self.device, self.dtype)
+        submissions: list[_Submission] = []
         try:
-            cached = await self.cache.get(model_key, build)
-            context = BatchContext(cached.model, plan.operation, plan.options)
-            rows = plan.rows
-            item = self.scheduler.submit(
-                plan.batch_key(model_key), context, rows, lane, on_progress
+            elements = await asyncio.get_running_loop().run_in_executor(
+                self.build_executor, self.elements.elements, plan.background, plan.patches
             )
+            translate_s = time.perf_counter() - start
+            valid = [e for e in elements if e.layout is not None]
+            if not valid:
+                if not plan.named:
+                    raise elements[0].error
+                raise Unprocessable(
+                    "no patch can be tested: "
+                    + "; ".join(f"{e.patch.name}: {e.error.detail}" for e in elements[:10])
+                )
+            groups = [[valid[i] for i in group] for group in partition([e.layout for e in valid])]
+            rows = [plan.rows([e.patch for e in members]) for members in groups]
+            progress = _Progress(sum(len(r) for r in rows), on_progress)
+            for members, group_rows in zip(groups, rows, strict=True):
+                context = WorkContext(
+                    plan.background.key, plan.operation, plan.options, tuple(members)
+                )
+                key = plan.batch_key(members[0].layout.stack_key)
+                item = self.scheduler.submit(key, context, group_rows, lane, progress.callback())
+                reason = None
+                if members is not groups[0]:
+                    reason = split_reason(groups[0][0].layout, members[0].layout)
+                submissions.append(_Submission(members, group_rows, item, reason))
             try:
-                outcomes = await item.future
-            except asyncio.CancelledError:
-                self.scheduler.cancel(item)
+                outcomes = await asyncio.gather(*(s.item.future for s in submissions))
+            except BaseException:
+                for submission in submissions:
+                    self.scheduler.cancel(submission.item)
                 raise
         except Exception as exc:
             raise (translate(exc) or exc) from None
         timings = {
-            "build_ms": round(cached.build_s * 1000, 3),
-            "queue_ms": round(((item.started_at or item.enqueued_at) - item.enqueued_at) * 1000, 3),
+            "translate_ms": round(translate_s * 1000, 3),
             "total_ms": round((time.perf_counter() - start) * 1000, 3),
         }
-        results = [
-            finite_json(
-                {**outcome.value[0], "meta": self._meta(plan, row, outcome, cached, timings)}
-            )
-            for row, outcome in zip(rows, outcomes, strict=True)
-        ]
+        by_element: dict[str, list[dict[str, Any]]] = {}
+        for submission, found in zip(submissions, outcomes, strict=True):
+            for row, outcome in zip(submission.rows, found, strict=True):
+                meta = self._meta(plan, row, outcome, submission, timings)
+                by_element.setdefault(row.element, []).append(
+                    finite_json({**outcome.value.payload, "meta": meta})
+                )
+        results = []
+        per_element = len(plan.pois or (None,))
+        for element in elements:
+            if element.layout is None:
+                results.extend([patch_error(element.error)] * per_element)
+            else:
+                results.extend(by_element[element.patch.digest][:per_element])
+                del by_element[element.patch.digest][:per_element]
         return assemble(plan, results)
 
     def _meta(
@@ -434,21 +510,98 @@ class Operations:
         plan: Plan,
         row: Row,
         outcome: RowOutcome,
-        cached: CachedModel,
+        submission: _Submission,
         timings: dict[str, float],
     ) -> dict[str, Any]:
         """How one row was computed: device, model, cache, batch, fit status, timings."""
+        result: RowResult = outcome.value
+        item = submission.item
+        queued = (item.started_at or item.enqueued_at) - item.enqueued_at
         meta: dict[str, Any] = {
             "device": self.device,
             "dtype": self.dtype_name,
-            "model_id": cached.model_id,
-            "cache": "hit" if cached.hit else "miss",
+            "model_id": result.model.model_id,
+            "cache": "hit" if result.model.hit else "miss",
             "batch_rows": outcome.batch_rows,
-            "converged": outcome.value[1],
-            "timings": {**timings, "compute_ms": round(outcome.compute_s * 1000, 3)},
+            "converged": result.converged,
+            "timings": {
+                **timings,
+                "build_ms": round(result.model.build_s * 1000, 3),
+                "queue_ms": round(queued * 1000, 3),
+                "compute_ms": round(outcome.compute_s * 1000, 3),
+            },
         }
         if row.poi is not None:
             meta["test_poi"] = row.poi
-        if plan.source.element_names is not None:
-            meta["patch"] = plan.source.element_names[row.element]
+        if plan.named:
+            meta["patch"] = next(
+                e.patch.name for e in submission.elements if e.patch.digest == row.element
+            )
+        if submission.split_reason is not None:
+            meta["stacked_apart"] = submission.split_reason
         return meta
+
+    async def combine(
+        self, contexts: Sequence[WorkContext]
+    ) -> list[tuple[BatchContext, list[int]]]:
+        """The models for the work items of one batch (``contexts``, one per item): one stack
+        of all their elements, so that distinct signals from many requests run in one engine
+        call; items whose elements do not stack with the rest get their own. Answers
+        (context, indices of the items it serves); models come warm from the cache or are
+        built on the build thread."""
+        elements: dict[str, Element] = {}
+        for context in contexts:
+            for element in context.elements:
+                elements.setdefault(element.patch.digest, element)
+        digests = list(elements)
+        groups = [
+            [digests[i] for i in group]
+            for group in partition([e.layout for e in elements.values()])
+        ]
+        served: dict[int, list[int]] = {}
+        alone: list[int] = []
+        for index, context in enumerate(contexts):
+            own = {e.patch.digest for e in context.elements}
+            group = next((g for g, members in enumerate(groups) if own <= set(members)), None)
+            if group is None:
+                alone.append(index)
+            else:
+                served.setdefault(group, []).append(index)
+        first = contexts[0]
+        answer = []
+        for group, items in served.items():
+            answer.append((await self._batch(first, [elements[d] for d in groups[group]]), items))
+        for index in alone:
+            answer.append((await self._batch(first, list(contexts[index].elements)), [index]))
+        return answer
+
+    async def _batch(self, context: WorkContext, elements: Sequence[Element]) -> BatchContext:
+        """The batch context of a warm model stacking ``elements``."""
+        digests = tuple(e.patch.digest for e in elements)
+        key = (*context.background_key, digests, self.device, self.dtype_name)
+        layouts = [e.layout for e in elements]
+        build = partial(HistFactoryModel, layouts, device=self.device, dtype=self.dtype)
+        cached = await self.cache.get(key, build)
+        return BatchContext(context.operation, context.options, cached, digests)
+
+
+class _Progress:
+    """Rows done over all the work items of one request, reported as one count."""
+
+    def __init__(self, total: int, report: Callable[[int, int], None] | None) -> None:
+        self.total = total
+        self.report = report
+        self.done: dict[int, int] = {}
+
+    def callback(self) -> Callable[[int, int], None] | None:
+        """The progress callback of the next work item."""
+        if self.report is None:
+            return None
+        slot = len(self.done)
+        self.done[slot] = 0
+
+        def update(done: int, _total: int) -> None:
+            self.done[slot] = done
+            self.report(sum(self.done.values()), self.total)
+
+        return update

@@ -24,7 +24,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -39,6 +39,8 @@ log = logging.getLogger("pyhf_gpu_server.service.scheduler")
 Lane = Literal["interactive", "jobs"]
 LANES: tuple[Lane, ...] = ("interactive", "jobs")
 Runner = Callable[[Any, Sequence[Any]], list[Any]]
+# contexts of a batch's items -> (context to run with, indices of the items it serves)
+Combiner = Callable[[Sequence[Any]], Awaitable[list[tuple[Any, list[int]]]]]
 ProgressCallback = Callable[[int, int], None]
 
 
@@ -111,6 +113,7 @@ class Scheduler:
     ) -> None:
         """``runner(context, rows) -> results`` is called on ``executor`` (a single thread)."""
         self._runner = runner
+        self.combine: Combiner = _first_context
         self._executor = executor
         self._metrics = metrics
         self.max_batch_size = max_batch_size
@@ -241,13 +244,26 @@ class Scheduler:
         return batch
 
     async def _run(self, batch: list[_Slice]) -> None:
-        """Run one batch on the device thread and hand each item its rows' outcomes."""
+        """Run one batch on the device thread and hand each item its rows' outcomes.
+
+        :attr:`combine` picks the context (model) the items' rows run with: usually one for
+        all of them (one engine call), more where their models cannot be joined."""
         now = time.monotonic()
         for part in batch:
             if part.item.started_at is None:
                 part.item.started_at = now
+        try:
+            groups = await self.combine([part.item.context for part in batch])
+        except Exception as exc:
+            for part in batch:
+                self._fail(part.item, exc)
+            return
+        for context, members in groups:
+            await self._run_group(context, [batch[i] for i in members])
+
+    async def _run_group(self, context: Any, batch: list[_Slice]) -> None:
+        """One engine call for the rows of ``batch`` with ``context``."""
         rows = [row for part in batch for row in part.item.rows[part.start : part.stop]]
-        context = batch[0].item.context
         loop = asyncio.get_running_loop()
         try:
             outcomes = await loop.run_in_executor(self._executor, self._execute, context, rows)
@@ -308,3 +324,9 @@ class Scheduler:
         """Publish the pending rows per lane."""
         for lane in LANES:
             self._metrics.queue_depth.labels(lane).set(self.pending_rows(lane))
+
+
+async def _first_context(contexts: Sequence[Any]) -> list[tuple[Any, list[int]]]:
+    """Every item of a batch runs with the first item's context (items of one batch key
+    share their model unless a combiner says otherwise)."""
+    return [(contexts[0], list(range(len(contexts))))]

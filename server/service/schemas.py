@@ -240,6 +240,7 @@ class JobView(BaseModel):
     finished_at: float | None
     result: Any = None
     error: Any = None
+    failed_patches: int | None = None  # patchset jobs: patches answered with an error entry
 
 
 class JobList(BaseModel):

@@ -20,6 +20,7 @@ import torch
 from pyhf_gpu_server.engine import KernelCache
 
 from .compiling import BackgroundCompiler
+from .elements import ElementStore
 from .jobrunner import JobRunner
 from .jobstore import JobStore
 from .metrics import Metrics
@@ -113,7 +114,8 @@ class ServiceState:
             max_pending=settings.max_queue,
             release_memory=release,
         )
-        operations = Operations(cache, scheduler, device, dtype)
+        operations = Operations(cache, scheduler, ElementStore(), build_executor, device, dtype)
+        scheduler.combine = operations.combine
         jobs = JobRunner(
             jobstore,
             workspaces,

@@ -15,6 +15,8 @@ from typing import Any
 
 import pyhf
 
+from pyhf_gpu_server.engine import schema
+
 from .errors import NotFound, Unprocessable, translate
 
 # per-bin modifier data that must have one entry per bin of its channel
@@ -34,7 +36,7 @@ def validate_workspace(spec: Any) -> None:
     if not isinstance(spec, dict) or "channels" not in spec:
         raise Unprocessable("the workspace is not a HistFactory workspace: it has no 'channels'")
     try:
-        pyhf.schema.validate(spec, "workspace.json")
+        schema.validate(spec, "workspace.json")
     except pyhf.exceptions.InvalidSpecification as exc:
         raise translate(exc, "workspace") from None
     problems = list(_content_problems(spec))

@@ -1,0 +1,342 @@
+"""Patchsets end to end, side by side with NextStat, and the host cost of new patches.
+
+Three parts, in one run, on this machine (prints markdown for BENCHMARKS.md):
+
+1. **Commands**: a cold server (a new process and data dir per command, ready but with no
+   warm model), then ``pyhf-gpu-client cls BkgOnly.json --patchset PS`` timed as a user runs
+   it (the console script, its Python start-up included). The peer: a NextStat loop over the
+   same patches in the peers' virtual environment (``jsonpatch`` apply, ``nextstat.from_pyhf``,
+   ``nextstat.hypotest(1.0, model)`` per patch: CLs_obs only, where we also compute the
+   expected band). Patchsets: the generated uniform and heterogeneous ones and the published
+   HEPData points (217 and 218, one of which adds no signal and answers its own error).
+2. **Concurrent clients**: 32 clients at once, each POSTing its own published signal point
+   (``workspace_id`` + ``patches``) on one uploaded background; wall time, engine calls (from
+   ``/metrics``), against the NextStat loop over the same 32 points.
+3. **Host cost per phase** (in-process, one thread): parse, validate, translate, patch,
+   tensors, compute, for a new patch on a warm background and a new ~330-parameter workspace
+   (stau, 3l, sbottom A and B combined), and the first ``POST /cls`` of that bare workspace on
+   a running server against NextStat's ``from_pyhf`` + ``hypotest``.
+
+    .venv/bin/python benchmarks/bench_patchsets.py [--peer-python /tmp/bench-venv/bin/python]
+
+The peers' environment: ``python3 -m venv /tmp/bench-venv && /tmp/bench-venv/bin/pip install
+pyhf==0.7.6 nextstat``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from service_support import ServerProcess, metric_value
+
+WORKSPACES = Path(__file__).resolve().parents[2] / "shared" / "workspaces"
+CLIENT = Path(sys.executable).with_name("pyhf-gpu-client")
+COMMANDS = [
+    ("atlas-susy-2018-04-stau", "patchset.json"),
+    ("atlas-susy-2018-04-stau", "patchset.heterogeneous.json"),
+    ("atlas-susy-2019-09-3l-onshell", "patchset.json"),
+    ("atlas-susy-2019-09-3l-onshell", "patchset.heterogeneous.json"),
+    ("atlas-susy-2018-31-sbottom-A", "patchset.json"),
+    ("atlas-susy-2018-31-sbottom-A", "patchset.hepdata.json.gz"),
+    ("atlas-susy-2018-31-sbottom-B", "patchset.json"),
+    ("atlas-susy-2018-31-sbottom-B", "patchset.hepdata.json.gz"),
+]
+CONCURRENT = ("atlas-susy-2018-31-sbottom-A", "patchset.hepdata.json.gz", 32)
+
+PEER = r"""
+import json, sys, time, copy
+import jsonpatch, nextstat
+cfg = json.loads(sys.stdin.read())
+out = []
+for case in cfg:
+    background = json.load(open(case["background"]))
+    start = time.perf_counter()
+    cls = {}
+    for name, ops in case["patches"]:
+        spec = jsonpatch.apply_patch(background, ops)
+        try:
+            cls[name] = nextstat.hypotest(1.0, nextstat.from_pyhf(json.dumps(spec)))
+        except Exception as exc:
+            cls[name] = type(exc).__name__
+    out.append({"seconds": time.perf_counter() - start, "cls": cls})
+print(json.dumps(out))
+"""
+
+
+def read(path: Path) -> Any:
+    raw = path.read_bytes()
+    return json.loads(gzip.decompress(raw) if path.suffix == ".gz" else raw)
+
+
+def patches_of(name: str, file: str) -> list[tuple[str, list]]:
+    return [(p["metadata"]["name"], p["patch"]) for p in read(WORKSPACES / name / file)["patches"]]
+
+
+def nextstat_loops(peer_python: str, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [peer_python, "-c", PEER],
+        input=json.dumps(cases),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=3600,
+        check=True,
+    )
+    return json.loads(proc.stdout)
+
+
+def cold_server(data_dir: Path) -> ServerProcess:
+    return ServerProcess(
+        data_dir, ["--max-batch-size", "512", "--max-batch-delay-ms", "50"]
+    ).start()
+
+
+def command(name: str, file: str) -> dict[str, Any]:
+    """One cold server, one client command: seconds, results."""
+    with tempfile.TemporaryDirectory() as tmp:
+        server = cold_server(Path(tmp))
+        try:
+            env = {**os.environ, "PYHF_GPU_SERVER": server.url}
+            folder = WORKSPACES / name
+            start = time.perf_counter()
+            proc = subprocess.run(
+                [
+                    str(CLIENT),
+                    "cls",
+                    str(folder / "BkgOnly.json"),
+                    "--patchset",
+                    str(folder / file),
+                ],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=1800,
+                check=True,
+            )
+            seconds = time.perf_counter() - start
+        finally:
+            server.stop()
+    return {"seconds": seconds, "results": json.loads(proc.stdout), "stderr": proc.stderr}
+
+
+def concurrent_clients(name: str, file: str, count: int) -> dict[str, Any]:
+    """``count`` clients at once on an uploaded background: seconds, engine calls, answers."""
+    folder = WORKSPACES / name
+    chosen = [p for p in patches_of(name, file) if len(p[1]) > 1][:count]
+    with tempfile.TemporaryDirectory() as tmp:
+        server = cold_server(Path(tmp))
+        try:
+            with httpx.Client(base_url=server.url, timeout=600) as client:
+                background = read(folder / "BkgOnly.json")
+                workspace_id = client.post("/workspaces", json=background).json()["workspace_id"]
+                before = metric_value(client.get("/metrics").text, "pyhf_gpu_batch_size_count")
+
+                def post(patch: tuple[str, list]) -> dict[str, Any]:
+                    with httpx.Client(base_url=server.url, timeout=600) as own:
+                        body = {"workspace_id": workspace_id, "patches": [patch[1]]}
+                        response = own.post("/cls", json=body)
+                        response.raise_for_status()
+                        return response.json()
+
+                start = time.perf_counter()
+                with ThreadPoolExecutor(count) as pool:
+                    answers = list(pool.map(post, chosen))
+                seconds = time.perf_counter() - start
+                calls = metric_value(client.get("/metrics").text, "pyhf_gpu_batch_size_count")
+        finally:
+            server.stop()
+    return {
+        "seconds": seconds,
+        "calls": calls - before,
+        "cls": {n: a["CLs_obs"] for (n, _), a in zip(chosen, answers, strict=True)},
+        "patches": chosen,
+    }
+
+
+def host_phases() -> str:
+    """The in-process cost of each phase, for a new patch and a new large workspace."""
+    import orjson
+    import torch
+
+    from pyhf_gpu_server import inference
+    from pyhf_gpu_server.engine import HistFactoryModel, schema
+    from pyhf_gpu_server.engine.translate import WorkspaceTranslator
+
+    torch.set_num_threads(1)
+
+    def clock(fn, repeats: int = 5) -> tuple[float, Any]:
+        times, value = [], None
+        for _ in range(repeats):
+            start = time.perf_counter()
+            value = fn()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times), value
+
+    rows = []
+    for name, file in [
+        ("atlas-susy-2018-04-stau", "patchset.heterogeneous.json"),
+        ("atlas-susy-2019-09-3l-onshell", "patchset.heterogeneous.json"),
+        ("atlas-susy-2018-31-sbottom-A", "patchset.hepdata.json.gz"),
+    ]:
+        background = read(WORKSPACES / name / "BkgOnly.json")
+        translator = WorkspaceTranslator(background)
+        patches = patches_of(name, file)[:8]
+        body = json.dumps(patches[0][1]).encode()
+        parse, _ = clock(lambda body=body: orjson.loads(body))
+        validate, _ = clock(lambda p=patches: schema.validate(p[0][1], "jsonpatch.json"))
+        times = [clock(lambda p=p, t=translator: t.element(p[1], p[0]), 1)[0] for p in patches]
+        element = translator.element(patches[0][1], patches[0][0])
+        tensors, model = clock(lambda e=element: HistFactoryModel([e]))
+        one = torch.ones(1, dtype=torch.float64)
+        compute, _ = clock(lambda m=model, one=one: inference.hypotest(m, one), 3)
+        rows.append(
+            f"| new patch on warm {name} ({model.n_pars} pars) | {parse * 1e3:.2f} | "
+            f"{validate * 1e3:.2f} | {statistics.median(times) * 1e3:.2f} (patch + translate) | "
+            f"{tensors * 1e3:.1f} | {compute * 1e3:.0f} |"
+        )
+    combined, text = combined_workspace()
+    parse, _ = clock(lambda: orjson.loads(text), 3)
+    validate, _ = clock(lambda: schema.validate(combined, "workspace.json"), 3)
+    translate, translator = clock(lambda: WorkspaceTranslator(combined, validate=False), 3)
+    element_s, element = clock(lambda: translator.element([], "combined"), 3)
+    tensors, model = clock(lambda: HistFactoryModel([element]), 3)
+    compute, _ = clock(lambda: inference.hypotest(model, torch.ones(1, dtype=torch.float64)), 3)
+    rows.append(
+        f"| new workspace: stau+3l+sbottom A+B ({model.n_pars} pars, {len(text) // 1024} kB) | "
+        f"{parse * 1e3:.1f} | {validate * 1e3:.1f} | {(translate + element_s) * 1e3:.1f} | "
+        f"{tensors * 1e3:.1f} | {compute * 1e3:.0f} |"
+    )
+    header = (
+        "| case | parse ms | validate ms | translate ms | tensors ms | compute ms (1 hypotest) |\n"
+        "|---|---|---|---|---|---|\n"
+    )
+    return header + "\n".join(rows)
+
+
+def combined_workspace() -> tuple[dict[str, Any], bytes]:
+    """stau + 3l + sbottom A (with one signal each) and sbottom B renamed apart: ~330 pars."""
+    import pyhf
+
+    parts = []
+    for name in (
+        "atlas-susy-2018-04-stau",
+        "atlas-susy-2019-09-3l-onshell",
+        "atlas-susy-2018-31-sbottom-A",
+        "atlas-susy-2018-31-sbottom-B",
+    ):
+        ws = pyhf.Workspace(read(WORKSPACES / name / "BkgOnly.json"))
+        parts.append(
+            pyhf.PatchSet(read(WORKSPACES / name / "patchset.json")).apply(ws, "sig_s1_x1")
+        )
+    last = parts[-1]
+    names = last.model().config.par_order
+    parts[-1] = last.rename(
+        channels={c: f"B_{c}" for c in last.channels},
+        modifiers={m: m if m in ("mu_SIG", "lumi") else f"B_{m}" for m in names},
+    )
+    combined = parts[0]
+    for part in parts[1:]:
+        combined = pyhf.Workspace.combine(combined, part, join="left outer")
+    spec = json.loads(json.dumps(combined))
+    return spec, json.dumps(spec).encode()
+
+
+def first_request(peer_python: str) -> str:
+    """First POST /cls of a new bare ~330-parameter workspace vs NextStat from_pyhf+hypotest."""
+    _, text = combined_workspace()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "combined.json"
+        path.write_bytes(text)
+        server = cold_server(Path(tmp) / "data")
+        try:
+            with httpx.Client(base_url=server.url, timeout=600) as client:
+                start = time.perf_counter()
+                response = client.post(
+                    "/cls", content=text, headers={"content-type": "application/json"}
+                )
+                seconds = time.perf_counter() - start
+                response.raise_for_status()
+                ours = response.json()
+        finally:
+            server.stop()
+        peer = nextstat_loops(peer_python, [{"background": str(path), "patches": [["c", []]]}])[0]
+    return (
+        f"| first POST /cls of a new bare workspace (ours: HTTP, parse, validate, translate, "
+        f"build, CLs + band) | {seconds:.2f} s | {peer['seconds']:.2f} s | "
+        f"{peer['seconds'] / seconds:.1f}x | CLs_obs {ours['CLs_obs']:.5f} vs "
+        f"{peer['cls']['c'] if isinstance(peer['cls']['c'], str) else round(peer['cls']['c'], 5)} |"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--peer-python", default="/tmp/bench-venv/bin/python")
+    parser.add_argument("--parts", nargs="*", default=["commands", "concurrent", "phases"])
+    args = parser.parse_args()
+    print(f"load average before: {os.getloadavg()[0]:.2f}", file=sys.stderr)
+    if "commands" in args.parts:
+        ours = {case: command(*case) for case in COMMANDS}
+        peers = nextstat_loops(
+            args.peer_python,
+            [
+                {"background": str(WORKSPACES / n / "BkgOnly.json"), "patches": patches_of(n, f)}
+                for n, f in COMMANDS
+            ],
+        )
+        print(
+            "| workspace | patchset | patches | ours: client command, cold server | NextStat loop | ratio | max abs. CLs_obs diff | not tested |"
+        )
+        print("|---|---|---|---|---|---|---|---|")
+        for (name, file), peer in zip(COMMANDS, peers, strict=True):
+            mine = ours[(name, file)]
+            tested = {k: v for k, v in mine["results"].items()}
+            diffs = [
+                abs(tested[k]["CLs_obs"] - v)
+                for k, v in peer["cls"].items()
+                if k in tested and not isinstance(v, str)
+            ]
+            skipped = mine["stderr"].count("was not tested")
+            print(
+                f"| {name} | {file} | {len(peer['cls'])} | {mine['seconds']:.2f} s | "
+                f"{peer['seconds']:.2f} s | {peer['seconds'] / mine['seconds']:.1f}x | "
+                f"{max(diffs):.1e} | {skipped} |"
+            )
+    if "concurrent" in args.parts:
+        name, file, count = CONCURRENT
+        mine = concurrent_clients(name, file, count)
+        peer = nextstat_loops(
+            args.peer_python,
+            [{"background": str(WORKSPACES / name / "BkgOnly.json"), "patches": mine["patches"]}],
+        )[0]
+        diff = max(abs(mine["cls"][k] - v) for k, v in peer["cls"].items())
+        print(
+            f"\n| {count} concurrent clients, one published point each ({name}) | ours | "
+            f"NextStat loop | ratio | engine calls | max abs. CLs_obs diff |\n|---|---|---|---|---|---|\n"
+            f"| | {mine['seconds']:.2f} s | {peer['seconds']:.2f} s | "
+            f"{peer['seconds'] / mine['seconds']:.1f}x | {mine['calls']:.0f} | {diff:.1e} |"
+        )
+    if "phases" in args.parts:
+        print()
+        print(host_phases())
+        print()
+        print("| case | ours | NextStat | ratio | result |\n|---|---|---|---|---|")
+        print(first_request(args.peer_python))
+
+
+if __name__ == "__main__":
+    main()
