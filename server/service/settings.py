@@ -70,6 +70,10 @@ class Settings:
         default=2, metadata={"help": "asynchronous jobs worked on at the same time"}
     )
     model_cache_size: int = field(default=32, metadata={"help": "most models kept warm"})
+    element_cache_size: int = field(
+        default=4096,
+        metadata={"help": "most translated patches (signal points) kept, over all backgrounds"},
+    )
     model_cache_memory_mb: float = field(
         default=4096.0, metadata={"help": "most device memory (MiB) held by warm models"}
     )
@@ -108,6 +112,7 @@ class Settings:
             "max_queue",
             "max_concurrent_jobs",
             "model_cache_size",
+            "element_cache_size",
             "model_cache_memory_mb",
             "request_timeout_s",
             "result_ttl_hours",

@@ -114,7 +114,8 @@ class ServiceState:
             max_pending=settings.max_queue,
             release_memory=release,
         )
-        operations = Operations(cache, scheduler, ElementStore(), build_executor, device, dtype)
+        elements = ElementStore(max_elements=settings.element_cache_size)
+        operations = Operations(cache, scheduler, elements, build_executor, device, dtype)
         scheduler.combine = operations.combine
         jobs = JobRunner(
             jobstore,
