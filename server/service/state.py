@@ -19,6 +19,7 @@ import torch
 
 from pyhf_gpu_server.engine import KernelCache
 
+from . import warmup
 from .compiling import BackgroundCompiler
 from .elements import ElementStore
 from .jobrunner import JobRunner
@@ -143,6 +144,8 @@ class ServiceState:
         )
         metrics.track_device_memory(state.device_memory_bytes)
         state.device_ok = await state.check_device()
+        if state.device_ok:
+            await state.warm_up()
         scheduler.start()
         await jobs.start()
         log.info(
@@ -174,6 +177,17 @@ class ServiceState:
         except Exception:
             log.exception("the device does not work", extra={"device": self.device})
             return False
+
+    async def warm_up(self) -> None:
+        """Pay the one-time costs (schema compilation, torch's first kernels and fits) before
+        the server is ready, on the build and device threads (see :mod:`.warmup`)."""
+        loop = asyncio.get_running_loop()
+        start = time.perf_counter()
+        model = await loop.run_in_executor(
+            self.build_executor, warmup.build, self.device, self.dtype
+        )
+        await loop.run_in_executor(self.executor, warmup.infer, model)
+        log.info("warmed up", extra={"seconds": round(time.perf_counter() - start, 3)})
 
     def device_memory_bytes(self) -> float:
         """Device memory in use: allocated CUDA memory, or the warm models' bytes on CPU."""
