@@ -312,8 +312,24 @@ class HistFactoryModel:
         )
 
     def enable_compile(self, kernels: KernelCache) -> None:
-        """Evaluate the main model through ``kernels`` (compiled per structure and batch bucket)."""
+        """Evaluate the main model through ``kernels`` (compiled per structure and batch
+        bucket): the rates behind ``expected_data``, ``logpdf`` and ``deviance``, and
+        :meth:`expected_main_jacobian`, the minimiser's derivative call (this instance's
+        attribute from now on, in place of the eager method)."""
         self._expected_main = kernels.expected_main(self)
+        self.expected_main_jacobian = self._compiled_jacobian(kernels.expected_main_jacobian(self))
+
+    def _compiled_jacobian(self, kernel: Any) -> Any:
+        """:meth:`expected_main_jacobian` evaluated by ``kernel`` (the same signature)."""
+
+        def expected_main_jacobian(
+            pars: torch.Tensor, element: torch.Tensor | None = None
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            element = self.element_index(element, pars.shape[0])
+            return kernel(pars, element, self.main, self.histosys_code, self.normsys_code)
+
+        expected_main_jacobian.__doc__ = HistFactoryModel.expected_main_jacobian.__doc__
+        return expected_main_jacobian
 
     def __repr__(self) -> str:
         return (

@@ -1,8 +1,13 @@
 """Background ``torch.compile`` of warm models: the first requests run eagerly meanwhile.
 
-The engine's :class:`~pyhf_gpu_server.engine.KernelCache` compiles the main-model kernel per
-structure; :meth:`BackgroundCompiler.submit` warms it on a separate thread and then switches
-the model over on the device thread, between batches.
+The engine's :class:`~pyhf_gpu_server.engine.KernelCache` compiles, per structure, the two
+kernels a fit calls: the expected main data (the objective's values) and the expected main
+data with its Jacobian (the minimiser's derivatives, once per iteration).
+:meth:`BackgroundCompiler.submit` warms both on a separate thread and then switches the model
+over on the device thread, between batches; a kernel that fails to compile leaves the model
+eager. Whether the service compiles at all is ``Settings.compile_enabled``: by default on CUDA
+only (on two CPU cores, compiled fits measured only 1.1-1.3x faster for 10-20 s of compiling
+per structure: BENCHMARKS.md, "Engine").
 """
 
 from __future__ import annotations
@@ -24,11 +29,11 @@ class BackgroundCompiler:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pyhf-gpu-compile")
 
     def submit(self, model: Any) -> Future[None]:
-        """Compile ``model``'s kernel in the background, then let the model use it."""
+        """Compile ``model``'s kernels in the background, then let the model use them."""
         return self._pool.submit(self._compile, model)
 
     def _compile(self, model: Any) -> None:
-        """Warm the kernel (slow), then switch the model on the device thread."""
+        """Warm the kernels (slow), then switch the model on the device thread."""
         try:
             self.kernels.warm(model)
             self._device_executor.submit(model.enable_compile, self.kernels).result()
