@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pyhf
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from . import schema
 from .errors import IncompatibleModelsError
@@ -172,14 +173,19 @@ class HistFactoryModel:
         return type(self)(self.elements, device or self.device, dtype or self.dtype)
 
     def _tensor(self, array: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
-        # Built by a factory call directly on the device, from Python numbers: the one way
-        # that also works under FakeTensorMode, where the device hygiene tests run.
+        """``array`` as a tensor on the model's device: copied from host memory once, at build
+        time; under FakeTensorMode (the device hygiene tests), where no host tensor may meet
+        a fake one, made by a factory call on the device from Python numbers."""
         array = np.asarray(array)
-        tensor = torch.tensor(array.tolist(), dtype=dtype or self.dtype, device=self.device)
-        return tensor.reshape(array.shape)
+        dtype = dtype or self.dtype
+        if self._fake_device:
+            tensor = torch.tensor(array.tolist(), dtype=dtype, device=self.device)
+            return tensor.reshape(array.shape)
+        return torch.from_numpy(np.ascontiguousarray(array)).to(device=self.device, dtype=dtype)
 
     def _build_tensors(self) -> None:
         stack, long = self.stack, torch.long
+        self._fake_device = isinstance(torch.empty(0, device=self.device), FakeTensor)
         common, own = stack.common, stack.own
         self.main = MainTensors(
             bins=self._tensor(np.arange(self.n_main), long),
