@@ -132,17 +132,19 @@ def _heterogeneous(name: str, file: str, count: int):
     [
         ("atlas-susy-2018-04-stau", "patchset.heterogeneous.json"),
         ("atlas-susy-2019-09-3l-onshell", "patchset.heterogeneous.json"),
+        ("atlas-susy-2018-31-sbottom-A", "patchset.hepdata.json.gz"),
         ("atlas-susy-2018-31-sbottom-B", "patchset.hepdata.json.gz"),
     ],
 )
 def test_heterogeneous_patches_stack_and_equal_each_alone(name, file):
-    stacked, singles = _heterogeneous(name, file, 6)
+    # every patch with its own set of signal modifiers (all 24 of a heterogeneous file)
+    stacked, singles = _heterogeneous(name, file, 24)
     # the signals carry different modifier sets: a union of parameters, one model
     assert len({tuple(s.par_names) for s in singles}) > 1
     assert stacked.n_pars >= max(s.n_pars for s in singles)
     assert stacked.stack.n_slots >= 1 and stacked.stack.n_common >= 1
     generator = torch.Generator().manual_seed(3)
-    rows = 3 * stacked.n_elements
+    rows = 2 * stacked.n_elements
     element = torch.arange(rows) % stacked.n_elements
     low, high = stacked.bounds[element, :, 0], stacked.bounds[element, :, 1]
     init = stacked.init[element]

@@ -185,3 +185,28 @@ def test_patches_that_break_the_workspace_answer_their_own_422(client: httpx.Cli
     assert "has no entry in 'observations'" in details[0]["detail"]
     assert "negative counts" in details[1]["detail"]
     assert "patch could not be applied" in details[2]["detail"]
+
+
+def test_patches_that_cannot_share_a_model_run_apart_and_say_why(client: httpx.Client) -> None:
+    workspace_id = upload(client, SBOTTOM_B)
+    patchset = load(SBOTTOM_B, "patchset.json")
+    first, second = patchset["patches"][:2]
+    # the validation region removed: other channels, so another model
+    apart = {
+        "metadata": {"name": "without_VR", "values": [99, 99]},
+        "patch": [*second["patch"], {"op": "remove", "path": "/channels/1"}],
+    }
+    body = {
+        "workspace_id": workspace_id,
+        "patchset": {**patchset, "patches": [first, second, apart]},
+    }
+    answer = client.post("/cls", json=body).json()
+    names = [first["metadata"]["name"], second["metadata"]["name"]]
+    assert all("stacked_apart" not in answer[n]["meta"] for n in names)
+    assert answer[names[0]]["meta"]["model_id"] == answer[names[1]]["meta"]["model_id"]
+    assert "channels and bins differ" in answer["without_VR"]["meta"]["stacked_apart"]
+    assert answer["without_VR"]["meta"]["model_id"] != answer[names[0]]["meta"]["model_id"]
+    alone = client.post(
+        "/cls", json={"workspace_id": workspace_id, "patches": [apart["patch"]]}
+    ).json()
+    assert answer["without_VR"]["CLs_obs"] == pytest.approx(alone["CLs_obs"], rel=1e-9)
