@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
+import pyhf
 import pytest
 from conftest import WORKSPACES_DIR
 from service_support import (
@@ -210,3 +211,27 @@ def test_patches_that_cannot_share_a_model_run_apart_and_say_why(client: httpx.C
         "/cls", json={"workspace_id": workspace_id, "patches": [apart["patch"]]}
     ).json()
     assert answer["without_VR"]["CLs_obs"] == pytest.approx(alone["CLs_obs"], rel=1e-9)
+
+
+def test_fit_of_a_heterogeneous_patchset_reports_each_patch_own_parameters(
+    client: httpx.Client,
+) -> None:
+    workspace_id = upload(client, STAU)
+    patchset = load(STAU, "patchset.heterogeneous.json")
+    patchset = {**patchset, "patches": patchset["patches"][:3]}
+    answer = client.post("/fit", json={"workspace_id": workspace_id, "patchset": patchset})
+    assert answer.status_code == 200, answer.text
+    background = pyhf.Workspace(load(STAU, "BkgOnly.json"))
+    for patch in patchset["patches"]:
+        name = patch["metadata"]["name"]
+        model = pyhf.PatchSet(patchset).apply(background, name).model()
+        fit = answer.json()[name]
+        assert list(fit["mle_parameters"]) == model.config.par_order
+        assert sum(len(v) for v in fit["mle_parameters"].values()) == len(fit["corr_mat"])
+        alone = client.post(
+            "/fit", json={"workspace_id": workspace_id, "patches": [patch["patch"]]}
+        ).json()
+        assert fit["twice_nll"] == pytest.approx(alone["twice_nll"], rel=1e-9)
+        assert fit["mle_parameters"]["mu_SIG"][0] == pytest.approx(
+            alone["mle_parameters"]["mu_SIG"][0], rel=1e-6, abs=1e-8
+        )
