@@ -49,6 +49,12 @@ done
 "$PYTHON" -m pyhf_gpu_client.cli --server "http://127.0.0.1:$PORT" cls "$WS/BkgOnly.json" \
     --patchset "$WS/patchset.json" > "$OUT/e2e_cls.json" 2>&1
 e2e_status=$?
+# the published points (218, heterogeneous systematics, one untestable), timed as a user runs it
+start=$("$PYTHON" -c "import time; print(time.time())")
+"$PYTHON" -m pyhf_gpu_client.cli --server "http://127.0.0.1:$PORT" cls "$WS/BkgOnly.json" \
+    --patchset "$WS/patchset.hepdata.json.gz" > "$OUT/e2e_hepdata.json" 2> "$OUT/e2e_hepdata.err"
+hepdata_status=$?
+hepdata_s=$("$PYTHON" -c "import time; print(round(time.time() - $start, 2))")
 kill "$server_pid" 2>/dev/null; wait "$server_pid" 2>/dev/null
 
 echo
@@ -58,5 +64,6 @@ echo "| parity tests on cuda | $(tail -1 "$OUT/tests.log") |"
 grep '^GOAL' "$OUT/bench.log" | sed 's/^GOAL \(.*\): \(.*\)$/| \1 | \2 |/'
 echo "| benchmark table | $OUT/bench_cuda.md |"
 echo "| engine logpdf table | $OUT/bench_engine_cuda.md |"
+echo "| 218 published sbottom-B points, client command on a warm cuda server | exit $hepdata_status, ${hepdata_s} s |"
 echo "| server on cuda + client cls (24 patches) | exit $e2e_status, $OUT/e2e_cls.json, device: $(grep -o '"device": *"[^"]*"' "$OUT/info.json" | head -1) |"
 exit $(( tests_status != 0 || bench_status != 0 || e2e_status != 0 ))
