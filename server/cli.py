@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 from collections.abc import Sequence
 
@@ -11,6 +12,13 @@ from pyhf_gpu_server.service.app import create_app
 from pyhf_gpu_server.service.logs import configure_logging
 from pyhf_gpu_server.service.settings import settings_from_args
 from pyhf_gpu_server.service.state import resolve_device
+
+# The server keeps published workspaces, their translations and warm models in memory: hundreds
+# of thousands of Python objects that live for hours. With CPython's default thresholds
+# (700, 10, 10) every large request (a 2 MB patchset: 200k new objects) pays several full
+# collections over all of them (parsing it: 0.2 s instead of 0.016 s). Young objects are still
+# collected, just in larger steps.
+GC_THRESHOLDS = (50_000, 20, 100)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -23,6 +31,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"pyhf-gpu-server: error: {exc}", file=sys.stderr)
         return 2
     settings.data_dir.mkdir(parents=True, exist_ok=True)
+    gc.set_threshold(*GC_THRESHOLDS)
     uvicorn.run(
         create_app(settings),
         host=settings.host,

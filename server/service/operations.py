@@ -54,14 +54,19 @@ def _finite_float(text: str) -> float:
     return value
 
 
+_SCALARS = frozenset({int, float, str, bool, type(None)})
+
+
 def _exceeds_depth(document: Any, limit: int) -> bool:
     """Whether ``document`` nests lists/objects deeper than ``limit``."""
     stack: list[tuple[Any, int]] = [(document, 1)]
     while stack:
         node, depth = stack.pop()
-        children = node.values() if isinstance(node, dict) else node
         if depth > limit:
             return True
+        children = node.values() if isinstance(node, dict) else node
+        if set(map(type, children)) <= _SCALARS:  # numbers and names only (bin contents)
+            continue
         stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
     return False
 
