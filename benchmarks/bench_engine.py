@@ -40,8 +40,10 @@ WORKSPACES = Path(__file__).resolve().parents[2] / "shared" / "workspaces"
 PATCH = "sig_s1_x1"
 
 
-def best_seconds(run: Callable[[], object], repeats: int, synchronize: Callable[[], None]) -> float:
-    """The fastest of ``repeats`` timed calls, after one warm-up call."""
+def timed_calls(
+    run: Callable[[], object], repeats: int, synchronize: Callable[[], None]
+) -> list[float]:
+    """Seconds of ``repeats`` timed calls, after one warm-up call."""
     run()
     synchronize()
     times = []
@@ -50,7 +52,12 @@ def best_seconds(run: Callable[[], object], repeats: int, synchronize: Callable[
         run()
         synchronize()
         times.append(time.perf_counter() - start)
-    return min(times)
+    return times
+
+
+def best_seconds(run: Callable[[], object], repeats: int, synchronize: Callable[[], None]) -> float:
+    """The fastest of ``repeats`` timed calls, after one warm-up call."""
+    return min(timed_calls(run, repeats, synchronize))
 
 
 def bench_workspace(folder: Path, batch: int, repeats: int, device: str) -> dict:
@@ -130,15 +137,7 @@ def median_seconds(
     run: Callable[[], object], repeats: int, synchronize: Callable[[], None]
 ) -> float:
     """The median of ``repeats`` timed calls, after one warm-up call."""
-    run()
-    synchronize()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(timed_calls(run, repeats, synchronize))
 
 
 def _load() -> str:
