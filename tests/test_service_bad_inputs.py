@@ -53,6 +53,13 @@ def mutated(change: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     return spec
 
 
+def _poi_fixed() -> dict[str, Any]:
+    """The small valid workspace with its POI fixed by the measurement."""
+    spec = simple_workspace()
+    spec["measurements"][0]["config"]["parameters"] = [{"name": "mu", "fixed": True}]
+    return spec
+
+
 def _nested(depth: int) -> bytes:
     return b"[" * depth + b"]" * depth
 
@@ -63,6 +70,17 @@ def _gzip_bomb() -> bytes:
 
 # (name, method, path, request kwargs, expected status, text the detail must contain)
 CASES: list[tuple[str, str, str, dict[str, Any], int, str]] = [
+    *(
+        (
+            f"measurement fixes the POI ({route})",
+            "POST",
+            route,
+            {"json": _poi_fixed()},
+            422,
+            "'mu' is fixed",
+        )
+        for route in ("/cls", "/upper-limit", "/significance")
+    ),
     ("malformed JSON", "POST", "/cls", {"content": b'{"channels": ['}, 400, "malformed JSON"),
     ("empty body", "POST", "/cls", {"content": b""}, 400, "empty"),
     ("JSON array", "POST", "/cls", {"json": [1, 2]}, 422, "JSON list"),

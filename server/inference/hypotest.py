@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from .asymptotics import AsymptoticCalculator
+from .errors import InferenceError
 from .mle import FitOptions, rows_data
 from .results import HypotestResults
 from .rows import rows_of, unique_datasets
@@ -60,10 +61,13 @@ def prepare_rows(
 
 def _check_model(model, test_stat: str) -> None:
     if model.poi_index is None:
-        raise ValueError("No POI is defined. A POI is required to run a hypothesis test.")
+        raise InferenceError("No POI is defined. A POI is required to run a hypothesis test.")
     check_test_stat(test_stat)
     if bool(model.fixed[:, model.poi_index].any()):
-        raise ValueError("the POI is fixed: profile-likelihood-ratio inference is impossible")
+        raise InferenceError(
+            f"the POI {model.poi_name!r} is fixed in the measurement; hypothesis tests need it "
+            "free (profile-likelihood-ratio inference is impossible)"
+        )
 
 
 def make_calculator(
@@ -98,7 +102,7 @@ def make_calculator(
             generator = torch.Generator(device=model.device)
             generator.manual_seed(0 if seed is None else seed)
         return ToyCalculator(model, datasets, elements, test_stat, ntoys, generator, **fit_kwargs)
-    raise ValueError(f"unknown calctype {calctype!r}; expected 'asymptotics' or 'toybased'")
+    raise InferenceError(f"unknown calctype {calctype!r}; expected 'asymptotics' or 'toybased'")
 
 
 def hypotest(

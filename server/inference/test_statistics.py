@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from .errors import InferenceError
 from .mle import FitRequest, fit_requests
 from .results import FitResults
 
@@ -42,7 +43,7 @@ TEST_STATS = ("q0", "q", "qtilde")
 def check_test_stat(name: str) -> None:
     """Raise ``ValueError`` unless ``name`` is one of :data:`TEST_STATS`."""
     if name not in TEST_STATS:
-        raise ValueError(f"unknown test statistic {name!r}; expected one of {TEST_STATS}")
+        raise InferenceError(f"unknown test statistic {name!r}; expected one of {TEST_STATS}")
 
 
 def tmu_like(fixed_twice_nll: Tensor, free_twice_nll: Tensor) -> Tensor:
@@ -78,7 +79,7 @@ def from_deviances(
         return q0_like(muhat, fixed_deviance, free_deviance)
     if name in ("q", "qtilde"):
         return qmu_like(mu, muhat, fixed_deviance, free_deviance)
-    raise ValueError(f"unknown test statistic {name!r}; expected one of {TEST_STATS}")
+    raise InferenceError(f"unknown test statistic {name!r}; expected one of {TEST_STATS}")
 
 
 test_statistic.__test__ = False  # not a pytest test

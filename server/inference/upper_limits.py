@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from .asymptotics import N_SIGMA
+from .errors import InferenceError
 from .hypotest import make_calculator, prepare_rows, run_calculator
 from .mle import FitOptions
 from .results import HypotestResults, UpperLimitResults
@@ -273,5 +274,5 @@ def upper_limit(
     if scan is not None:
         return linear_grid_scan(model, scan, data, element, level, **kwargs)[0]
     if calctype != "asymptotics":
-        raise ValueError("the root search needs calctype='asymptotics'; pass a scan for toys")
+        raise InferenceError("the root search needs calctype='asymptotics'; pass a scan for toys")
     return toms748_like_scan(model, data, element, level, rtol=rtol, **kwargs)
