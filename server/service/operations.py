@@ -566,6 +566,8 @@ class Operations:
         call; items whose elements do not stack with the rest get their own. Answers
         (context, indices of the items it serves); models come warm from the cache or are
         built on the build thread."""
+        if len(contexts) == 1:  # one request's group: stackable already (partitioned in run)
+            return [(await self._batch(contexts[0], contexts[0].elements), [0])]
         elements: dict[str, Element] = {}
         for context in contexts:
             for element in context.elements:
