@@ -157,9 +157,9 @@ def test_toy_statistics_skip_only_conditional_fits_the_clip_makes_irrelevant(mod
     mu = torch.full((toys.shape[0],), 1.0, dtype=model.dtype, device=DEVICE)
     calc = make_calculator(model, model.observed, element, test_stat=test_stat, calctype="toybased")
     tested = mu * 0.0 if test_stat == "q0" else mu
-    found, converged = calc._toy_statistics(toys, rows, tested)
+    found, status = calc._toy_statistics(toys, rows, tested)
     floor = {"poi_floor": 0.0} if test_stat == "qtilde" else {}
     expected, *_ = compute(test_stat, model, mu, toys, rows, **floor)
-    assert converged.all()
+    assert status.converged.all()
     assert 0 < int((found == 0).sum()) < toys.shape[0]  # both regimes are present
     assert torch.allclose(found, expected, rtol=0, atol=1e-6)

@@ -30,6 +30,9 @@ from .errors import UnsupportedModelError
 
 HISTOSYS_CODES = ("code0", "code2", "code4p")
 NORMSYS_CODES = ("code1", "code4")
+# codes whose factor has a kink (a jump of its first derivative) at alpha = 0: a likelihood
+# built with them can have a minimum on each side of the kink (the fitter starts both sides)
+KINKED_CODES = frozenset({"code0", "code1"})
 
 
 def histosys_coefficients(code: str, lo, nom, hi) -> np.ndarray:

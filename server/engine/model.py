@@ -217,6 +217,9 @@ class HistFactoryModel:
         # curvature vanishes with a zero auxiliary count): the fitter's low-rank solver
         self.unconstrained = self._tensor(np.setdiff1d(np.arange(self.n_pars), aux_param), long)
         self.poisson_constrained = self._tensor(np.unique(aux_param[poisson]), long)
+        # parameters with a kinked interpolation (code0 histosys, code1 normsys): the fitter
+        # starts their fits on both sides of the kink
+        self.kinked_params = self._tensor(stack.kinked_params, long)
         self.init = self._tensor(stack.init)
         self.bounds = self._tensor(stack.bounds)
         self.fixed = self._tensor(stack.fixed, torch.bool)

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import IncompatibleModelsError
+from .interpolation import KINKED_CODES
 from .layout import ElementLayout, ParameterSet, SampleLayout
 
 
@@ -158,6 +159,17 @@ class StackLayout:
         for element, columns in zip(self.elements, self.columns, strict=True):
             histosys.update(dict.fromkeys(columns[element.histosys_params].tolist()))
         self.histosys_params = np.asarray(list(histosys), dtype=np.int64)
+        self.kinked_params = self._kinked_params()
+
+    def _kinked_params(self) -> np.ndarray:
+        """Columns of the parameters whose interpolation code has a kink at 0 (sorted)."""
+        first, kinked = self.elements[0], set()
+        for element, columns in zip(self.elements, self.columns, strict=True):
+            if first.histosys_code in KINKED_CODES:
+                kinked.update(columns[element.histosys_params].tolist())
+            if first.normsys_code in KINKED_CODES:
+                kinked.update(columns[element.normsys_params].tolist())
+        return np.asarray(sorted(kinked), dtype=np.int64)
 
     # ------------------------------------------------------------------------ constraints
     def _union_aux(self) -> None:

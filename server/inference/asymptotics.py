@@ -33,6 +33,7 @@ from torch import Tensor
 
 from .mle import FitOptions, FitRequest, fit_requests
 from .results import FitResults
+from .starts import FitStatus
 from .test_statistics import check_test_stat, test_statistic
 
 __all__ = [
@@ -118,7 +119,7 @@ class AsymptoticStats:
 
     teststat: Tensor
     sqrtq_asimov: Tensor
-    fit_converged: dict[str, Tensor]
+    fits: dict[str, FitStatus]
 
 
 class AsymptoticCalculator:
@@ -237,15 +238,15 @@ class AsymptoticCalculator:
             self.test_stat, tested, fixed_asimov, free_asimov, model.poi_index
         )
         sqrtq, sqrtq_asimov = _sqrt_above_fit_noise(q), _sqrt_above_fit_noise(q_asimov)
-        converged = {
-            "free_data": free_data.converged,
-            "fixed_data": fixed_data.converged,
-            "asimov": self.asimov_fit.converged[index],
-            "free_asimov": free_asimov.converged,
-            "fixed_asimov": fixed_asimov.converged,
+        fits = {
+            "free_data": free_data.status,
+            "fixed_data": fixed_data.status,
+            "asimov": self.asimov_fit.select(index).status,
+            "free_asimov": free_asimov.status,
+            "fixed_asimov": fixed_asimov.status,
         }
         teststat = asymptotic_teststat(self.test_stat, sqrtq, sqrtq_asimov)
-        return AsymptoticStats(teststat, sqrtq_asimov, converged)
+        return AsymptoticStats(teststat, sqrtq_asimov, fits)
 
     def pvalues(self, stats: AsymptoticStats) -> tuple[Tensor, Tensor, Tensor]:
         """Observed ``(CLsb, CLb, CLs)`` ``[M]``."""

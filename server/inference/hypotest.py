@@ -176,5 +176,5 @@ def run_calculator(calc, poi: Tensor, index: Tensor) -> HypotestResults:
         clsb_exp=clsb_exp,
         clb_exp=clb_exp,
         teststat=stats.teststat,
-        fit_converged=stats.fit_converged,
+        fits=stats.fits,
     )

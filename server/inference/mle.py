@@ -26,15 +26,23 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 from torch import Tensor
 
-from .minimize import MinimizeOptions, minimize
+from .minimize import MinimizeOptions, MinimizeResult, minimize
 from .objective import Curvature, TwiceNLL
 from .results import FitResults
 from .rows import as_float, as_index
+from .starts import (
+    FitStatus,
+    StartOptions,
+    best_of_starts,
+    extra_starts,
+    kink_is_minimum,
+    pin_kinks,
+)
 
 __all__ = [
     "FitOptions",
@@ -58,10 +66,13 @@ class FitOptions:
             robust choice, ``"hessian"`` the exact one.
         minimize: :class:`~pyhf_gpu_server.inference.minimize.MinimizeOptions`.
         max_rows: rows per minimiser call at most (larger batches are split, for memory).
+        starts: :class:`~pyhf_gpu_server.inference.starts.StartOptions`, the extra start
+            points of fits whose model has kinked parameters.
     """
 
     curvature: Curvature = "gauss-newton"
     minimize: MinimizeOptions = field(default_factory=MinimizeOptions)
+    starts: StartOptions = field(default_factory=StartOptions)
     max_rows: int = 8192
 
 
@@ -155,6 +166,67 @@ def covariance(hessian: Tensor, fixed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return unc, corr, cov
 
 
+def _minimize(model, data, element, init, bounds, fixed, options: FitOptions) -> MinimizeResult:
+    """One minimiser run per chunk of ``options.max_rows`` rows, concatenated."""
+    parts = []
+    for start in range(0, init.shape[0], options.max_rows):
+        sl = slice(start, start + options.max_rows)
+        objective = TwiceNLL(model, data[sl], element[sl], options.curvature)
+        parts.append(minimize(objective, init[sl], bounds[sl], fixed[sl], options.minimize))
+    if len(parts) == 1:
+        return parts[0]
+    return MinimizeResult(
+        *(torch.cat(column) for column in zip(*map(_columns, parts), strict=True))
+    )
+
+
+def _columns(result: MinimizeResult) -> list[Tensor]:
+    """The per-row tensors of ``result``, in field order."""
+    return [getattr(result, f.name) for f in fields(result)]
+
+
+def _global_minima(
+    model, data, element, bounds, fixed, first: MinimizeResult, options: FitOptions
+) -> tuple[MinimizeResult, FitStatus]:
+    """The first minima ``first``, or lower ones from extra starts where the model has
+    kinked parameters (:mod:`~pyhf_gpu_server.inference.starts`), with each row's status.
+
+    The extra starts and the kink-pinned refit of every row run in ONE minimiser call."""
+    B = first.x.shape[0]
+    kinked = model.kinked_params
+    if not kinked.numel():
+        ones = torch.ones(B, dtype=torch.long, device=first.x.device)
+        return first, FitStatus(first.converged, ones, torch.ones_like(first.converged))
+    starts = extra_starts(first.x, bounds, fixed, kinked, options.starts)  # [B, S, P]
+    S = starts.shape[1]
+    pinned_start, pinned_fixed, pinned = pin_kinks(first.x, fixed, kinked, options.starts)
+    rows = torch.arange(B, device=first.x.device)
+    row = torch.cat([rows.repeat_interleave(S), rows])
+    extra = _minimize(
+        model,
+        data[row],
+        element[row],
+        torch.cat([starts.flatten(0, 1), pinned_start]),
+        bounds[row],
+        torch.cat([fixed.repeat_interleave(S, 0), pinned_fixed]),
+        options,
+    )
+    pinned_x = extra.x[B * S :]
+    objective = TwiceNLL(model, data, element, options.curvature)
+    on_kink_minimum = kink_is_minimum(objective, pinned_x, pinned, options.starts.slope_tol)
+    extra.converged = torch.cat(
+        [extra.converged[: B * S], extra.converged[B * S :] & on_kink_minimum]
+    )
+    candidates = [
+        torch.cat([a.unsqueeze(1), b[: B * S].view(B, S, *b.shape[1:]), b[B * S :, None]], dim=1)
+        for a, b in zip(_columns(first), _columns(extra), strict=True)
+    ]
+    fun, converged = candidates[1], candidates[2]
+    best, status = best_of_starts(fun, converged, options.starts.agree_twice_nll)
+    pick = [c[rows, best] for c in candidates]
+    return MinimizeResult(*pick), status
+
+
 def fit_rows(
     model,
     data: Tensor,
@@ -172,23 +244,23 @@ def fit_rows(
 
     ``poi [B]``: the fixed POI value per row, NaN for a free POI, so that conditional and
     unconditional fits share one call. ``poi_floor``: raise the POI's lower bound to it
-    (``q~`` bounds the POI at 0). Rows are split in chunks of ``options.max_rows``.
+    (``q~`` bounds the POI at 0). Rows are split in chunks of ``options.max_rows``. Where
+    the model has kinked parameters, every row is fitted again from extra start points and
+    keeps its lowest minimum (:mod:`~pyhf_gpu_server.inference.starts`).
     """
     options = options or FitOptions()
     init, bounds, fixed = _start(model, element, poi, init, bounds, fixed, poi_floor)
     B, P = init.shape
-    parts, hessians = [], []
-    for start in range(0, B, options.max_rows):
-        sl = slice(start, start + options.max_rows)
-        objective = TwiceNLL(model, data[sl], element[sl], options.curvature)
-        part = minimize(objective, init[sl], bounds[sl], fixed[sl], options.minimize)
-        parts.append(part)
-        if uncertainties:
-            rows = torch.arange(part.x.shape[0], device=part.x.device)
-            hessians.append(objective.hessian(part.x, rows))
-    x = torch.cat([p.x for p in parts])
-    deviance = torch.cat([p.fun for p in parts])
+    first = _minimize(model, data, element, init, bounds, fixed, options)
+    result, status = _global_minima(model, data, element, bounds, fixed, first, options)
+    x = result.x
     if uncertainties:
+        hessians = []
+        for start in range(0, B, options.max_rows):
+            sl = slice(start, start + options.max_rows)
+            objective = TwiceNLL(model, data[sl], element[sl], options.curvature)
+            rows = torch.arange(x[sl].shape[0], device=x.device)
+            hessians.append(objective.hessian(x[sl], rows))
         unc, corr, _ = covariance(torch.cat(hessians), fixed)
     else:
         unc = torch.full_like(x, torch.nan)
@@ -197,12 +269,14 @@ def fit_rows(
         bestfit=x,
         uncertainty=unc,
         corr_mat=corr,
-        best_twice_nll=deviance + model.saturated_twice_nll(data, element),
-        deviance=deviance,
-        converged=torch.cat([p.converged for p in parts]),
-        iterations=torch.cat([p.iterations for p in parts]),
+        best_twice_nll=result.fun + model.saturated_twice_nll(data, element),
+        deviance=result.fun,
+        converged=status.converged,
+        iterations=result.iterations,
         labels=list(model.par_names),
         element=element,
+        starts=status.starts,
+        starts_agreed=status.agreed,
     )
 
 

@@ -10,11 +10,12 @@ Example:
     ...     cls_obs=torch.tensor([0.25]), cls_exp=torch.tensor([[0.125, 0.25, 0.375, 0.5, 0.625]]),
     ...     clsb_obs=torch.tensor([0.1]), clb_obs=torch.tensor([0.4]),
     ...     clsb_exp=torch.zeros(1, 5), clb_exp=torch.ones(1, 5),
-    ...     teststat=torch.tensor([1.0]), fit_converged={"free_data": torch.tensor([True])})
+    ...     teststat=torch.tensor([1.0]),
+    ...     fits={"free_data": FitStatus(torch.tensor([True]), torch.tensor([3]), torch.tensor([False]))})
     >>> r.to_pyhf_json(0)
     {'CLs_obs': 0.25, 'CLs_exp': [0.125, 0.25, 0.375, 0.5, 0.625]}
-    >>> r.converged.tolist(), r.non_converged()
-    ([True], [])
+    >>> r.converged.tolist(), r.non_converged(), r.starts.tolist(), r.starts_agreed.tolist()
+    ([True], [], [3], [False])
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+
+from .starts import FitStatus
 
 __all__ = [
     "FitResults",
@@ -66,6 +69,9 @@ class FitResults:
         iterations: ``[B]`` minimiser iterations.
         labels: parameter names (pyhf's ``par_names``).
         element: ``[B]`` element index of each row.
+        starts: ``[B]`` start points fitted (more than 1 where the model has kinked
+            parameters, see :mod:`~pyhf_gpu_server.inference.starts`).
+        starts_agreed: ``[B]`` bool, every converged start reached the kept minimum.
     """
 
     bestfit: Tensor
@@ -77,9 +83,16 @@ class FitResults:
     iterations: Tensor
     labels: list[str]
     element: Tensor
+    starts: Tensor
+    starts_agreed: Tensor
 
     def __len__(self) -> int:
         return self.bestfit.shape[0]
+
+    @property
+    def status(self) -> FitStatus:
+        """Convergence, starts and agreement per row."""
+        return FitStatus(self.converged, self.starts, self.starts_agreed)
 
     def select(self, index: Tensor | slice) -> FitResults:
         """The rows ``index`` (a slice or an index tensor) as a new FitResults."""
@@ -93,6 +106,8 @@ class FitResults:
             iterations=self.iterations[index],
             labels=self.labels,
             element=self.element[index],
+            starts=self.starts[index],
+            starts_agreed=self.starts_agreed[index],
         )
 
     def restrict(self, columns: list[int]) -> FitResults:
@@ -109,6 +124,8 @@ class FitResults:
             iterations=self.iterations,
             labels=[self.labels[c] for c in columns],
             element=self.element,
+            starts=self.starts,
+            starts_agreed=self.starts_agreed,
         )
 
     def to_pyhf_json(self, i: int = 0) -> dict:
@@ -134,8 +151,9 @@ class HypotestResults:
     """CLs hypothesis tests of ``B`` rows (row: one element and one tested POI value).
 
     ``*_exp`` tensors are ``[B, 5]`` in pyhf's order (expected -2, -1, 0, +1, +2 sigma
-    bands of CLs, i.e. ascending). ``fit_converged`` maps each fit of the test (e.g.
-    ``"free_data"``, ``"fixed_asimov"``) to a ``[B]`` bool; ``converged`` is their AND.
+    bands of CLs, i.e. ascending). ``fits`` maps each fit of the test (e.g.
+    ``"free_data"``, ``"fixed_asimov"``) to its per-row
+    :class:`~pyhf_gpu_server.inference.starts.FitStatus`; ``status`` combines them.
     """
 
     poi: Tensor
@@ -148,25 +166,40 @@ class HypotestResults:
     clsb_exp: Tensor
     clb_exp: Tensor
     teststat: Tensor
-    fit_converged: dict[str, Tensor] = field(default_factory=dict)
+    fits: dict[str, FitStatus] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return self.cls_obs.shape[0]
 
     @property
+    def status(self) -> FitStatus:
+        """Every fit behind each row, combined (:meth:`FitStatus.combine`)."""
+        if not self.fits:
+            ones = torch.ones_like(self.cls_obs, dtype=torch.bool)
+            return FitStatus(ones, torch.ones_like(self.cls_obs, dtype=torch.long), ones)
+        return FitStatus.combine(list(self.fits.values()))
+
+    @property
     def converged(self) -> Tensor:
         """``[B]`` bool: every fit behind the row converged."""
-        flags = torch.ones_like(self.cls_obs, dtype=torch.bool)
-        for value in self.fit_converged.values():
-            flags = flags & value
-        return flags
+        return self.status.converged
+
+    @property
+    def starts(self) -> Tensor:
+        """``[B]`` the most start points any fit behind the row ran."""
+        return self.status.starts
+
+    @property
+    def starts_agreed(self) -> Tensor:
+        """``[B]`` bool: in every fit behind the row, all converged starts agreed."""
+        return self.status.agreed
 
     def non_converged(self) -> list[tuple[int, list[str]]]:
         """``[(row, [names of its failed fits])]`` for every row with a failed fit."""
-        names = list(self.fit_converged)
+        names = list(self.fits)
         if not names:
             return []
-        table = torch.stack([self.fit_converged[n] for n in names], 1).cpu()
+        table = torch.stack([self.fits[n].converged for n in names], 1).cpu()
         return [
             (row, [n for n, ok in zip(names, flags, strict=True) if not ok])
             for row, flags in enumerate(table.tolist())
@@ -203,6 +236,8 @@ class UpperLimitResults:
         element: ``[B]`` element index of each row.
         converged: ``[B]`` bool: every fit and every bracket of the row converged.
         hypotests: the number of tested POI values per row.
+        starts: ``[B]`` the most start points any fit of the row ran.
+        starts_agreed: ``[B]`` bool, in every fit of the row all converged starts agreed.
     """
 
     obs: Tensor
@@ -211,6 +246,8 @@ class UpperLimitResults:
     element: Tensor
     converged: Tensor
     hypotests: Tensor
+    starts: Tensor
+    starts_agreed: Tensor
 
     def to_json(self, i: int = 0) -> dict:
         """Row ``i``: ``{"upper_limit_obs", "upper_limit_exp", "level"}``."""

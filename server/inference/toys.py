@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from .mle import FitOptions, FitRequest, fit_requests
+from .starts import FitStatus
 from .test_statistics import check_test_stat, from_deviances, test_statistic
 
 __all__ = ["PERCENTILES", "ToyCalculator", "empirical_pvalues", "sample_toys"]
@@ -92,12 +93,12 @@ def expected_empirical_pvalues(signal: Tensor, background: Tensor) -> tuple[Tens
 @dataclass
 class ToyStats:
     """One :meth:`ToyCalculator.teststatistic` call: observed statistic ``[M]``, toy
-    statistics ``[M, ntoys]`` per hypothesis, and the fits' convergence."""
+    statistics ``[M, ntoys]`` per hypothesis, and how the fits went."""
 
     teststat: Tensor
     signal: Tensor
     background: Tensor
-    fit_converged: dict[str, Tensor]
+    fits: dict[str, FitStatus]
 
 
 class ToyCalculator:
@@ -163,21 +164,21 @@ class ToyCalculator:
         ).flatten(0, 1)  # [M * 2T, N + A], row-major: (row, toy)
         toy_element = element.repeat_interleave(2 * T)
         toy_mu = tested.repeat_interleave(2 * T)
-        stats, toys_ok = self._toy_statistics(toys, toy_element, toy_mu)
-        stats, toys_ok = stats.view(-1, 2, T), toys_ok.view(-1, 2 * T)
-        converged = {
-            "signal_fit": signal_fit.converged,
-            "background_fit": bkg_fit.converged,
-            "fixed_data": fixed_obs.converged,
-            "free_data": free_obs.converged,
-            "toys": toys_ok.all(-1),
+        stats, toys_status = self._toy_statistics(toys, toy_element, toy_mu)
+        fits = {
+            "signal_fit": signal_fit.status,
+            "background_fit": bkg_fit.status,
+            "fixed_data": fixed_obs.status,
+            "free_data": free_obs.status,
+            "toys": toys_status.grouped(mu.shape[0]),
         }
-        return ToyStats(observed, stats[:, 0], stats[:, 1], converged)
+        stats = stats.view(-1, 2, T)
+        return ToyStats(observed, stats[:, 0], stats[:, 1], fits)
 
     def _toy_statistics(
         self, toys: Tensor, element: Tensor, tested: Tensor
-    ) -> tuple[Tensor, Tensor]:
-        """Test statistics ``[M]`` of the toys and whether their fits converged.
+    ) -> tuple[Tensor, FitStatus]:
+        """Test statistics ``[M]`` of the toys and how their fits went.
 
         The unconditional fits run first; the conditional fits only where the statistic is
         not clipped to 0 by the best-fit POI (``muhat > mu`` for ``q``/``q~``, ``muhat < 0``
@@ -191,7 +192,7 @@ class ToyCalculator:
         )[0]
         muhat = free.bestfit[:, model.poi_index]
         needed = (muhat >= 0) if self.test_stat == "q0" else (muhat <= tested)
-        fixed_deviance, fixed_converged = free.deviance, torch.ones_like(needed)
+        fixed_deviance, fixed_status = free.deviance, free.status
         rows = needed.nonzero().squeeze(-1)
         if rows.numel():
             fixed = fit_requests(
@@ -200,9 +201,11 @@ class ToyCalculator:
                 **self.fit_kwargs,
             )[0]
             fixed_deviance = fixed_deviance.index_copy(0, rows, fixed.deviance)
-            fixed_converged = fixed_converged.index_copy(0, rows, fixed.converged)
+            fixed_status = FitStatus(
+                *(a.index_copy(0, rows, b) for a, b in zip(free.status, fixed.status, strict=True))
+            )
         stats = from_deviances(self.test_stat, tested, muhat, fixed_deviance, free.deviance)
-        return stats, free.converged & fixed_converged
+        return stats, FitStatus.combine([free.status, fixed_status])
 
     def pvalues(self, stats: ToyStats) -> tuple[Tensor, Tensor, Tensor]:
         """Observed ``(CLsb, CLb, CLs)`` ``[M]``."""

@@ -34,6 +34,7 @@ from .hypotest import make_calculator, prepare_rows, run_calculator
 from .mle import FitOptions
 from .results import HypotestResults, UpperLimitResults
 from .rows import as_float
+from .starts import FitStatus
 
 __all__ = ["interp", "linear_grid_scan", "toms748_like_scan", "upper_limit"]
 
@@ -80,13 +81,16 @@ def linear_grid_scan(
     xp = curves.flip(-1)
     fp = scan.flip(0).expand_as(xp)
     limits = interp(torch.full(xp.shape[:-1], level, dtype=xp.dtype, device=xp.device), xp, fp)
+    grouped = res.status.grouped(D)
     out = UpperLimitResults(
         obs=limits[:, 0],
         exp=limits[:, 1:],
         level=level,
         element=elements,
-        converged=res.converged.view(D, S).all(-1),
+        converged=grouped.converged,
         hypotests=torch.full((D,), S, dtype=torch.long, device=limits.device),
+        starts=grouped.starts,
+        starts_agreed=grouped.agreed,
     )
     return _per_row(out, index), res
 
@@ -100,6 +104,8 @@ def _per_row(res: UpperLimitResults, index: Tensor) -> UpperLimitResults:
         element=res.element[index],
         converged=res.converged[index],
         hypotests=res.hypotests[index],
+        starts=res.starts[index],
+        starts_agreed=res.starts_agreed[index],
     )
 
 
@@ -214,13 +220,13 @@ def toms748_like_scan(
     mus = lo.unsqueeze(-1) + (hi - lo).unsqueeze(-1) * fractions  # [R, T]
     first = run_calculator(calc, mus.flatten(), rows.repeat_interleave(len(PROBES)))
     values = _curves(first).view(R, len(PROBES), 6)  # [R, T, 6]
-    converged = first.converged.view(R, -1).all(-1)
+    status = first.status.grouped(R)
     points = _asymptotic_guesses(first, mus, calc.free_data.bestfit[:, model.poi_index], level)
     for _ in range(max_iter):
         res = run_calculator(calc, points.flatten(), rows.repeat_interleave(6))
         mus = torch.cat([mus, points], dim=1)
         values = torch.cat([values, _curves(res).view(R, 6, 6)], dim=1)
-        converged = converged & res.converged.view(R, 6).all(-1)
+        status = FitStatus.combine([status, res.status.grouped(R)])
         a, b = _brackets(mus, values, lo, level)
         hit = _z(values, level).abs().nan_to_num(torch.inf).amin(1) <= rtol
         done = torch.isfinite(b) & (((b - a) <= atol + rtol * b.abs()) | hit)
@@ -234,8 +240,10 @@ def toms748_like_scan(
         exp=limits[:, 1:],
         level=level,
         element=elements,
-        converged=converged & torch.isfinite(b).all(-1),
+        converged=status.converged & torch.isfinite(b).all(-1),
         hypotests=torch.full((R,), mus.shape[1], dtype=torch.long, device=lo.device),
+        starts=status.starts,
+        starts_agreed=status.agreed,
     )
     return _per_row(out, index)
 

@@ -337,10 +337,13 @@ class BatchContext:
 
 @dataclass(frozen=True)
 class RowResult:
-    """One row's answer from the device: its pyhf JSON, fit status, and the model it ran on."""
+    """One row's answer from the device: its pyhf JSON, fit status (converged, start points
+    fitted, whether they agreed), and the model it ran on."""
 
     payload: dict[str, Any]
     converged: bool | None
+    starts: int | None
+    starts_agreed: bool | None
     model: CachedModel
 
 
@@ -369,13 +372,21 @@ def run_rows(context: BatchContext, rows: Sequence[Row]) -> list[RowResult]:
     else:
         result = inference.significance(model, element=element)
         payloads = [result.to_json(i) for i in range(len(rows))]
-    return [RowResult(p, _flag(result, i), context.cached) for i, p in enumerate(payloads)]
+    statuses = _fit_statuses(result, len(payloads))
+    return [
+        RowResult(p, *status, model=context.cached)
+        for p, status in zip(payloads, statuses, strict=True)
+    ]
 
 
-def _flag(result: Any, i: int) -> bool | None:
-    """Row ``i``'s ``converged`` flag, when the result has one."""
-    converged = getattr(result, "converged", None)
-    return None if converged is None else bool(converged[i])
+def _fit_statuses(result: Any, rows: int) -> list[tuple[bool | None, int | None, bool | None]]:
+    """Per row: ``converged``, ``starts`` and ``starts_agreed``, where the result has them
+    (copied to the host once per result, not once per row)."""
+    columns = []
+    for name in ("converged", "starts", "starts_agreed"):
+        value = getattr(result, name, None)
+        columns.append([None] * rows if value is None else value.tolist())
+    return list(zip(*columns, strict=True))
 
 
 def _fit_json(fitted: Any, i: int, columns: list[int]) -> dict[str, Any]:
@@ -541,6 +552,8 @@ class Operations:
             "cache": "hit" if result.model.hit else "miss",
             "batch_rows": outcome.batch_rows,
             "converged": result.converged,
+            "starts": result.starts,
+            "starts_agreed": result.starts_agreed,
             "timings": {
                 **timings,
                 "build_ms": round(result.model.build_s * 1000, 3),

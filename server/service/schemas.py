@@ -165,6 +165,14 @@ class ResultMeta(BaseModel):
     cache: Literal["hit", "miss"]
     batch_rows: int = Field(description="hypotheses in the engine call that computed this one")
     converged: bool | None = Field(None, description="fit status of the underlying fits")
+    starts: int | None = Field(
+        None,
+        description="start points of each fit (more than 1 where the model has kinked "
+        "interpolation codes: the lowest minimum is kept)",
+    )
+    starts_agreed: bool | None = Field(
+        None, description="whether every converged start reached the kept minimum"
+    )
     test_poi: float | None = None
     timings: dict[str, float] = Field(description="build_ms, queue_ms, compute_ms, total_ms")
 

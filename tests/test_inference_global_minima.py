@@ -1,0 +1,164 @@
+"""Likelihoods with two basins: our minima are the global ones, in every row.
+
+A family of generated two-channel models after pyhf's ``2bin_2channel_coupledhistosys``
+validation case: one histosys parameter shared by every background, with code0 (kinked at 0)
+and up/down variations that often both go the same way (a concave kink, two basins), half of
+them with the POI starting on its lower bound. All run as ONE stacked model. For each:
+
+- the unconditional minimum is at or below pyhf's own fit (scipy, from the init) and below
+  every point of a dense (alpha, mu) grid evaluated by pyhf;
+- the conditional minimum at mu = 1 is at or below pyhf's and the grid's at mu = 1, and never
+  below the unconditional one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyhf
+import pytest
+import torch
+from test_inference_support import DEVICE, one_thread  # noqa: F401 (fixture)
+
+from pyhf_gpu_server.engine import HistFactoryModel
+from pyhf_gpu_server.inference import fit, fixed_poi_fit
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SETTINGS = {"histosys": {"interpcode": "code0"}, "normsys": {"interpcode": "code1"}}
+FAMILY = 16
+ALPHA = np.linspace(-3.0, 3.0, 241)
+MU = np.linspace(0.0, 4.0, 161)
+
+
+def _sample(name, nominal, rng, modifiers=True):
+    nominal = np.round(nominal, 1)
+    up = np.round(nominal * (1 + rng.uniform(-0.6, 0.6, nominal.shape)), 1)
+    same_way = rng.random(nominal.shape) < 0.5
+    down_shift = rng.uniform(-0.6, 0.6, nominal.shape)
+    down_shift = np.where(same_way, np.sign(up - nominal) * np.abs(down_shift), down_shift)
+    down = np.round(np.maximum(nominal * (1 + down_shift), 0.5), 1)
+    histosys = {"lo_data": down.tolist(), "hi_data": up.tolist()}
+    return {
+        "name": name,
+        "data": nominal.tolist(),
+        "modifiers": (
+            [{"name": "coupled_histosys", "type": "histosys", "data": histosys}]
+            if modifiers
+            else []
+        ),
+    }
+
+
+def two_basin_workspace(seed: int) -> dict:
+    """A coupledhistosys-like workspace from ``seed`` (odd seeds: POI init on its bound)."""
+    rng = np.random.default_rng(seed)
+    signal = {
+        "name": "signal",
+        "data": np.round(rng.uniform(10, 40, 2), 1).tolist(),
+        "modifiers": [{"name": "mu", "type": "normfactor", "data": None}],
+    }
+    channels = [
+        {
+            "name": "signal",
+            "samples": [
+                signal,
+                _sample("bkg1", rng.uniform(60, 140, 2), rng),
+                _sample("bkg2", rng.uniform(40, 140, 2), rng),
+            ],
+        },
+        {"name": "control", "samples": [_sample("background", rng.uniform(80, 130, 2), rng)]},
+    ]
+    expected = [
+        sum(np.asarray(s["data"]) for s in c["samples"] if s["name"] != "signal") for c in channels
+    ]
+    observations = [
+        {"name": c["name"], "data": rng.poisson(e * rng.uniform(0.9, 1.3)).astype(float).tolist()}
+        for c, e in zip(channels, expected, strict=True)
+    ]
+    parameters = [{"name": "mu", "inits": [0.0], "bounds": [[0.0, 10.0]]}] if seed % 2 else []
+    return {
+        "channels": channels,
+        "observations": observations,
+        "measurements": [{"name": "m", "config": {"poi": "mu", "parameters": parameters}}],
+        "version": "1.0.0",
+    }
+
+
+def _pyhf_model(workspace, batch_size=None):
+    ws = pyhf.Workspace(workspace)
+    model = ws.model(modifier_settings=SETTINGS, batch_size=batch_size)
+    return model, np.asarray(ws.data(model))
+
+
+def grid_minima(workspace) -> tuple[float, float]:
+    """pyhf's -2 log L minimised over the (alpha, mu) grid, and over alpha at mu = 1."""
+    model, data = _pyhf_model(workspace, batch_size=len(ALPHA) * len(MU))
+    alpha, mu = np.meshgrid(ALPHA, MU, indexing="ij")
+    pars = np.zeros((alpha.size, 2))
+    pars[:, model.config.par_slice("coupled_histosys")] = alpha.reshape(-1, 1)
+    pars[:, model.config.poi_index] = mu.reshape(-1)
+    twice_nll = -2 * np.asarray(model.logpdf(pars, np.tile(data, (alpha.size, 1))))
+    twice_nll = np.where(np.isfinite(twice_nll), twice_nll, np.inf).reshape(alpha.shape)
+    at_one = np.argmin(np.abs(MU - 1.0))
+    return float(twice_nll.min()), float(twice_nll[:, at_one].min())
+
+
+def pyhf_minima(workspace) -> tuple[float, float]:
+    """pyhf's unconditional and mu = 1 fits, from the init (its default optimiser)."""
+    model, data = _pyhf_model(workspace)
+    pyhf.set_backend("numpy", "scipy")
+    _, free = pyhf.infer.mle.fit(data, model, return_fitted_val=True)
+    _, fixed = pyhf.infer.mle.fixed_poi_fit(1.0, data, model, return_fitted_val=True)
+    return float(free), float(fixed)
+
+
+@pytest.fixture(scope="module")
+def family():
+    workspaces = [two_basin_workspace(seed) for seed in range(FAMILY)]
+    models = [
+        HistFactoryModel.from_workspace(w, modifier_settings=SETTINGS, device=DEVICE)
+        for w in workspaces
+    ]
+    return workspaces, HistFactoryModel.stack(models)
+
+
+def test_every_row_finds_the_global_minimum(family):
+    workspaces, model = family
+    free = fit(model, uncertainties=False)
+    fixed = fixed_poi_fit(model, 1.0, uncertainties=False)
+    assert free.converged.all() and fixed.converged.all()
+    assert bool((free.starts > 1).all())  # the kinked parameter gave every row extra starts
+    several_basins = 0
+    for i, workspace in enumerate(workspaces):
+        grid_free, grid_fixed = grid_minima(workspace)
+        pyhf_free, pyhf_fixed = pyhf_minima(workspace)
+        ours_free = free.best_twice_nll[i].item()
+        ours_fixed = fixed.best_twice_nll[i].item()
+        assert ours_free <= min(grid_free, pyhf_free) + 1e-6, (i, ours_free, grid_free, pyhf_free)
+        assert ours_fixed <= min(grid_fixed, pyhf_fixed) + 1e-6, (i, ours_fixed, grid_fixed)
+        assert ours_fixed >= ours_free - 1e-9
+        several_basins += not bool(free.starts_agreed[i] and fixed.starts_agreed[i])
+    # the family is what it claims: many of its likelihoods have more than one minimum
+    assert several_basins >= FAMILY // 4
+
+
+def test_a_smooth_likelihood_is_fitted_once(family):
+    workspaces, _ = family
+    model = HistFactoryModel.from_workspace(
+        workspaces[0], modifier_settings={"histosys": {"interpcode": "code4p"}}, device=DEVICE
+    )
+    result = fit(model, uncertainties=False)
+    assert result.starts.tolist() == [1] and result.starts_agreed.tolist() == [True]
+
+
+def test_extra_starts_never_move_fixed_parameters(family):
+    workspaces, _ = family
+    model = HistFactoryModel.from_workspace(workspaces[2], modifier_settings=SETTINGS)
+    alpha = model.par_names.index("coupled_histosys")
+    fixed = model.fixed.clone()
+    fixed[:, alpha] = True
+    init = model.init[0].clone()
+    init[alpha] = 0.3
+    result = fit(model, init=init, fixed=fixed[0], uncertainties=False)
+    assert result.bestfit[0, alpha].item() == pytest.approx(0.3, abs=0)
+    assert torch.isfinite(result.best_twice_nll).all()
