@@ -33,9 +33,7 @@ from service_support import ServerProcess, running_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-CASES = json.loads((Path(__file__).parent / "data/pyhf_validation/cases.json").read_text())[
-    "cases"
-]
+CASES = json.loads((Path(__file__).parent / "data/pyhf_validation/cases.json").read_text())["cases"]
 RECORDED_FIT_ERROR = 4e-4
 LOCAL_MINIMA_CASE = "2bin_2channel_coupledhistosys"
 
@@ -107,9 +105,11 @@ def test_asymptotic_case_matches_pyhf(client, case):
         assert within([float(single_obs), *map(float, single_exp)], recorded, 1e-6)
         assert relative(obs, recorded[0]) > 0.3
     else:
-        bound = max(RECORDED_FIT_ERROR, case["tolerance"]) if isinstance(
-            case["tolerance"], float
-        ) else case["tolerance"]
+        bound = (
+            max(RECORDED_FIT_ERROR, case["tolerance"])
+            if isinstance(case["tolerance"], float)
+            else case["tolerance"]
+        )
         assert within(ours, recorded, bound), (ours, recorded)
 
 

@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -29,6 +29,7 @@ import torch
 
 from pyhf_gpu_server import inference
 from pyhf_gpu_server.engine import HistFactoryModel, schema
+from pyhf_gpu_server.engine.layout import ElementLayout
 from pyhf_gpu_server.engine.stacking import partition, split_reason
 from pyhf_gpu_server.inference.results import group_parameters
 
@@ -166,6 +167,35 @@ class Plan:
     def n_rows(self) -> int:
         """Hypotheses in the whole request."""
         return len(self.patches) * len(self.pois or (None,))
+
+    def tested_outside_bounds(self, layout: ElementLayout) -> str | None:
+        """Why this plan's POI values (``test_poi``, an upper-limit ``scan``) cannot be tested
+        on ``layout``: a value outside the POI's bounds (raised to 0 by ``q~``, which every
+        upper limit uses), where pyhf refuses to start a fit; None if all are inside."""
+        values = self.pois if self.operation == "cls" else self.options.get("scan")
+        if not values or layout.poi_index is None:
+            return None
+        lo, hi = (float(v) for v in layout.bounds[layout.poi_index])
+        floored = self.options.get("test_stat", "qtilde") == "qtilde" and lo < 0.0
+        if floored:
+            lo = 0.0
+        outside = [v for v in values if not lo <= v <= hi]
+        if not outside:
+            return None
+        field = "test_poi" if self.operation == "cls" else "scan"
+        why = " (q~, test_stat 'qtilde', bounds the POI below at 0)" if floored else ""
+        return (
+            f"{field} value {outside[0]!r} lies outside the bounds [{lo!r}, {hi!r}] of the POI "
+            f"{layout.poi_name!r}{why}; pyhf refuses to start a fit there: test values inside "
+            "the bounds, or widen them in the measurement's parameters"
+        )
+
+    def checked(self, element: Element) -> Element:
+        """``element``, or its error if this plan's POI values cannot be tested on it."""
+        problem = None if element.layout is None else self.tested_outside_bounds(element.layout)
+        if problem is None:
+            return element
+        return replace(element, layout=None, error=Unprocessable(problem))
 
     def batch_key(self, stack_key: str) -> tuple[Any, ...]:
         """Rows with equal keys may share an engine call: the same background, stackable
@@ -482,6 +512,7 @@ class Operations:
             elements = await asyncio.get_running_loop().run_in_executor(
                 self.build_executor, self.elements.elements, plan.background, plan.patches
             )
+            elements = [plan.checked(e) for e in elements]
             translate_s = time.perf_counter() - start
             valid = [e for e in elements if e.layout is not None]
             if not valid:
