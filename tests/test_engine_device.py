@@ -27,10 +27,12 @@ def assert_all_on(model: HistFactoryModel, device: str) -> None:
             assert tensor.dtype == model.dtype, name
 
 
-def small_patchset_model(device: str) -> HistFactoryModel:
+def small_patchset_model(device: str, modifier_settings=None) -> HistFactoryModel:
     workspace, patchset, _ = shared_workspace("atlas-susy-2018-31-sbottom-B")
     names = [p["metadata"]["name"] for p in patchset["patches"]][:3]
-    return HistFactoryModel.from_patchset(workspace, patchset, patch_names=names, device=device)
+    return HistFactoryModel.from_patchset(
+        workspace, patchset, patch_names=names, device=device, modifier_settings=modifier_settings
+    )
 
 
 def test_fake_cuda_really_catches_mixed_devices():
@@ -119,5 +121,23 @@ def test_fit_runs_on_fake_cuda(solver):
             MinimizeOptions(max_iter=3, check_every=0, solver=solver),
         )
         for tensor in (result.x, result.fun, result.converged, result.iterations):
+            assert isinstance(tensor, FakeTensor)
+            assert tensor.device == torch.device("cuda:0")
+
+
+def test_kinked_fit_with_extra_starts_runs_on_fake_cuda():
+    """code0/code1 make every fit run extra starts, a kink-pinned refit and one-sided slope
+    checks: all of it on the model's device, with no data-dependent shapes."""
+    from pyhf_gpu_server.inference.minimize import MinimizeOptions
+    from pyhf_gpu_server.inference.mle import FitOptions, fit_rows
+
+    kinked = {"histosys": {"interpcode": "code0"}, "normsys": {"interpcode": "code1"}}
+    with FakeTensorMode():
+        model = small_patchset_model("cuda", kinked)
+        assert model.kinked_params.numel() > 0
+        element = torch.arange(model.n_elements, device="cuda")
+        options = FitOptions(minimize=MinimizeOptions(max_iter=3, check_every=0))
+        result = fit_rows(model, model.observed, element, options=options)
+        for tensor in (result.bestfit, result.deviance, result.starts, result.starts_agreed):
             assert isinstance(tensor, FakeTensor)
             assert tensor.device == torch.device("cuda:0")

@@ -123,8 +123,14 @@ def _start(
     """Start points, bounds and fixed masks per row, with a fixed POI where ``poi`` is finite
     and the POI's lower bound raised to ``poi_floor`` if given."""
     B = element.shape[0]
-    init = (model.init[element] if init is None else as_float(model, init).expand(B, -1)).clone()
-    bounds = model.bounds[element] if bounds is None else as_float(model, bounds).expand(B, -1, -1)
+    init = (
+        model.init.index_select(0, element) if init is None else as_float(model, init).expand(B, -1)
+    ).clone()
+    bounds = (
+        model.bounds.index_select(0, element)
+        if bounds is None
+        else as_float(model, bounds).expand(B, -1, -1)
+    )
     if poi_floor is not None:
         bounds = bounds.clone()
         bounds[:, model.poi_index, 0] = bounds[:, model.poi_index, 0].clamp(min=poi_floor)
@@ -132,7 +138,9 @@ def _start(
             init[:, model.poi_index], bounds[:, model.poi_index, 0]
         )
     fixed = (
-        model.fixed[element] if fixed is None else fixed.to(model.device).expand(B, -1)
+        model.fixed.index_select(0, element)
+        if fixed is None
+        else fixed.to(model.device).expand(B, -1)
     ).clone()
     if poi is not None:
         pinned = torch.isfinite(poi)
@@ -170,9 +178,12 @@ def _minimize(model, data, element, init, bounds, fixed, options: FitOptions) ->
     """One minimiser run per chunk of ``options.max_rows`` rows, concatenated."""
     parts = []
     for start in range(0, init.shape[0], options.max_rows):
-        sl = slice(start, start + options.max_rows)
-        objective = TwiceNLL(model, data[sl], element[sl], options.curvature)
-        parts.append(minimize(objective, init[sl], bounds[sl], fixed[sl], options.minimize))
+        length = min(options.max_rows, init.shape[0] - start)
+        data_, element_, init_, bounds_, fixed_ = (
+            t.narrow(0, start, length) for t in (data, element, init, bounds, fixed)
+        )
+        objective = TwiceNLL(model, data_, element_, options.curvature)
+        parts.append(minimize(objective, init_, bounds_, fixed_, options.minimize))
     if len(parts) == 1:
         return parts[0]
     return MinimizeResult(
@@ -204,26 +215,35 @@ def _global_minima(
     row = torch.cat([rows.repeat_interleave(S), rows])
     extra = _minimize(
         model,
-        data[row],
-        element[row],
+        data.index_select(0, row),
+        element.index_select(0, row),
         torch.cat([starts.flatten(0, 1), pinned_start]),
-        bounds[row],
+        bounds.index_select(0, row),
         torch.cat([fixed.repeat_interleave(S, 0), pinned_fixed]),
         options,
     )
-    pinned_x = extra.x[B * S :]
     objective = TwiceNLL(model, data, element, options.curvature)
+    pinned_x = extra.x.narrow(0, B * S, B)
     on_kink_minimum = kink_is_minimum(objective, pinned_x, pinned, options.starts.slope_tol)
     extra.converged = torch.cat(
-        [extra.converged[: B * S], extra.converged[B * S :] & on_kink_minimum]
+        [extra.converged.narrow(0, 0, B * S), extra.converged.narrow(0, B * S, B) & on_kink_minimum]
     )
+    # per row: the first fit, its S extra starts, its kink-pinned refit
     candidates = [
-        torch.cat([a.unsqueeze(1), b[: B * S].view(B, S, *b.shape[1:]), b[B * S :, None]], dim=1)
+        torch.cat(
+            [
+                a.unsqueeze(1),
+                b.narrow(0, 0, B * S).unflatten(0, (B, S)),
+                b.narrow(0, B * S, B).unsqueeze(1),
+            ],
+            dim=1,
+        )
         for a, b in zip(_columns(first), _columns(extra), strict=True)
     ]
     fun, converged = candidates[1], candidates[2]
     best, status = best_of_starts(fun, converged, options.starts.agree_twice_nll)
-    pick = [c[rows, best] for c in candidates]
+    flat = rows * (S + 2) + best
+    pick = [c.flatten(0, 1).index_select(0, flat) for c in candidates]
     return MinimizeResult(*pick), status
 
 

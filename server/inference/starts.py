@@ -127,7 +127,7 @@ def extra_starts(
     starts = []
     if n_flip:
         nearest = alpha.abs().topk(n_flip, dim=1, largest=False).indices  # [B, F]
-        columns = kinked[nearest]  # [B, F]
+        columns = kinked.index_select(0, nearest.flatten()).view_as(nearest)  # [B, F]
         near = alpha.gather(1, nearest)
         step = options.kink_step
         flipped = torch.where(
@@ -138,13 +138,11 @@ def extra_starts(
         starts.append(flips)
     if options.spread:
         for value in (options.spread, -options.spread):
-            point = x.clone()
-            point[:, kinked] = value
-            starts.append(point.unsqueeze(1))
+            starts.append(x.index_fill(1, kinked, value).unsqueeze(1))
     if not starts:
         return x.new_empty((B, 0, P))
     stacked = torch.cat(starts, dim=1)
-    lo, hi = bounds[:, None, :, 0], bounds[:, None, :, 1]
+    lo, hi = bounds.select(-1, 0).unsqueeze(1), bounds.select(-1, 1).unsqueeze(1)
     stacked = torch.minimum(torch.maximum(stacked, lo), hi)
     return torch.where(fixed.unsqueeze(1), x.unsqueeze(1), stacked)
 
@@ -154,9 +152,8 @@ def pin_kinks(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The first minima ``x [B, P]`` with the free kinked parameters that sit on their kink set
     to exactly 0, the fixed mask with them fixed, and the mask ``[B, P]`` of those pinned."""
-    pinned = torch.zeros_like(fixed)
-    pinned[:, kinked] = x.index_select(1, kinked).abs() < options.on_kink
-    pinned = pinned & ~fixed
+    on_kink = x.index_select(1, kinked).abs() < options.on_kink
+    pinned = torch.zeros_like(fixed).index_copy(1, kinked, on_kink).logical_and(fixed.logical_not())
     return torch.where(pinned, torch.zeros_like(x), x), fixed | pinned, pinned
 
 
@@ -169,7 +166,7 @@ def kink_is_minimum(objective, x: Tensor, pinned: Tensor, slope_tol: float) -> T
     right = objective.derivatives(torch.where(pinned, nudge, x), rows)[1]
     left = objective.derivatives(torch.where(pinned, -nudge, x), rows)[1]
     uphill = (right >= -slope_tol) & (left <= slope_tol)
-    return (uphill | ~pinned).all(-1)
+    return (uphill | pinned.logical_not()).all(-1)
 
 
 def best_of_starts(
@@ -185,6 +182,6 @@ def best_of_starts(
     best = torch.where(
         good.any(1), torch.where(good, finite, torch.inf).argmin(1), finite.argmin(1)
     )
-    agreed = (same | ~converged).all(1)
+    agreed = (same | converged.logical_not()).all(1)
     starts = torch.full_like(best, fun.shape[1])
     return best, FitStatus(converged.gather(1, best.unsqueeze(1)).squeeze(1), starts, agreed)
