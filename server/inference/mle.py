@@ -41,7 +41,9 @@ from .starts import (
     best_of_starts,
     extra_starts,
     kink_is_minimum,
+    one_sided_slopes,
     pin_kinks,
+    release_downhill,
 )
 
 __all__ = [
@@ -67,12 +69,12 @@ class FitOptions:
         minimize: :class:`~pyhf_gpu_server.inference.minimize.MinimizeOptions`.
         max_rows: rows per minimiser call at most (larger batches are split, for memory).
         starts: :class:`~pyhf_gpu_server.inference.starts.StartOptions`, the extra start
-            points of fits whose model has kinked parameters.
+            points of fits whose model has kinked parameters; None: one start (pyhf's way).
     """
 
     curvature: Curvature = "gauss-newton"
     minimize: MinimizeOptions = field(default_factory=MinimizeOptions)
-    starts: StartOptions = field(default_factory=StartOptions)
+    starts: StartOptions | None = field(default_factory=StartOptions)
     max_rows: int = 8192
 
 
@@ -200,51 +202,72 @@ def _global_minima(
     model, data, element, bounds, fixed, first: MinimizeResult, options: FitOptions
 ) -> tuple[MinimizeResult, FitStatus]:
     """The first minima ``first``, or lower ones from extra starts where the model has
-    kinked parameters (:mod:`~pyhf_gpu_server.inference.starts`), with each row's status.
-
-    The extra starts and the kink-pinned refit of every row run in ONE minimiser call."""
+    kinked parameters (:mod:`~pyhf_gpu_server.inference.starts`), with each row's status:
+    every row's extra starts in ONE minimiser call, then the lowest minimum of each row
+    settled on its kinks (two more calls)."""
     B = first.x.shape[0]
     kinked = model.kinked_params
-    if not kinked.numel():
+    if options.starts is None or not kinked.numel():
         ones = torch.ones(B, dtype=torch.long, device=first.x.device)
         return first, FitStatus(first.converged, ones, torch.ones_like(first.converged))
     starts = extra_starts(first.x, bounds, fixed, kinked, options.starts)  # [B, S, P]
     S = starts.shape[1]
-    pinned_start, pinned_fixed, pinned = pin_kinks(first.x, fixed, kinked, options.starts)
     rows = torch.arange(B, device=first.x.device)
-    row = torch.cat([rows.repeat_interleave(S), rows])
+    row = rows.repeat_interleave(S)
     extra = _minimize(
         model,
         data.index_select(0, row),
         element.index_select(0, row),
-        torch.cat([starts.flatten(0, 1), pinned_start]),
+        starts.flatten(0, 1),
         bounds.index_select(0, row),
-        torch.cat([fixed.repeat_interleave(S, 0), pinned_fixed]),
+        fixed.index_select(0, row),
         options,
     )
-    objective = TwiceNLL(model, data, element, options.curvature)
-    pinned_x = extra.x.narrow(0, B * S, B)
-    on_kink_minimum = kink_is_minimum(objective, pinned_x, pinned, options.starts.slope_tol)
-    extra.converged = torch.cat(
-        [extra.converged.narrow(0, 0, B * S), extra.converged.narrow(0, B * S, B) & on_kink_minimum]
-    )
-    # per row: the first fit, its S extra starts, its kink-pinned refit
-    candidates = [
-        torch.cat(
-            [
-                a.unsqueeze(1),
-                b.narrow(0, 0, B * S).unflatten(0, (B, S)),
-                b.narrow(0, B * S, B).unsqueeze(1),
-            ],
-            dim=1,
-        )
+    candidates = [  # per row: the first fit and its S extra starts
+        torch.cat([a.unsqueeze(1), b.unflatten(0, (B, S))], dim=1)
         for a, b in zip(_columns(first), _columns(extra), strict=True)
     ]
-    fun, converged = candidates[1], candidates[2]
-    best, status = best_of_starts(fun, converged, options.starts.agree_twice_nll)
-    flat = rows * (S + 2) + best
-    pick = [c.flatten(0, 1).index_select(0, flat) for c in candidates]
-    return MinimizeResult(*pick), status
+    lowest = torch.where(torch.isfinite(candidates[1]), candidates[1], torch.inf).argmin(1)
+    seed = candidates[0].flatten(0, 1).index_select(0, rows * (S + 1) + lowest)
+    settled, K = _settle_kinks(model, data, element, bounds, fixed, seed, options)
+    candidates = [
+        torch.cat([c, s.unflatten(0, (B, K))], dim=1)
+        for c, s in zip(candidates, _columns(settled), strict=True)
+    ]
+    best, status = best_of_starts(candidates[1], candidates[2], options.starts.agree_twice_nll)
+    flat = rows * (S + 1 + K) + best
+    return MinimizeResult(*(c.flatten(0, 1).index_select(0, flat) for c in candidates)), status
+
+
+def _settle_kinks(
+    model, data, element, bounds, fixed, x, options: FitOptions
+) -> tuple[MinimizeResult, int]:
+    """Minima ``x [B, P]`` refitted with their kinked parameters near a kink pinned to it,
+    then (``settle_rounds - 1`` times) again with those that have a way down released on that
+    side; converged only where the parameters still pinned sit at a minimum of their kink.
+    One settling per ``on_kink`` value (``K`` of them): ``[B * K]`` rows, row-major."""
+    starts = options.starts
+    K = len(starts.on_kink)
+    data, element, bounds, fixed, x = (
+        t.repeat_interleave(K, 0) for t in (data, element, bounds, fixed, x)
+    )
+    per_setting = torch.cat([x.new_full((1,), value) for value in starts.on_kink])
+    on_kink = per_setting.repeat(data.shape[0] // K).unsqueeze(1)
+    kinked = model.kinked_params
+    objective = TwiceNLL(model, data, element, options.curvature)
+    start, pinned = pin_kinks(x, fixed, kinked, on_kink)
+    settled = _minimize(model, data, element, start, bounds, fixed | pinned, options)
+    right, left = one_sided_slopes(objective, settled.x, pinned)
+    for _ in range(starts.settle_rounds - 1):
+        start, pinned = release_downhill(settled.x, pinned, right, left, on_kink, starts.slope_tol)
+        start, newly = pin_kinks(start, fixed | pinned, kinked, on_kink)
+        newly = newly & settled.converged.logical_not().unsqueeze(1)
+        start = torch.where(newly, torch.zeros_like(start), start)  # only stuck rows re-pin
+        pinned = pinned | newly
+        settled = _minimize(model, data, element, start, bounds, fixed | pinned, options)
+        right, left = one_sided_slopes(objective, settled.x, pinned)
+    settled.converged = settled.converged & kink_is_minimum(right, left, pinned, starts.slope_tol)
+    return settled, K
 
 
 def fit_rows(

@@ -14,11 +14,15 @@ minimum:
   that parameter moved to the other side of the kink (``-alpha``, at least ``kink_step`` away);
 - ``spread`` points: the first minimum with every kinked parameter at ``+spread`` and at
   ``-spread``;
-- the first minimum with the kinked parameters that sit on their kink (``|alpha| <
-  on_kink``) pinned there: a minimum AT a kink (the objective rises on both sides) has no
-  zero gradient, so Newton's criterion never holds there; with ``alpha`` pinned the other
-  parameters converge, and the point counts as converged when the one-sided slopes of every
-  pinned ``alpha`` both point uphill (:func:`kink_is_minimum`).
+- the lowest of those minima, settled on its kinks: a minimum AT a kink (the objective
+  rises on both sides) has no zero gradient, so Newton's criterion never holds there, and
+  fits of likelihoods with many kinked parameters end near many kinks. So the kinked
+  parameters near their kink (``|alpha| < on_kink``) are pinned to it and the rest refitted;
+  then, a few rounds, those whose one-sided slopes show a way down (:func:`one_sided_slopes`)
+  are released on that side (and, where the refit did not converge, free ones that came
+  near their kink pinned) and the rest refitted again; the point counts as converged when the
+  last refit did and every parameter still pinned has both slopes uphill
+  (:func:`kink_is_minimum`).
 
 A model without kinked parameters (pyhf's default codes, ``code4p``/``code4``, are smooth) fits
 once. Each row reports how many starts it ran and whether every start that converged reached
@@ -51,7 +55,9 @@ __all__ = [
     "best_of_starts",
     "extra_starts",
     "kink_is_minimum",
+    "one_sided_slopes",
     "pin_kinks",
+    "release_downhill",
 ]
 
 
@@ -66,7 +72,11 @@ class StartOptions:
         kink_step: a restarted parameter lands at least this far on the other side.
         spread: also start with every kinked parameter at ``+spread`` and at ``-spread``
             (``0``: not).
-        on_kink: a kinked parameter closer than this to 0 sits on its kink.
+        on_kink: a kinked parameter closer than this to 0 is pinned to its kink to settle;
+            one settling per value, all in the same minimiser calls.
+        settle_rounds: refits while settling: the pinned one, then each after releasing the
+            pinned parameters with a way down (and, in rows whose refit did not converge,
+            pinning the free kinked parameters that came near their kink).
         slope_tol: one-sided slopes (of ``-2 log L`` per unit ``alpha``) down to ``-slope_tol``
             still count as uphill.
         agree_twice_nll: two minima whose ``-2 log L`` differ by less are the same minimum.
@@ -75,7 +85,8 @@ class StartOptions:
     kink_starts: int = 8
     kink_step: float = 0.5
     spread: float = 1.0
-    on_kink: float = 1e-6
+    on_kink: tuple[float, ...] = (0.02, 0.005)
+    settle_rounds: int = 4
     slope_tol: float = 1e-6
     agree_twice_nll: float = 1e-6
 
@@ -147,24 +158,40 @@ def extra_starts(
     return torch.where(fixed.unsqueeze(1), x.unsqueeze(1), stacked)
 
 
-def pin_kinks(
-    x: Tensor, fixed: Tensor, kinked: Tensor, options: StartOptions
-) -> tuple[Tensor, Tensor, Tensor]:
-    """The first minima ``x [B, P]`` with the free kinked parameters that sit on their kink set
-    to exactly 0, the fixed mask with them fixed, and the mask ``[B, P]`` of those pinned."""
-    on_kink = x.index_select(1, kinked).abs() < options.on_kink
+def pin_kinks(x: Tensor, fixed: Tensor, kinked: Tensor, on_kink: Tensor) -> tuple[Tensor, Tensor]:
+    """The minima ``x [B, P]`` with the free kinked parameters near their kink (``|alpha| <
+    on_kink [B, 1]``) set to exactly 0, and the mask ``[B, P]`` of those pinned."""
+    on_kink = x.index_select(1, kinked).abs() < on_kink
     pinned = torch.zeros_like(fixed).index_copy(1, kinked, on_kink).logical_and(fixed.logical_not())
-    return torch.where(pinned, torch.zeros_like(x), x), fixed | pinned, pinned
+    return torch.where(pinned, torch.zeros_like(x), x), pinned
 
 
-def kink_is_minimum(objective, x: Tensor, pinned: Tensor, slope_tol: float) -> Tensor:
-    """``[B]`` bool: at ``x``, every ``pinned`` parameter's one-sided slopes of ``objective``
-    (a :class:`~pyhf_gpu_server.inference.minimize.BatchedObjective`) point uphill: the slope
-    just right of the kink is ``>= 0`` and the slope just left of it ``<= 0``."""
+def one_sided_slopes(objective, x: Tensor, pinned: Tensor) -> tuple[Tensor, Tensor]:
+    """The slopes ``[B, P]`` of ``objective`` (a
+    :class:`~pyhf_gpu_server.inference.minimize.BatchedObjective`) just right and just left of
+    the kink of every ``pinned`` parameter of ``x`` (others: the plain gradient)."""
     rows = torch.arange(x.shape[0], device=x.device)
     nudge = torch.finfo(x.dtype).tiny ** 0.5
     right = objective.derivatives(torch.where(pinned, nudge, x), rows)[1]
     left = objective.derivatives(torch.where(pinned, -nudge, x), rows)[1]
+    return right, left
+
+
+def release_downhill(
+    x: Tensor, pinned: Tensor, right: Tensor, left: Tensor, on_kink: Tensor, slope_tol: float
+) -> tuple[Tensor, Tensor]:
+    """The pinned parameters that are not at a minimum of their kink (a one-sided slope points
+    downhill) moved ``2 on_kink [B, 1]`` down that side, and the mask of those still pinned."""
+    down_right = pinned & (right < -slope_tol)
+    down_left = pinned & (left > slope_tol) & down_right.logical_not()
+    step = 2 * on_kink
+    moved = torch.where(down_right, step, torch.where(down_left, -step, x))
+    return moved, pinned & (down_right | down_left).logical_not()
+
+
+def kink_is_minimum(right: Tensor, left: Tensor, pinned: Tensor, slope_tol: float) -> Tensor:
+    """``[B]`` bool: every ``pinned`` parameter's one-sided slopes (``right``, ``left``, from
+    :func:`one_sided_slopes`) point uphill: ``>= 0`` right of its kink, ``<= 0`` left of it."""
     uphill = (right >= -slope_tol) & (left <= slope_tol)
     return (uphill | pinned.logical_not()).all(-1)
 
