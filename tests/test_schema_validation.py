@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pyhf_gpu_server.engine import schema
+from pyhf_gpu_server.engine.errors import UnrepresentableValueError
 from pyhf_gpu_server.service.errors import describe_invalid_specification
 
 
@@ -194,10 +195,45 @@ def test_damaged_workspaces_get_pyhfs_verdict(location, action, value):
 
 
 # ------------------------------------------------------------------------------------ loads
-@pytest.mark.parametrize("text", ["NaN", "[Infinity]", "[-Infinity]", '{"a": 1e999}', "[-1e400]"])
+@pytest.mark.parametrize("text", ["NaN", "[Infinity]", "[-Infinity]", '{"a": [1.0, NaN]}'])
 def test_loads_refuses_non_finite_numbers(text):
     with pytest.raises(ValueError):
         schema.loads(text)
+    with pytest.raises(json.JSONDecodeError):
+        schema.loads(text.encode())
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            '{"channels": [{"name": "SR", "samples": [{"name": "\\ud800"}]}]}',
+            "the text at /channels/0/samples/0/name holds an unpaired UTF-16 surrogate ('\\ud800')",
+        ),
+        ('{"measurements": [{"name": "m\\udc00"}]}', "the text at /measurements/0/name holds"),
+        ('{"ok": 1, "a/b~\\ud800": 1}', "the text at /a~1b~0\\ud800 holds"),
+        ('"\\ud800"', "the text at (top level) holds"),
+        (
+            '{"observations": [{"name": "SR", "data": [1, 1' + "0" * 399 + "]}]}",
+            "the number at /observations/0/data/1 is out of range",
+        ),
+        ('{"data": [-1' + "0" * 400 + "]}", "the number at /data/0 is out of range"),
+        ('{"a": 1e999}', "the number at /a is out of range"),
+        ("[-1e400]", "the number at /0 is out of range"),
+    ],
+)
+def test_loads_names_the_path_of_values_no_model_can_hold(text, message):
+    """What orjson refuses and json would read into a value that no model can hold (an
+    unpaired surrogate, a number beyond a 64-bit float) is refused with its JSON path."""
+    for document in (text, text.encode(), memoryview(text.encode())):
+        with pytest.raises(UnrepresentableValueError) as error:
+            schema.loads(document)
+        assert message in str(error.value)
+        assert str(error.value).encode("utf-8")  # the message is text any answer can carry
+
+
+@pytest.mark.parametrize("text", ["[1, 2", '{"a": "\\ud800"', "[" * 5000 + "]" * 5000])
+def test_loads_leaves_malformed_json_to_its_own_error(text):
     with pytest.raises(json.JSONDecodeError):
         schema.loads(text.encode())
 

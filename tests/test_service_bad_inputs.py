@@ -15,12 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pyhf
 import pytest
 from service_support import SMALL, ServerProcess, load, running_server, simple_workspace
 
 pytestmark = pytest.mark.timeout(300)
 
 TRACEBACK_MARKERS = ("Traceback", 'File "', "site-packages")
+SETTINGS = "/measurements/0/config/parameters/0"  # the simple workspace's first setting
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +62,27 @@ def _poi_fixed() -> dict[str, Any]:
     return spec
 
 
+def _raw(spec: dict[str, Any]) -> dict[str, Any]:
+    """Request kwargs sending ``spec`` as JSON text with ``\\u`` escapes: lone surrogates and
+    400-digit integers survive as they are."""
+    return {"content": json.dumps(spec).encode()}
+
+
+def _with_parameters(*parameters: dict[str, Any]) -> dict[str, Any]:
+    """The simple workspace with these measurement parameter settings."""
+    return mutated(lambda s: s["measurements"][0]["config"].update(parameters=list(parameters)))
+
+
+def _doubled(array: Callable[[dict[str, Any]], list]) -> Callable[[dict[str, Any]], None]:
+    """A change that appends a copy of the first item of ``array(spec)``."""
+    return lambda spec: array(spec).append(copy.deepcopy(array(spec)[0]))
+
+
+def _patched(*operations: dict[str, Any]) -> dict[str, Any]:
+    """A request envelope: the simple workspace with one inline patch."""
+    return {"json": {"workspace": simple_workspace(), "patches": [list(operations)]}}
+
+
 def _nested(depth: int) -> bytes:
     return b"[" * depth + b"]" * depth
 
@@ -80,6 +103,170 @@ CASES: list[tuple[str, str, str, dict[str, Any], int, str]] = [
             "'mu' is fixed",
         )
         for route in ("/cls", "/upper-limit", "/significance")
+    ),
+    *(
+        (f"duplicate {what}", "POST", "/cls", {"json": mutated(_doubled(array))}, 422, detail)
+        for what, array, detail in (
+            (
+                "channel",
+                lambda s: s["channels"],
+                "duplicate channel name 'singlechannel' at /channels/1 (first at /channels/0)",
+            ),
+            (
+                "sample",
+                lambda s: s["channels"][0]["samples"],
+                "duplicate sample name 'signal' in channel 'singlechannel' at "
+                "/channels/0/samples/2 (first at /channels/0/samples/0)",
+            ),
+            (
+                "modifier",
+                lambda s: s["channels"][0]["samples"][1]["modifiers"],
+                "duplicate modifier 'uncorr_bkguncrt' (shapesys) on sample 'background' in "
+                "channel 'singlechannel' at /channels/0/samples/1/modifiers/1 "
+                "(first at /channels/0/samples/1/modifiers/0)",
+            ),
+            (
+                "measurement",
+                lambda s: s["measurements"],
+                "duplicate measurement name 'meas' at /measurements/1 (first at /measurements/0)",
+            ),
+            (
+                "observation",
+                lambda s: s["observations"],
+                "duplicate observation name 'singlechannel' at /observations/1 "
+                "(first at /observations/0)",
+            ),
+        )
+    ),
+    (
+        "patch that duplicates a channel",
+        "POST",
+        "/cls",
+        _patched({"op": "copy", "from": "/channels/0", "path": "/channels/-"}),
+        422,
+        "duplicate channel name 'singlechannel' at /channels/1 (first at /channels/0)",
+    ),
+    (
+        "patch that makes an observed count negative",
+        "POST",
+        "/cls",
+        _patched({"op": "replace", "path": "/observations/0/data/1", "value": -3.0}),
+        422,
+        "negative counts at /observations/0/data/1",
+    ),
+    *(
+        (
+            f"unknown {mtype} interpcode",
+            "POST",
+            "/cls",
+            {
+                "json": {
+                    "workspace": simple_workspace(),
+                    "modifier_settings": {mtype: {"interpcode": "code9"}},
+                }
+            },
+            422,
+            f"{mtype} interpolation code 'code9' at /modifier_settings/{mtype}/interpcode is "
+            f"not one of {codes}",
+        )
+        for mtype, codes in (
+            ("histosys", "('code0', 'code2', 'code4p')"),
+            ("normsys", "('code1', 'code4')"),
+        )
+    ),
+    (
+        "unknown modifier type in modifier_settings",
+        "POST",
+        "/fit",
+        {
+            "json": {
+                "workspace": simple_workspace(),
+                "modifier_settings": {"magic": {"interpcode": "code1"}},
+            }
+        },
+        422,
+        "magic not among ['histosys', 'lumi', 'normfactor', 'normsys', 'shapefactor', "
+        "'shapesys', 'staterror'] (at /modifier_settings/magic)",
+    ),
+    *(
+        (
+            f"lone surrogate in a {what} name",
+            "POST",
+            "/cls",
+            _raw(mutated(lambda s, name=name: name(s).update(name="\ud800"))),
+            422,
+            f"the text at {path}/name holds an unpaired UTF-16 surrogate",
+        )
+        for what, name, path in (
+            ("channel", lambda s: s["channels"][0], "/channels/0"),
+            ("sample", lambda s: s["channels"][0]["samples"][1], "/channels/0/samples/1"),
+            (
+                "modifier",
+                lambda s: s["channels"][0]["samples"][0]["modifiers"][0],
+                "/channels/0/samples/0/modifiers/0",
+            ),
+            ("measurement", lambda s: s["measurements"][0], "/measurements/0"),
+        )
+    ),
+    (
+        "lone surrogate in an uploaded workspace",
+        "POST",
+        "/workspaces",
+        _raw(mutated(lambda s: s["observations"][0].update(name="SR\udc00"))),
+        422,
+        "the text at /observations/0/name holds an unpaired UTF-16 surrogate",
+    ),
+    (
+        "400-digit observed count",
+        "POST",
+        "/cls",
+        _raw(mutated(lambda s: s["observations"][0]["data"].__setitem__(1, 10**399))),
+        422,
+        "the number at /observations/0/data/1 is out of range",
+    ),
+    (
+        "400-digit sample count",
+        "POST",
+        "/jobs",
+        {
+            "content": json.dumps(
+                {"operation": "fit", "workspace": simple_workspace((10**399, 1.0))}
+            ).encode()
+        },
+        422,
+        "the number at /workspace/channels/0/samples/0/data/0 is out of range",
+    ),
+    (
+        "POI bounds of three numbers",
+        "POST",
+        "/cls",
+        {"json": _with_parameters({"name": "mu", "bounds": [[0, 10, 5]]})},
+        422,
+        f"parameter 'mu' at {SETTINGS}/bounds/0: bounds [0, 10, 5] are not a [low, high] pair",
+    ),
+    (
+        "inverted bounds",
+        "POST",
+        "/cls",
+        {"json": _with_parameters({"name": "mu", "bounds": [[10, 0]]})},
+        422,
+        f"parameter 'mu' at {SETTINGS}/bounds/0: bounds [10, 0] are inverted",
+    ),
+    (
+        "zero-width bounds",
+        "POST",
+        "/fit",
+        {"json": _with_parameters({"name": "mu", "bounds": [[5, 5]], "inits": [5.0]})},
+        422,
+        f"parameter 'mu' at {SETTINGS}/bounds/0: bounds [5, 5] are zero-width",
+    ),
+    (
+        "init outside its bounds",
+        "POST",
+        "/cls",
+        {"json": _with_parameters({"name": "mu", "inits": [20.0]})},
+        422,
+        f"parameter 'mu' at {SETTINGS}/inits/0: init 20.0 lies outside its bounds",
     ),
     ("malformed JSON", "POST", "/cls", {"content": b'{"channels": ['}, 400, "malformed JSON"),
     ("empty body", "POST", "/cls", {"content": b""}, 400, "empty"),
@@ -352,6 +539,87 @@ def test_unknown_patch_name_is_named(client: httpx.Client, uploaded: str) -> Non
     )
     assert response.status_code == 422
     assert "no_such_patch" in response.json()["detail"]
+
+
+# (patch name, operations, text its error detail must contain)
+BROKEN_PATCHES = [
+    (
+        "copied_channel",
+        [{"op": "copy", "from": "/channels/0", "path": "/channels/-"}],
+        "duplicate channel name 'singlechannel' at /channels/1 (first at /channels/0)",
+    ),
+    (
+        "copied_sample",
+        [{"op": "copy", "from": "/channels/0/samples/1", "path": "/channels/0/samples/-"}],
+        "duplicate sample name 'background' in channel 'singlechannel' at "
+        "/channels/0/samples/2 (first at /channels/0/samples/1)",
+    ),
+    (
+        "copied_modifier",
+        [
+            {
+                "op": "copy",
+                "from": "/channels/0/samples/0/modifiers/0",
+                "path": "/channels/0/samples/0/modifiers/-",
+            }
+        ],
+        "duplicate modifier 'mu' (normfactor) on sample 'signal' in channel 'singlechannel' at "
+        "/channels/0/samples/0/modifiers/1 (first at /channels/0/samples/0/modifiers/0)",
+    ),
+    (
+        "copied_measurement",
+        [{"op": "copy", "from": "/measurements/0", "path": "/measurements/-"}],
+        "duplicate measurement name 'meas' at /measurements/1 (first at /measurements/0)",
+    ),
+    (
+        "copied_observation",
+        [{"op": "copy", "from": "/observations/0", "path": "/observations/-"}],
+        "duplicate observation name 'singlechannel' at /observations/1 (first at /observations/0)",
+    ),
+    (
+        "negative_count",
+        [{"op": "replace", "path": "/observations/0/data/0", "value": -1.0}],
+        "negative counts at /observations/0/data/0",
+    ),
+    (
+        "inverted_bounds",
+        [
+            {
+                "op": "add",
+                "path": "/measurements/0/config/parameters/-",
+                "value": {"name": "mu", "bounds": [[10.0, 0.0]]},
+            }
+        ],
+        f"parameter 'mu' at {SETTINGS}/bounds/0: bounds [10.0, 0.0] are inverted",
+    ),
+]
+
+
+def test_patches_that_break_names_or_bounds_answer_their_own_located_422(
+    client: httpx.Client,
+) -> None:
+    patches = [("fine", [], ""), *BROKEN_PATCHES]
+    patchset = {
+        "metadata": {
+            "references": {"hepdata": "ins1234567"},
+            "description": "patches that break unique names or bounds",
+            "digests": {"sha256": pyhf.utils.digest(simple_workspace())},
+            "labels": ["x"],
+        },
+        "patches": [
+            {"metadata": {"name": name, "values": [float(i)]}, "patch": operations}
+            for i, (name, operations, _) in enumerate(patches)
+        ],
+        "version": "1.0.0",
+    }
+    response = client.post("/cls", json={"workspace": simple_workspace(), "patchset": patchset})
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    assert "CLs_obs" in answer["fine"]
+    for name, _, detail in BROKEN_PATCHES:
+        assert answer[name]["error"]["status"] == 422, answer[name]
+        assert detail in answer[name]["error"]["detail"], answer[name]
+    assert not any(marker in response.text for marker in TRACEBACK_MARKERS)
 
 
 def test_streamed_body_over_the_limit(client: httpx.Client) -> None:

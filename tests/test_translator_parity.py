@@ -23,7 +23,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pyhf_gpu_server.engine import patching, reading, translate
-from pyhf_gpu_server.engine.errors import UnsupportedModelError
+from pyhf_gpu_server.engine.errors import (
+    DuplicateNameError,
+    InvalidWorkspaceError,
+    UnsupportedModelError,
+)
 from pyhf_gpu_server.engine.layout import ElementLayout, SampleLayout, read_model
 from pyhf_gpu_server.engine.translate import WorkspaceTranslator
 
@@ -275,8 +279,8 @@ def workspaces(draw):
     ]
     for pname in draw(st.lists(st.sampled_from([*scalars, "unused"]), unique=True)):
         setting = {"name": pname}
-        if draw(st.booleans()):
-            setting["inits"] = [draw(st.floats(-1.0, 2.0))]
+        if draw(st.booleans()):  # inside every default and drawn bound (ours refuses others)
+            setting["inits"] = [draw(st.floats(0.0, 2.0))]
         if draw(st.booleans()):
             setting["bounds"] = [[-3.0, draw(st.floats(2.0, 8.0))]]
         if draw(st.booleans()):
@@ -424,14 +428,6 @@ ERROR_CASES = {
         },
         {},
     ),
-    "modifier twice on a sample": (
-        _hand_built(
-            lambda s: _sample(s, 0, 0)["modifiers"].append(
-                {"name": "sig_norm", "type": "normsys", "data": {"hi": 1.2, "lo": 0.8}}
-            )
-        ),
-        {},
-    ),
     "non-positive normsys": (
         _hand_built(lambda s: _sample(s, 0, 1)["modifiers"][2]["data"].update(lo=-0.1)),
         {},
@@ -447,16 +443,30 @@ def test_errors_are_pyhfs(case):
     assert_same_outcome(spec, **options)
 
 
+def _parameter(spec, index):
+    return spec["measurements"][0]["config"]["parameters"][index]
+
+
+SETTINGS_PATH = "/measurements/0/config/parameters"
+# (spec, options, error, text its message holds: the JSON path or the offending name)
 DEVIATIONS = {
     "missing observations (pyhf: KeyError)": (
         _hand_built(lambda s: s["observations"].pop()),
         {},
         pyhf.exceptions.InvalidModel,
+        "channel 'CR' has no entry in 'observations'",
     ),
     "negative observed counts (pyhf: fits them)": (
-        _hand_built(lambda s: s["observations"][0]["data"].__setitem__(0, -1.0)),
+        _hand_built(lambda s: s["observations"][0]["data"].__setitem__(2, -1.0)),
         {},
         pyhf.exceptions.InvalidModel,
+        "negative counts at /observations/0/data/2",
+    ),
+    "observations of another size (pyhf: builds it)": (
+        _hand_built(lambda s: s["observations"][1]["data"].append(1.0)),
+        {},
+        pyhf.exceptions.InvalidModel,
+        "channel 'CR' at /observations/1/data have 3 bins, the channel has 2",
     ),
     "staterror on different channels (pyhf: AssertionError)": (
         _hand_built(
@@ -466,26 +476,110 @@ DEVIATIONS = {
         ),
         {},
         pyhf.exceptions.InvalidModel,
+        "'stat_shared' must be on the same channels",
     ),
     "lumi without settings (pyhf: TypeError)": (
         _hand_built(lambda s: s["measurements"][0]["config"]["parameters"].pop(0)),
         {},
         pyhf.exceptions.InvalidModel,
+        "The parameter 'lumi' needs",
     ),
     "interpolation code pyhf lacks (pyhf: AssertionError)": (
         all_modifiers_workspace(),
         {"modifier_settings": {"histosys": {"interpcode": "code1"}}},
         pyhf.exceptions.InvalidInterpCode,
+        "'code1' at /modifier_settings/histosys/interpcode is not one of "
+        "('code0', 'code2', 'code4p')",
     ),
     "option an applier does not take (pyhf: TypeError)": (
         all_modifiers_workspace(),
         {"modifier_settings": {"normfactor": {"interpcode": "code1"}}},
         pyhf.exceptions.Unsupported,
+        "normfactor at /modifier_settings/normfactor",
+    ),
+    "settings of an unknown modifier type (pyhf: ignored)": (
+        all_modifiers_workspace(),
+        {"modifier_settings": {"magic": {"interpcode": "code1"}}},
+        pyhf.exceptions.InvalidModifier,
+        "magic not among ['histosys', 'lumi', 'normfactor', 'normsys', 'shapefactor', "
+        "'shapesys', 'staterror'] (at /modifier_settings/magic)",
     ),
     "channel name twice (pyhf: merged)": (
         _hand_built(lambda s: s["channels"][1].update(name="SR")),
         {},
-        UnsupportedModelError,
+        DuplicateNameError,
+        "duplicate channel name 'SR' at /channels/1 (first at /channels/0)",
+    ),
+    "sample name twice in a channel (pyhf: AssertionError)": (
+        _hand_built(lambda s: _sample(s, 1, 1).update(name="bkg1")),
+        {},
+        DuplicateNameError,
+        "duplicate sample name 'bkg1' in channel 'CR' at /channels/1/samples/1 "
+        "(first at /channels/1/samples/0)",
+    ),
+    "modifier twice on a sample (pyhf: builds it, read_model refuses)": (
+        _hand_built(
+            lambda s: _sample(s, 0, 0)["modifiers"].append(
+                {"name": "sig_norm", "type": "normsys", "data": {"hi": 1.2, "lo": 0.8}}
+            )
+        ),
+        {},
+        DuplicateNameError,
+        "duplicate modifier 'sig_norm' (normsys) on sample 'signal' in channel 'SR' at "
+        "/channels/0/samples/0/modifiers/3 (first at /channels/0/samples/0/modifiers/2)",
+    ),
+    "shapesys twice on a sample (pyhf: InvalidModel without the path)": (
+        _hand_built(
+            lambda s: _sample(s, 0, 2)["modifiers"].append(
+                {"name": "bkg2_shape", "type": "shapesys", "data": [1.0, 1.0, 1.0]}
+            )
+        ),
+        {},
+        DuplicateNameError,
+        "at /channels/0/samples/2/modifiers/5 (first at /channels/0/samples/2/modifiers/3)",
+    ),
+    "measurement name twice (pyhf: the first)": (
+        _hand_built(lambda s: s["measurements"][1].update(name="meas")),
+        {},
+        DuplicateNameError,
+        "duplicate measurement name 'meas' at /measurements/1 (first at /measurements/0)",
+    ),
+    "observation name twice (pyhf: the last)": (
+        _hand_built(lambda s: s["observations"].append({"name": "SR", "data": [1.0, 2.0, 3.0]})),
+        {},
+        DuplicateNameError,
+        "duplicate observation name 'SR' at /observations/2 (first at /observations/0)",
+    ),
+    "bounds that are not a pair (pyhf: builds them)": (
+        _hand_built(lambda s: _parameter(s, 1).update(bounds=[[0.0, 8.0, 5.0]])),
+        {},
+        InvalidWorkspaceError,
+        f"parameter 'mu' at {SETTINGS_PATH}/1/bounds/0: bounds [0.0, 8.0, 5.0] are not a "
+        "[low, high] pair",
+    ),
+    "inverted bounds (pyhf: builds them)": (
+        _hand_built(lambda s: _parameter(s, 1).update(bounds=[[8.0, 0.0]])),
+        {},
+        InvalidWorkspaceError,
+        f"parameter 'mu' at {SETTINGS_PATH}/1/bounds/0: bounds [8.0, 0.0] are inverted",
+    ),
+    "zero-width bounds (pyhf: builds them)": (
+        _hand_built(lambda s: _parameter(s, 2).update(bounds=[[0.3, 0.3]])),
+        {},
+        InvalidWorkspaceError,
+        f"parameter 'jes' at {SETTINGS_PATH}/2/bounds/0: bounds [0.3, 0.3] are zero-width",
+    ),
+    "init outside its bounds (pyhf: builds it)": (
+        _hand_built(lambda s: _parameter(s, 1).update(inits=[9.0])),
+        {},
+        InvalidWorkspaceError,
+        f"parameter 'mu' at {SETTINGS_PATH}/1/inits/0: init 9.0 lies outside its bounds [0.0, 8.0]",
+    ),
+    "default init outside the set bounds (pyhf: builds it)": (
+        _hand_built(lambda s: _parameter(s, 4).update(bounds=[[1.5, 2.0]])),
+        {},
+        InvalidWorkspaceError,
+        f"parameter 'bkg1_norm' at {SETTINGS_PATH}/4/bounds/0: init 1.0 lies outside",
     ),
     "shapefactor over channels of other sizes (pyhf: sized by the first)": (
         _hand_built(
@@ -495,15 +589,36 @@ DEVIATIONS = {
         ),
         {},
         UnsupportedModelError,
+        "shapefactor 'shape_free'",
     ),
 }
 
 
 @pytest.mark.parametrize("case", DEVIATIONS, ids=list(DEVIATIONS))
 def test_documented_deviations_raise_pyhf_or_engine_errors(case):
-    spec, options, error = DEVIATIONS[case]
-    with pytest.raises(error):
+    spec, options, error, text = DEVIATIONS[case]
+    with pytest.raises(error) as raised:
         translate.translate(spec, validate=False, **options)
+    assert text in str(raised.value)
+
+
+def test_warm_patches_that_break_names_or_settings_say_where(translators):
+    """A patch gets its own located error; the warm background is unharmed."""
+    name = WORKSPACE_NAMES[0]
+    last = len(background(name)["channels"])
+    without_poi = {"op": "replace", "path": "/measurements/0/config/poi", "value": ""}
+    copied = [without_poi, {"op": "copy", "from": "/channels/0", "path": "/channels/-"}]
+    with pytest.raises(DuplicateNameError) as duplicate:
+        translators[name].element(copied, "copied")
+    assert f"at /channels/{last} (first at /channels/0)" in str(duplicate.value)
+    lumi = "/measurements/0/config/parameters/0"
+    inverted = [without_poi, {"op": "replace", "path": f"{lumi}/bounds/0/0", "value": 2.0}]
+    with pytest.raises(InvalidWorkspaceError) as bounds:
+        translators[name].element(inverted, "inverted")
+    assert f"parameter 'lumi' at {lumi}/bounds/0: bounds [2.0, 1.085] are inverted" in str(
+        bounds.value
+    )
+    assert translators[name].element([without_poi], "fine").poi_name is None
 
 
 def test_invalid_patched_workspaces_raise_pyhfs_schema_error(translators):

@@ -134,6 +134,22 @@ def build_paramset(name: str, combined: dict[str, Any]) -> Paramset:
                 if key == "auxdata"
                 else f"parameter {name!r}: {len(values)} {key} for {n} parameter(s)"
             )
-    if any(len(pair) != 2 for pair in paramset.bounds):
-        raise UnsupportedModelError(f"parameter {name!r}: every bound must be a [low, high] pair")
     return paramset
+
+
+def setting_problem(paramset: Paramset) -> tuple[str, int, str] | None:
+    """The first component of ``paramset`` whose bounds are not a [low, high] pair with
+    low < high, or whose init lies outside them: ``("bounds" or "inits", component, what is
+    wrong)``; None if there is none. pyhf builds such parameters; its fits then start outside
+    the bounds or fail on them."""
+    for component, (pair, init) in enumerate(zip(paramset.bounds, paramset.inits, strict=True)):
+        bound = list(pair)
+        if len(bound) != 2:
+            return "bounds", component, f"bounds {bound} are not a [low, high] pair"
+        low, high = bound
+        if not low < high:
+            shape = "inverted (low above high)" if low > high else "zero-width (low equals high)"
+            return "bounds", component, f"bounds {bound} are {shape}; low must be below high"
+        if not low <= init <= high:
+            return "inits", component, f"init {init} lies outside its bounds {bound}"
+    return None

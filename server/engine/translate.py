@@ -13,10 +13,14 @@ Where pyhf fails without one of its own exceptions, or builds something the engi
 this module raises instead: a staterror carried by samples on different sets of channels
 (pyhf: ``AssertionError``), a lumi parameter without ``inits``/``bounds``/``auxdata`` in the
 measurement (pyhf: ``TypeError``), interpolation codes or options pyhf's appliers do not take
-(``AssertionError``/``TypeError``; here ``InvalidInterpCode``/``Unsupported``, checked before
-the workspace), and, as :class:`UnsupportedModelError`, channel names or sample names within a
-channel used twice (pyhf merges them), a shapefactor on channels of different sizes, lumi
-settings with other than one value, bounds that are not pairs.
+and settings of unknown modifier types (``AssertionError``/``TypeError``/ignored; here
+``InvalidInterpCode``/``Unsupported``/``InvalidModifier``, checked before the workspace);
+as :class:`DuplicateNameError`, before any other check, a name used twice where it must be
+unique (channels and samples within a channel, which pyhf merges; a modifier's name and type
+on one sample; measurements; observations); as :class:`InvalidWorkspaceError`, bounds set in
+the measurement that are not [low, high] pairs with low < high and inits outside their bounds;
+as :class:`UnsupportedModelError`, a shapefactor on channels of different sizes and lumi
+settings with other than one value. These messages name the JSON path of what is wrong.
 
 :class:`WorkspaceTranslator` is the warm form for many patches of one background: a patch is
 applied without copying what it leaves alone (:mod:`.patching`), the samples it does not touch
@@ -65,7 +69,7 @@ from pyhf.exceptions import (
 )
 
 from . import schema
-from .errors import UnsupportedModelError
+from .errors import DuplicateNameError, InvalidWorkspaceError, UnsupportedModelError
 from .interpolation import (
     HISTOSYS_CODES,
     NORMSYS_CODES,
@@ -73,7 +77,13 @@ from .interpolation import (
     normsys_coefficients,
 )
 from .layout import ElementLayout, ParameterSet, SampleLayout
-from .paramsets import Paramset, build_paramset, reduce_requirements, user_configs
+from .paramsets import (
+    Paramset,
+    build_paramset,
+    reduce_requirements,
+    setting_problem,
+    user_configs,
+)
 from .patching import apply_patch
 from .reading import MODIFIER_TYPES, REQUIRED_PARSET, SampleReading, read_sample
 
@@ -103,18 +113,25 @@ def codes_from_settings(modifier_settings: Mapping[str, Any] | None) -> tuple[st
     """The (histosys, normsys) interpolation codes of pyhf's ``modifier_settings``.
 
     ``None`` means pyhf's default settings (code4p, code4); a type missing from given
-    settings takes the default of pyhf's applier (code0, code1). pyhf fails with an
-    ``AssertionError`` or ``TypeError`` on codes or options its appliers do not take: here
-    :class:`~pyhf.exceptions.InvalidInterpCode` and :class:`~pyhf.exceptions.Unsupported`.
+    settings takes the default of pyhf's applier (code0, code1). pyhf ignores settings of
+    unknown modifier types and fails with an ``AssertionError`` or ``TypeError`` on codes or
+    options its appliers do not take: here :class:`~pyhf.exceptions.InvalidModifier`,
+    :class:`~pyhf.exceptions.InvalidInterpCode` and :class:`~pyhf.exceptions.Unsupported`,
+    each naming the setting's path in the request (``/modifier_settings/...``).
     """
     settings = DEFAULT_MODIFIER_SETTINGS if modifier_settings is None else modifier_settings
+    unknown = [mtype for mtype in settings if mtype not in MODIFIER_TYPES]
+    if unknown:
+        raise InvalidModifier(
+            f"{unknown[0]} not among {list(MODIFIER_TYPES)} (at /modifier_settings/{unknown[0]})"
+        )
     for mtype in MODIFIER_TYPES:
         options = settings.get(mtype, {})
         allowed = {"interpcode"} if mtype in _CODES else set()
         if not isinstance(options, Mapping) or set(options) - allowed:
             raise Unsupported(
-                f"Unsupported modifier_settings for {mtype}: {options!r} "
-                f"(only {sorted(allowed)} can be set)."
+                f"Unsupported modifier_settings for {mtype} at /modifier_settings/{mtype}: "
+                f"{options!r} (only {sorted(allowed)} can be set)."
             )
     codes = []
     for mtype in ("histosys", "normsys"):
@@ -123,7 +140,8 @@ def codes_from_settings(modifier_settings: Mapping[str, Any] | None) -> tuple[st
         code = settings.get(mtype, {}).get("interpcode", default)
         if code not in _CODES[mtype]:
             raise InvalidInterpCode(
-                f"{mtype} interpolation code {code!r} is not one of {_CODES[mtype]}"
+                f"{mtype} interpolation code {code!r} at /modifier_settings/{mtype}/interpcode "
+                f"is not one of {_CODES[mtype]}"
             )
         codes.append(code)
     return codes[0], codes[1]
@@ -282,14 +300,9 @@ class _Assembly:
         self.translator = translator
         self.spec = spec
         self.spec_readings = readings
-        self.config = measurement_config(spec, translator.measurement)
         names = [channel["name"] for channel in spec["channels"]]
-        if len(set(names)) != len(names):
-            raise UnsupportedModelError(f"channel names must be unique: {names}")
-        for cname, channel in zip(names, readings, strict=True):
-            samples = [r.name for r in channel]
-            if len(set(samples)) != len(samples):
-                raise UnsupportedModelError(f"channel {cname!r} has equal sample names: {samples}")
+        _check_unique_names(spec, names, readings)
+        self.config = measurement_config(spec, translator.measurement)
         self.spec_channels = names
         self.by_channel = dict(zip(names, readings, strict=True))
         self.channels = sorted(names)
@@ -326,31 +339,30 @@ class _Assembly:
         self._check_modifier_data()
         paramsets = self._paramsets()
         poi = self._poi(paramsets)
-        self._check_engine_limits()
+        self._check_parameter_settings(paramsets)
+        self._check_shapefactor_sizes()
         return self._element(name, paramsets, poi)
 
     # --- pyhf's checks, in the order pyhf makes them -----------------------------------------
     def _check_modifier_types(self) -> None:
-        """Unknown modifier types, and shapesys (not shareable) names used twice."""
+        """Unknown modifier types, and shapesys (not shareable) names on two samples."""
         if not any(r.unknown_type or "shapesys" in r.types for _, r in self.walk):
             return
         seen: set[str] = set()
         for cname, channel in zip(self.spec_channels, self.spec_readings, strict=True):
             for reading in channel:
-                keys = set()
                 for modifier in reading.source["modifiers"]:
                     if modifier["type"] not in MODIFIER_TYPES:
                         raise InvalidModifier(
                             f"{modifier['type']} not among {list(MODIFIER_TYPES)}"
                         )
                     key = f"{modifier['type']}/{modifier['name']}"
-                    if modifier["type"] == "shapesys" and (key in seen or key in keys):
+                    if modifier["type"] == "shapesys" and key in seen:
                         raise InvalidModel(
                             f"Trying to add paramset {key} on {reading.name} sample in {cname} "
                             "channel but other paramsets exist with the same name."
                         )
-                    keys.add(key)
-                seen.update(keys)
+                    seen.add(key)
 
     def _check_sample_sizes(self) -> None:
         for cname, reading in self.walk:
@@ -427,9 +439,9 @@ class _Assembly:
         for mtype, names in self.type_order.items():
             for mname, reading in names.items():
                 required.setdefault(mname, []).append(self._requirement(mtype, mname, reading))
-        configs = user_configs(self.config["parameters"])
+        self.parameter_settings = user_configs(self.config["parameters"])
         paramsets = [
-            self.translator._paramset(pname, requirements, configs.get(pname))
+            self.translator._paramset(pname, requirements, self.parameter_settings.get(pname))
             for pname, requirements in required.items()
         ]
         if not paramsets:
@@ -507,18 +519,33 @@ class _Assembly:
             )
         return poi
 
-    def _check_engine_limits(self) -> None:
-        """What ``read_model`` refuses beyond pyhf: a modifier twice on one sample; and a
-        shapefactor over channels of another size than its parameters (pyhf sizes it by the
-        first channel)."""
-        for cname, channel in zip(self.spec_channels, self.spec_readings, strict=True):
-            for reading in channel:
-                if reading.duplicate:
-                    mname, mtype = reading.duplicate
-                    raise UnsupportedModelError(
-                        f"modifier {mname!r} ({mtype}) appears twice on sample "
-                        f"{reading.name!r} in channel {cname!r}"
-                    )
+    def _check_parameter_settings(self, paramsets: list[Paramset]) -> None:
+        """The bounds and inits the measurement sets: [low, high] pairs with low < high, inits
+        inside them (pyhf builds any, and its fits start outside or fail); pyhf's defaults
+        always are."""
+        for paramset in paramsets:
+            config = self.parameter_settings.get(paramset.name)
+            if config is None or ("bounds" not in config and "inits" not in config):
+                continue
+            problem = setting_problem(paramset)
+            if problem is not None:
+                key, component, what = problem
+                key = key if key in config else "bounds"  # a default init, the set bounds
+                raise InvalidWorkspaceError(
+                    f"parameter {paramset.name!r} at {self._setting_path(config)}/{key}/"
+                    f"{component}: {what}"
+                )
+
+    def _setting_path(self, config: dict[str, Any]) -> str:
+        """The JSON path of a parameter setting of the chosen measurement."""
+        measurements = self.spec["measurements"]
+        m = next(i for i, entry in enumerate(measurements) if entry["config"] is self.config)
+        p = next(i for i, entry in enumerate(self.config["parameters"]) if entry is config)
+        return f"/measurements/{m}/config/parameters/{p}"
+
+    def _check_shapefactor_sizes(self) -> None:
+        """What ``read_model`` refuses beyond pyhf: a shapefactor over channels of another size
+        than its parameters (pyhf sizes it by the first channel)."""
         sizes: dict[str, set[int]] = {}
         for cname, reading in self.walk:
             for mtype, mname in reading.multipliers if "shapefactor" in reading.types else ():
@@ -530,23 +557,23 @@ class _Assembly:
                     f"shapefactor {mname!r} is on channels of different sizes {sorted(nbins)}"
                 )
 
-    def _observed(self, channel: str) -> list[float]:
-        """The observed counts of ``channel``: one per bin, none negative (a patch may have
-        removed or changed them; pyhf would fail with a KeyError or fit negative counts)."""
-        found = [o["data"] for o in self.spec["observations"] if o["name"] == channel]
-        if not found:
+    def _observed(self, channel: str, index: int | None) -> list[float]:
+        """The observed counts of ``channel`` (at ``/observations/<index>``): one per bin, none
+        negative (a patch may have removed or changed them; pyhf would fail with a KeyError or
+        fit negative counts)."""
+        if index is None:
             raise InvalidModel(f"channel {channel!r} has no entry in 'observations'")
-        data = found[0]
+        data = self.spec["observations"][index]["data"]
         if len(data) != self.nbins[channel]:
             raise InvalidModel(
-                f"the observations of channel {channel!r} have {len(data)} bins, "
-                f"the channel has {self.nbins[channel]}"
+                f"the observations of channel {channel!r} at /observations/{index}/data have "
+                f"{len(data)} bins, the channel has {self.nbins[channel]}"
             )
         negative = [i for i, value in enumerate(data) if value < 0]
         if negative:
             raise InvalidModel(
-                f"the observations of channel {channel!r} have negative counts at bins "
-                f"{negative[:10]}"
+                f"the observations of channel {channel!r} have negative counts at "
+                f"/observations/{index}/data/{negative[0]} (bins {negative[:10]})"
             )
         return data
 
@@ -560,7 +587,8 @@ class _Assembly:
         normsys = [m for m, t in self.modifiers if t == "normsys"]
         samples = self._samples(par_start, histosys, normsys)
         auxdata = [x for p in paramsets if p.constraint for x in p.auxdata]
-        observed = [x for c in self.channels for x in self._observed(c)] + auxdata
+        index = {o["name"]: i for i, o in enumerate(self.spec["observations"])}
+        observed = [x for c in self.channels for x in self._observed(c, index.get(c))] + auxdata
         return ElementLayout(
             name=name,
             channels=[(c, self.nbins[c]) for c in self.channels],
@@ -688,6 +716,50 @@ class _Assembly:
             mname: _offsets({c: self.nbins[c] for c in channels})
             for mname, channels in carriers.items()
         }
+
+
+def _check_unique_names(
+    spec: dict[str, Any], channels: list[str], readings: list[list[SampleReading]]
+) -> None:
+    """:class:`DuplicateNameError` for the first name used twice where it must be unique:
+    channels, samples within a channel, a modifier's name and type on one sample,
+    measurements, observations (pyhf merges channels and takes the first measurement)."""
+    _check_unique(channels, "channel name", "/channels")
+    for c, (cname, channel) in enumerate(zip(channels, readings, strict=True)):
+        path = f"/channels/{c}/samples"
+        _check_unique([r.name for r in channel], "sample name", path, f" in channel {cname!r}")
+        for s, reading in enumerate(channel):
+            if reading.duplicate is not None:
+                _raise_duplicate_modifier(reading, cname, f"{path}/{s}/modifiers")
+    for array in ("measurements", "observations"):
+        names = [entry["name"] for entry in spec.get(array, [])]
+        _check_unique(names, f"{array[:-1]} name", f"/{array}")
+
+
+def _check_unique(names: list[str], what: str, path: str, within: str = "") -> None:
+    """:class:`DuplicateNameError` naming the first of ``names`` (at ``path``/i) used twice."""
+    if len(set(names)) == len(names):
+        return
+    first: dict[str, int] = {}
+    for i, name in enumerate(names):
+        if name in first:
+            raise DuplicateNameError(
+                f"duplicate {what} {name!r}{within} at {path}/{i} (first at {path}/{first[name]})"
+            )
+        first[name] = i
+
+
+def _raise_duplicate_modifier(reading: SampleReading, channel: str, path: str) -> None:
+    """:class:`DuplicateNameError` naming the sample's modifier whose name and type repeat."""
+    first: dict[tuple[str, str], int] = {}
+    for i, modifier in enumerate(reading.source["modifiers"]):
+        key = (modifier["name"], modifier["type"])
+        if key in first:
+            raise DuplicateNameError(
+                f"duplicate modifier {key[0]!r} ({key[1]}) on sample {reading.name!r} in "
+                f"channel {channel!r} at {path}/{i} (first at {path}/{first[key]})"
+            )
+        first[key] = i
 
 
 def _offsets(sizes: dict[str, int]) -> dict[str, int]:

@@ -29,6 +29,15 @@ _PYHF_ERRORS = tuple(
     for cls in vars(pyhf.exceptions).values()
     if isinstance(cls, type) and issubclass(cls, Exception) and cls.__module__.startswith("pyhf")
 )
+# what :func:`translate` maps to a 4xx, answered where raised (never as a server fault)
+_CLIENT_ERRORS = (
+    *_PYHF_ERRORS,
+    EngineError,
+    InferenceError,
+    jsonpatch.JsonPatchException,
+    jsonpointer.JsonPointerException,
+    pydantic.ValidationError,
+)
 
 
 class ServiceError(Exception):
@@ -178,11 +187,15 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     )
 
 
-async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
-    """A mapped library error becomes its 4xx; anything else a 500 without a traceback."""
+async def _client_error(request: Request, exc: Exception) -> JSONResponse:
+    """A library error that stands for bad input (:func:`translate`): its 4xx."""
     mapped = translate(exc)
-    if mapped is not None:
-        return error_response(mapped)
+    assert mapped is not None
+    return error_response(mapped)
+
+
+async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    """A real server fault: a 500 without a traceback (which goes to the log)."""
     request_id = request.scope.get("state", {}).get("request_id", "-")
     log.error("unhandled error", exc_info=exc, extra={"request_id": request_id})
     return JSONResponse(
@@ -196,4 +209,6 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ServiceError, _service_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    for client_error in _CLIENT_ERRORS:
+        app.add_exception_handler(client_error, _client_error)
     app.add_exception_handler(Exception, _unexpected_error)
