@@ -322,7 +322,7 @@ CASES: list[tuple[str, str, str, dict[str, Any], int, str]] = [
         "/cls",
         {"json": mutated(lambda s: s["observations"][0]["data"].__setitem__(1, -3.0))},
         422,
-        "negative",
+        "negative counts at /observations/0/data/1",  # the same words as through a patch
     ),
     (
         "sample bin-count mismatch",

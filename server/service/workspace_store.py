@@ -72,7 +72,10 @@ def _content_problems(spec: dict[str, Any]) -> Iterator[str]:
             yield f"observations[{o}].data has {len(data)} bins, channel {name!r} has {nbins}"
         negative = [i for i, value in enumerate(data) if value < 0]
         if negative:
-            yield f"observations[{o}].data has negative counts at bins {negative[:10]}"
+            yield (
+                f"the observations of channel {name!r} have negative counts at "
+                f"/observations/{o}/data/{negative[0]} (bins {negative[:10]})"
+            )
     for name, (o, _) in observed.items():
         if name not in channel_names:
             yield f"observations[{o}] names channel {name!r}, which does not exist"
