@@ -216,15 +216,27 @@ class _ClientBase:
         self,
         workspace: JSONSource,
         *,
+        calctype: str = "asymptotics",
+        ntoys: int | None = None,
+        seed: int | None = None,
         measurement: str | None = None,
         patches: Sequence[Any] | None = None,
         patchset: JSONSource | None = None,
         patch_names: Sequence[str] | None = None,
         **options: Any,
     ) -> p.Flow[Result]:
-        """Discovery p-value and significance, observed and expected (``POST /significance``)."""
+        """Discovery p-value and significance, observed and expected (``POST /significance``),
+        as pyhf's ``hypotest(0.0, ..., test_stat="q0")``.
+
+        Returns a :class:`SignificanceResult` (``{patch_name: ...}`` with a ``patchset``).
+        ``calctype="toybased"`` computes p0 from ``ntoys`` toys drawn with ``seed`` (server
+        defaults when ``None``).
+        """
         body = p.build_options(
             "significance",
+            calctype=calctype,
+            ntoys=ntoys,
+            seed=seed,
             measurement=measurement,
             patches=patches,
             patchset=patchset,

@@ -29,7 +29,7 @@ from .exceptions import (
     WorkspaceError,
     format_detail,
 )
-from .protocol import DEFAULT_SERVER, ENV_SERVER, ENV_TOKEN
+from .protocol import DEFAULT_SERVER, ENV_SERVER, ENV_TOKEN, MAX_SEED
 from .results import Job, patch_errors, result_to_json
 
 __all__ = ["main", "parse_test_poi"]
@@ -307,6 +307,15 @@ def _cls_options(f: Callable[..., Any]) -> Callable[..., Any]:
             help="POI value to test; repeat it, give a comma list or start:stop:num to scan.",
         ),
         click.option("--test-stat", type=click.Choice(["q", "qtilde"]), default="qtilde"),
+    ]
+    for decorator in reversed(decorators):
+        f = decorator(f)
+    return _calculator_options(f)
+
+
+def _calculator_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """--calctype, --ntoys, --seed: asymptotic or toy-based p-values (cls, significance)."""
+    decorators = [
         click.option(
             "--calctype", type=click.Choice(["asymptotics", "toybased"]), default="asymptotics"
         ),
@@ -318,9 +327,9 @@ def _cls_options(f: Callable[..., Any]) -> Callable[..., Any]:
         ),
         click.option(
             "--seed",
-            type=click.IntRange(min=0),
+            type=click.IntRange(min=0, max=MAX_SEED),
             default=None,
-            help="Random seed of the toys with --calctype toybased.",
+            help="Random seed of the toys with --calctype toybased (an unsigned 64-bit integer).",
         ),
     ]
     for decorator in reversed(decorators):
@@ -343,14 +352,10 @@ def _common(kwargs: dict[str, Any]) -> dict[str, Any]:
 def _operation_kwargs(operation: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     """All client keyword arguments for ``operation`` from the parsed CLI options."""
     out = _common(kwargs)
+    if operation in ("cls", "significance"):
+        out.update(calctype=kwargs["calctype"], ntoys=kwargs.get("ntoys"), seed=kwargs.get("seed"))
     if operation == "cls":
-        out.update(
-            test_poi=parse_test_poi(kwargs["test_poi"]),
-            test_stat=kwargs["test_stat"],
-            calctype=kwargs["calctype"],
-            ntoys=kwargs.get("ntoys"),
-            seed=kwargs.get("seed"),
-        )
+        out.update(test_poi=parse_test_poi(kwargs["test_poi"]), test_stat=kwargs["test_stat"])
     elif operation == "upper-limit":
         out["level"] = kwargs.get("level")
         if kwargs.get("scan"):
@@ -451,6 +456,8 @@ def make_command(operation: str, submit: bool = False) -> click.Command:
         )(callback)
     if operation == "cls":
         callback = _cls_options(callback)
+    if operation == "significance":
+        callback = _calculator_options(callback)
     if operation == "upper-limit":
         callback = click.option(
             "--level",

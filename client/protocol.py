@@ -61,6 +61,7 @@ __all__ = [
 DEFAULT_SERVER = "http://127.0.0.1:8000"
 ENV_SERVER = "PYHF_GPU_SERVER"
 ENV_TOKEN = "PYHF_GPU_API_TOKEN"
+MAX_SEED = 2**64 - 1  # toy seeds are unsigned 64-bit integers (torch's generators)
 #: seconds: long enough for a patchset batch on a busy server; connecting must be quick
 DEFAULT_TIMEOUT = httpx.Timeout(600.0, connect=10.0)
 RETRY_STATUSES = frozenset({429, 503})

@@ -97,3 +97,9 @@ def test_a_patch_whose_poi_bounds_exclude_test_poi_answers_its_own_error(client)
     assert "CLs_obs" in answer["wide"]
     assert answer["narrow"]["error"]["status"] == 422
     assert "outside the bounds [0.0, 1.5]" in answer["narrow"]["error"]["detail"]
+    # with a list of POI values: a list of results, but ONE error entry for the broken patch
+    response = client.post("/cls", json={**body, "test_poi": [1.0, 2.0]})
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    assert [r["meta"]["test_poi"] for r in answer["wide"]] == [1.0, 2.0]
+    assert answer["narrow"]["error"]["status"] == 422

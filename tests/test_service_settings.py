@@ -76,6 +76,8 @@ def test_parser_rejects_non_finite_and_deep_json() -> None:
 def test_envelope_from_bare_workspace_and_query() -> None:
     envelope = envelope_from({"channels": []}, {"test-poi": ["1", "2"], "ntoys": ["5"]}, "cls")
     assert envelope == {"workspace": {"channels": []}, "test_poi": ["1", "2"], "ntoys": "5"}
+    scan = envelope_from({"channels": []}, {"scan": ["0", "1", "2"]}, "upper-limit")
+    assert scan["scan"] == ["0", "1", "2"]  # a list option keeps every repetition
     given = envelope_from({"workspace_id": "x", "ntoys": 9}, {"ntoys": ["5"]}, "cls")
     assert given["ntoys"] == 9  # the body wins
     with pytest.raises(Unprocessable, match="level"):

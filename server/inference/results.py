@@ -263,7 +263,8 @@ class SignificanceResults:
     """Discovery significance (``q0``) of ``B`` elements.
 
     ``p0_exp``/``z_exp`` are the median expected (Asimov at ``mu = 1``);
-    ``p0_exp_set`` is the ``[B, 5]`` band in pyhf's order.
+    ``p0_exp_set`` is the ``[B, 5]`` band in pyhf's order. ``converged``, ``starts``,
+    ``starts_agreed``: as :class:`HypotestResults`'.
     """
 
     p0_obs: Tensor
@@ -273,6 +274,8 @@ class SignificanceResults:
     p0_exp_set: Tensor
     element: Tensor
     converged: Tensor
+    starts: Tensor
+    starts_agreed: Tensor
 
     def to_json(self, i: int = 0) -> dict:
         """Row ``i``: ``{"p0_obs", "p0_exp", "z_obs", "z_exp", "p0_exp_set"}``."""

@@ -1,8 +1,10 @@
 """Discovery significance from ``q0`` (pyhf's ``hypotest(0.0, ..., test_stat="q0")``), batched.
 
 ``p0`` is the observed CLsb of the ``q0`` test (the probability of a background-only
-fluctuation at least as signal-like as the data), ``Z = Phi^-1(1 - p0)``; the expected
-values use pyhf's Asimov dataset at ``mu = 1``.
+fluctuation at least as signal-like as the data), ``Z = Phi^-1(1 - p0)``. The expected
+values are, asymptotically, from pyhf's Asimov dataset at ``mu = 1``; with
+``calctype="toybased"``, the percentiles of p0 over toys drawn at ``mu = 1`` (pyhf's
+``ToyCalculator``: the rows of one call share one generator, seeded by ``seed``).
 
 Example:
     >>> import pyhf
@@ -51,4 +53,6 @@ def significance(
         p0_exp_set=p0_set,
         element=res.element,
         converged=res.converged,
+        starts=res.starts,
+        starts_agreed=res.starts_agreed,
     )

@@ -29,6 +29,7 @@ import torch
 
 from pyhf_gpu_server import inference
 from pyhf_gpu_server.engine import HistFactoryModel, schema
+from pyhf_gpu_server.engine.errors import UnrepresentableValueError
 from pyhf_gpu_server.engine.layout import ElementLayout
 from pyhf_gpu_server.engine.stacking import partition, split_reason
 from pyhf_gpu_server.inference.results import group_parameters
@@ -82,6 +83,8 @@ def parse_json(body: bytes, max_depth: int) -> Any:
         raise BadRequest("the request body is empty; send a JSON workspace or request envelope")
     try:
         document = schema.loads(body)
+    except UnrepresentableValueError as exc:  # a lone surrogate, a number out of float range
+        raise Unprocessable(f"{type(exc).__name__}: {exc}") from None
     except ValueError:
         document = _parse_to_explain(body, max_depth)
     if isinstance(document, (dict, list)) and _exceeds_depth(document, max_depth):
@@ -130,7 +133,8 @@ def envelope_from(document: Any, query: Mapping[str, list[str]], operation: str)
             raise Unprocessable(
                 f"unknown query parameter {raw_name!r} for {operation}; known: {sorted(allowed)}"
             )
-        value: Any = values if name == "test_poi" and len(values) > 1 else values[-1]
+        listed = name == "scan" or (name == "test_poi" and len(values) > 1)
+        value: Any = values if listed else values[-1]
         envelope.setdefault(name, value)
     return envelope
 
@@ -400,7 +404,7 @@ def run_rows(context: BatchContext, rows: Sequence[Row]) -> list[RowResult]:
         )
         payloads = [result.to_json(i) for i in range(len(rows))]
     else:
-        result = inference.significance(model, element=element)
+        result = inference.significance(model, element=element, **options)
         payloads = [result.to_json(i) for i in range(len(rows))]
     statuses = _fit_statuses(result, len(payloads))
     return [
@@ -450,8 +454,9 @@ def _chunks(values: list[Any], size: int) -> Iterator[list[Any]]:
 
 def assemble(plan: Plan, results: list[dict[str, Any]]) -> Any:
     """Shape row results: one result, a list over test_poi, and/or a dict by patch name."""
-    per_element = [
-        chunk if plan.poi_list else chunk[0] for chunk in _chunks(results, len(plan.pois or (0,)))
+    per_element = [  # an untestable patch answers one error entry, whatever the POI list
+        chunk if plan.poi_list and "error" not in chunk[0] else chunk[0]
+        for chunk in _chunks(results, len(plan.pois or (0,)))
     ]
     if not plan.named:
         return per_element[0]

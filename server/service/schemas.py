@@ -18,6 +18,7 @@ JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 DIGEST_PATTERN = r"^[0-9a-f]{64}$"
 MAX_POIS = 1000
 MAX_PATCHES = 10_000
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit integer
 
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 
@@ -30,6 +31,14 @@ class _Strict(BaseModel):
 
 class ModelSelection(_Strict):
     """Which likelihood: a workspace (inline or uploaded), patched, or a patchset of hypotheses."""
+
+    model_config = ConfigDict(
+        json_schema_extra={  # what _one_source checks, said in the schema too
+            "oneOf": [{"required": ["workspace"]}, {"required": ["workspace_id"]}],
+            "dependentRequired": {"patch_names": ["patchset"]},
+            "not": {"required": ["patches", "patchset"]},
+        }
+    )
 
     workspace: dict[str, Any] | None = Field(
         None, description="a HistFactory workspace, as `pyhf cls` reads it"
@@ -68,16 +77,26 @@ class ModelSelection(_Strict):
         return self
 
 
-class ClsOptions(_Strict):
+class CalculatorOptions(_Strict):
+    """How p-values are computed (pyhf's ``calctype``): asymptotic formulae, or toys."""
+
+    calctype: Literal["asymptotics", "toybased"] = "asymptotics"
+    ntoys: int = Field(2000, ge=1, le=100_000, description="toys per hypothesis (toybased)")
+    seed: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_SEED,
+        description="toy seed (toybased), an unsigned 64-bit integer as torch's generators take",
+    )
+
+
+class ClsOptions(CalculatorOptions):
     """Options of a hypothesis test, named like `pyhf cls`'s."""
 
     test_poi: (
         FiniteFloat | Annotated[list[FiniteFloat], Field(min_length=1, max_length=MAX_POIS)]
     ) = Field(1.0, description="POI value tested; a list answers a list")
     test_stat: Literal["q", "qtilde"] = "qtilde"
-    calctype: Literal["asymptotics", "toybased"] = "asymptotics"
-    ntoys: int = Field(2000, ge=1, le=100_000, description="toys per hypothesis (toybased)")
-    seed: int | None = Field(None, ge=0, description="toy seed (toybased)")
 
 
 class FitOptions(_Strict):
@@ -101,8 +120,9 @@ class UpperLimitOptions(_Strict):
         return scan
 
 
-class SignificanceOptions(_Strict):
-    """Discovery significance has no options beyond the model."""
+class SignificanceOptions(CalculatorOptions):
+    """Discovery significance (pyhf's ``hypotest(0.0, ..., test_stat="q0")``): how p0 is
+    computed."""
 
 
 class ClsRequest(ModelSelection, ClsOptions):
@@ -135,28 +155,51 @@ OPTION_MODELS: dict[str, type[_Strict]] = {
 }
 
 
-class ErrorResponse(BaseModel):
+class _Declared(BaseModel):
+    """A response: every field declared and no other (``additionalProperties: false``), so
+    the OpenAPI document says exactly what is returned."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class LocatedProblem(_Declared):
+    """One problem of a request field: where (``loc``), what, and its kind."""
+
+    loc: list[str | int]
+    msg: str
+    type: str
+
+
+class ErrorResponse(_Declared):
     """Every error answer: a message naming what is wrong and where, or located problems."""
 
-    detail: str | list[dict[str, Any]]
+    detail: str | list[LocatedProblem]
 
 
-ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorResponse, "description": description}
-    for status, description in {
-        400: "malformed JSON or gzip, empty body",
-        401: "missing or wrong Bearer token",
-        404: "unknown workspace_id",
-        413: "body larger than --max-body-mb",
-        422: "invalid workspace, patch, patchset, measurement or option",
-        429: "queue full (Retry-After)",
-        503: "device out of memory or shutting down (Retry-After)",
-        504: "took longer than --request-timeout-s",
-    }.items()
+_ERROR_DESCRIPTIONS = {
+    400: "malformed JSON or gzip, empty body",
+    401: "missing or wrong Bearer token",
+    404: "unknown job or workspace_id",
+    409: "the job already finished",
+    413: "body larger than --max-body-mb",
+    415: "a Content-Encoding other than gzip",
+    422: "invalid workspace, patch, patchset, measurement, option or parameter",
+    429: "queue full (Retry-After)",
+    503: "device out of memory or shutting down (Retry-After)",
+    504: "took longer than --request-timeout-s",
 }
+BODY_ERRORS = (400, 413, 415)  # what the body-size / gzip middleware answers on any body
 
 
-class ResultMeta(BaseModel):
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """The OpenAPI ``responses`` of the error ``statuses`` a route can answer."""
+    return {
+        status: {"model": ErrorResponse, "description": _ERROR_DESCRIPTIONS[status]}
+        for status in statuses
+    }
+
+
+class ResultMeta(_Declared):
     """How a result was computed (one per hypothesis)."""
 
     device: str
@@ -173,11 +216,17 @@ class ResultMeta(BaseModel):
     starts_agreed: bool | None = Field(
         None, description="whether every converged start reached the kept minimum"
     )
-    test_poi: float | None = None
-    timings: dict[str, float] = Field(description="build_ms, queue_ms, compute_ms, total_ms")
+    test_poi: float | None = Field(None, description="the tested POI value (cls)")
+    patch: str | None = Field(None, description="the patch's name (patchsets)")
+    stacked_apart: str | None = Field(
+        None, description="why this patch ran in a model of its own (patchsets)"
+    )
+    timings: dict[str, float] = Field(
+        description="translate_ms, build_ms, queue_ms, compute_ms, total_ms"
+    )
 
 
-class ClsResult(BaseModel):
+class ClsResult(_Declared):
     """`pyhf cls` output plus meta."""
 
     CLs_obs: float | None
@@ -185,7 +234,7 @@ class ClsResult(BaseModel):
     meta: ResultMeta
 
 
-class FitResult(BaseModel):
+class FitResult(_Declared):
     """`pyhf fit --value` output plus uncertainties, correlations and meta."""
 
     mle_parameters: dict[str, list[float | None]]
@@ -195,7 +244,7 @@ class FitResult(BaseModel):
     meta: ResultMeta
 
 
-class UpperLimitResult(BaseModel):
+class UpperLimitResult(_Declared):
     """Observed and expected (-2..+2 sigma) upper limits on the POI."""
 
     upper_limit_obs: float | None
@@ -204,14 +253,46 @@ class UpperLimitResult(BaseModel):
     meta: ResultMeta
 
 
-class SignificanceResult(BaseModel):
-    """Discovery p-values and significances, observed and expected."""
+class SignificanceResult(_Declared):
+    """Discovery p-values and significances, observed and expected (median, and the
+    -2..+2 sigma band of p0 in pyhf's order)."""
 
-    model_config = ConfigDict(extra="allow")
+    p0_obs: float | None
+    p0_exp: float | None
+    z_obs: float | None
+    z_exp: float | None
+    p0_exp_set: list[float | None]
     meta: ResultMeta
 
 
-class WorkspaceInfo(BaseModel):
+class ErrorEntry(_Declared):
+    """A status and detail, as an error answer would carry them."""
+
+    status: int
+    detail: str | list[LocatedProblem]
+
+
+class PatchError(_Declared):
+    """A patch of a patchset that could not be tested, in place of its result."""
+
+    error: ErrorEntry
+
+
+# What each operation answers: one result; a list over a list of test_poi; {patch: result}
+# for a patchset, where a patch that cannot be tested answers its error (one per test_poi).
+ClsAnswer = ClsResult | list[ClsResult] | dict[str, ClsResult | list[ClsResult] | PatchError]
+FitAnswer = FitResult | dict[str, FitResult | PatchError]
+UpperLimitAnswer = UpperLimitResult | dict[str, UpperLimitResult | PatchError]
+SignificanceAnswer = SignificanceResult | dict[str, SignificanceResult | PatchError]
+ANSWERS: dict[str, Any] = {
+    "cls": ClsAnswer,
+    "fit": FitAnswer,
+    "upper-limit": UpperLimitAnswer,
+    "significance": SignificanceAnswer,
+}
+
+
+class WorkspaceInfo(_Declared):
     """An uploaded workspace."""
 
     workspace_id: str
@@ -221,7 +302,7 @@ class WorkspaceInfo(BaseModel):
     bytes: int
 
 
-class JobAccepted(BaseModel):
+class JobAccepted(_Declared):
     """POST /jobs answer (202)."""
 
     id: str
@@ -229,15 +310,16 @@ class JobAccepted(BaseModel):
     url: str
 
 
-class JobProgress(BaseModel):
+class JobProgress(_Declared):
     """Hypotheses done out of total."""
 
     done: int
     total: int
 
 
-class JobView(BaseModel):
-    """GET /jobs/{id}."""
+class JobView(_Declared):
+    """A job: GET /jobs/{id} with its result (the synchronous answer) or error; in a listing
+    and in a DELETE answer, ``result``, ``error`` and ``failed_patches`` are null."""
 
     id: str
     operation: Operation
@@ -246,12 +328,87 @@ class JobView(BaseModel):
     created_at: float
     started_at: float | None
     finished_at: float | None
-    result: Any = None
-    error: Any = None
-    failed_patches: int | None = None  # patchset jobs: patches answered with an error entry
+    result: ClsAnswer | FitAnswer | UpperLimitAnswer | SignificanceAnswer | None = None
+    error: ErrorEntry | None = None
+    failed_patches: int | None = Field(
+        None, description="patchset jobs: patches answered with an error entry"
+    )
 
 
-class JobList(BaseModel):
+class JobList(_Declared):
     """GET /jobs: newest first."""
 
     jobs: list[JobView]
+
+
+class Liveness(_Declared):
+    """GET /healthz."""
+
+    status: Literal["ok"]
+
+
+class Readiness(_Declared):
+    """GET /readyz: ready (200), or unready (503) with the problems."""
+
+    status: Literal["ready", "unready"]
+    problems: list[str]
+
+
+class Versions(_Declared):
+    """Versions of the server and what it runs on (None: not installed)."""
+
+    pyhf_gpu: str | None = Field(alias="pyhf-gpu")
+    torch: str | None
+    pyhf: str | None
+    fastapi: str | None
+    python: str
+    cuda: str | None
+
+
+class Limits(_Declared):
+    """The server's limits (its settings)."""
+
+    max_body_mb: float
+    max_batch_size: int
+    max_batch_delay_ms: float
+    max_queue: int
+    request_timeout_s: float
+    result_ttl_hours: float
+
+
+class QueueDepth(_Declared):
+    """Hypotheses waiting for the device, per lane."""
+
+    interactive: int
+    jobs: int
+
+
+class WarmModel(_Declared):
+    """A warm model of the cache."""
+
+    model_id: str
+    elements: int | None
+    parameters: int | None
+    bytes: int
+    hits: int
+    build_ms: float
+    created_at: float
+
+
+class ServerInfo(_Declared):
+    """GET /info: device, versions, limits, queue and warm models."""
+
+    device: str
+    device_name: str
+    dtype: str
+    compile: bool
+    versions: Versions
+    limits: Limits
+    auth: bool
+    queue: QueueDepth
+    batches_run: int
+    models: list[WarmModel] = Field(description="most recently used first")
+    device_memory_bytes: float = Field(
+        description="allocated CUDA memory, or the warm models' bytes on a CPU"
+    )
+    started_at: float

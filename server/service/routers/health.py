@@ -13,19 +13,25 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..dependencies import StateDep, require_token
+from ..schemas import Liveness, Readiness, ServerInfo, error_responses
 from ..state import device_name
 
 public = APIRouter(tags=["health"])
 private = APIRouter(tags=["health"], dependencies=[Depends(require_token)])
 
 
-@public.get("/healthz", summary="Liveness: the process answers")
+@public.get("/healthz", response_model=Liveness, summary="Liveness: the process answers")
 async def healthz() -> dict[str, str]:
     """Always ``{"status": "ok"}`` while the event loop runs."""
     return {"status": "ok"}
 
 
-@public.get("/readyz", summary="Readiness: the device works and the queue is not saturated")
+@public.get(
+    "/readyz",
+    response_model=Readiness,
+    responses={503: {"model": Readiness, "description": "the device or the queue is not ready"}},
+    summary="Readiness: the device works and the queue is not saturated",
+)
 async def readyz(state: StateDep) -> JSONResponse:
     """503 while the device is unusable or the interactive queue is full."""
     problems = []
@@ -45,7 +51,12 @@ def _version(package: str) -> str | None:
         return None
 
 
-@private.get("/info", summary="Device, versions, limits and warm models")
+@private.get(
+    "/info",
+    response_model=ServerInfo,
+    responses=error_responses(401),
+    summary="Device, versions, limits and warm models",
+)
 async def info(state: StateDep) -> dict[str, Any]:
     """What this server runs on and holds."""
     settings = state.settings
@@ -82,7 +93,15 @@ async def info(state: StateDep) -> dict[str, Any]:
     }
 
 
-@private.get("/metrics", summary="Prometheus metrics", response_class=Response)
+@private.get(
+    "/metrics",
+    summary="Prometheus metrics",
+    response_class=Response,
+    responses={
+        200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}},
+        **error_responses(401),
+    },
+)
 async def metrics(state: StateDep) -> Response:
     """The text exposition of this app's registry."""
     counts = await run_in_threadpool(state.jobstore.counts)

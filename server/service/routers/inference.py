@@ -16,38 +16,25 @@ from fastapi.responses import JSONResponse
 from ..dependencies import StateDep
 from ..errors import RequestTimeout
 from ..operations import Plan, envelope_from, parse_json, plan_request
-from ..schemas import (
-    ERROR_RESPONSES,
-    OPTION_MODELS,
-    REQUEST_MODELS,
-    ClsResult,
-    FitResult,
-    SignificanceResult,
-    UpperLimitResult,
-)
+from ..schemas import ANSWERS, BODY_ERRORS, OPTION_MODELS, REQUEST_MODELS, error_responses
 from ..state import ServiceState
 
 router = APIRouter(tags=["inference"])
 
-_DESCRIPTIONS = {
-    "cls": (
-        "CLs of a hypothesis test, as `pyhf cls` prints it",
-        ClsResult,
-    ),
-    "fit": (
-        "Maximum-likelihood fit, as `pyhf fit --value` prints it, with uncertainties and corr_mat",
-        FitResult,
-    ),
-    "upper-limit": ("Observed and expected upper limits on the POI", UpperLimitResult),
-    "significance": (
-        "Discovery significance (p0 and Z), observed and expected",
-        SignificanceResult,
-    ),
+_SUMMARIES = {
+    "cls": "CLs of a hypothesis test, as `pyhf cls` prints it",
+    "fit": "Maximum-likelihood fit, as `pyhf fit --value` prints it, with uncertainties and "
+    "corr_mat",
+    "upper-limit": "Observed and expected upper limits on the POI",
+    "significance": "Discovery significance (p0 and Z), observed and expected; asymptotic or "
+    "toy-based",
 }
+_ERRORS = error_responses(*BODY_ERRORS, 401, 404, 422, 429, 503, 504)
 _SHAPES = (
     "One hypothesis answers one object; a list of `test_poi` answers a list; a `patchset` "
-    "answers `{patch_name: result}`. Every result carries `meta` (device, dtype, model id, "
-    "timings, fit status)."
+    "answers `{patch_name: result}`, where a patch that cannot be tested answers "
+    '`{"error": {"status", "detail"}}` instead (200 when at least one patch was tested). Every '
+    "result carries `meta` (device, dtype, model id, timings, fit status)."
 )
 
 
@@ -112,13 +99,14 @@ def _endpoint(operation: str):
     return endpoint
 
 
-for _operation, (_summary, _model) in _DESCRIPTIONS.items():
+for _operation, _summary in _SUMMARIES.items():
     router.add_api_route(
         f"/{_operation}",
         _endpoint(_operation),
         methods=["POST"],
         summary=_summary,
         description=_SHAPES,
-        responses={200: {"model": _model}, **ERROR_RESPONSES},
+        response_model=ANSWERS[_operation],
+        responses=_ERRORS,
         openapi_extra=_openapi(_operation),
     )

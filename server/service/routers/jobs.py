@@ -16,12 +16,29 @@ from ..dependencies import StateDep
 from ..errors import Conflict, NotFound
 from ..jobstore import FINAL_STATUSES
 from ..operations import parse_json
-from ..schemas import JobAccepted, JobList, JobStatus, JobView
+from ..schemas import (
+    BODY_ERRORS,
+    REQUEST_MODELS,
+    JobAccepted,
+    JobList,
+    JobStatus,
+    JobView,
+    error_responses,
+)
 from ..state import ServiceState
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 
 KEEPALIVE_S = 15.0
+
+
+def _job_schema(operation: str) -> dict[str, Any]:
+    """The JSON schema of a job of ``operation``: its envelope plus ``operation``."""
+    schema = REQUEST_MODELS[operation].model_json_schema()
+    schema["title"] = f"{schema['title']} job"
+    schema["properties"] = {"operation": {"const": operation}, **schema["properties"]}
+    schema["required"] = ["operation", *schema.get("required", [])]
+    return schema
 
 
 async def _job(state: ServiceState, job_id: str, with_result: bool = True) -> dict[str, Any]:
@@ -36,6 +53,7 @@ async def _job(state: ServiceState, job_id: str, with_result: bool = True) -> di
     "",
     status_code=202,
     response_model=JobAccepted,
+    responses=error_responses(*BODY_ERRORS, 401, 404, 422, 429),
     summary="Submit a cls, fit, upper-limit or significance request as a durable job",
     openapi_extra={
         "requestBody": {
@@ -43,10 +61,9 @@ async def _job(state: ServiceState, job_id: str, with_result: bool = True) -> di
             "content": {
                 "application/json": {
                     "schema": {
-                        "type": "object",
-                        "required": ["operation"],
-                        "description": "{'operation': ..., plus the fields of that operation's "
-                        "envelope (workspace or workspace_id, patches/patchset, options)}",
+                        "description": "'operation' plus the fields of that operation's "
+                        "envelope (workspace or workspace_id, patches/patchset, options)",
+                        "anyOf": [_job_schema(operation) for operation in REQUEST_MODELS],
                     }
                 }
             },
@@ -64,7 +81,12 @@ async def submit_job(request: Request, state: StateDep) -> JSONResponse:
     )
 
 
-@router.get("", response_model=JobList, summary="List jobs, newest first")
+@router.get(
+    "",
+    response_model=JobList,
+    responses=error_responses(401, 422),
+    summary="List jobs, newest first",
+)
 async def list_jobs(
     state: StateDep,
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,
@@ -74,13 +96,26 @@ async def list_jobs(
     return {"jobs": await run_in_threadpool(state.jobstore.list, limit, status)}
 
 
-@router.get("/{job_id}", response_model=JobView, summary="Status, progress and result of a job")
-async def get_job(job_id: str, state: StateDep) -> dict[str, Any]:
-    """For a patchset the result is keyed by patch name; a failed job has ``error``."""
-    return await _job(state, job_id)
+@router.get(
+    "/{job_id}",
+    response_model=JobView,
+    responses=error_responses(401, 404, 422),
+    summary="Status, progress and result of a job",
+)
+async def get_job(job_id: str, state: StateDep) -> JSONResponse:
+    """For a patchset the result is keyed by patch name; a failed job has ``error``.
+
+    The stored result is sent as it is (the synchronous answer, as ``JobView`` declares it),
+    not parsed again."""
+    return JSONResponse(await _job(state, job_id))
 
 
-@router.delete("/{job_id}", response_model=JobView, summary="Cancel a queued or running job")
+@router.delete(
+    "/{job_id}",
+    response_model=JobView,
+    responses=error_responses(401, 404, 409, 422),
+    summary="Cancel a queued or running job",
+)
 async def cancel_job(job_id: str, state: StateDep) -> dict[str, Any]:
     """409 if the job already finished."""
     before = await state.jobs.cancel(job_id)
@@ -95,7 +130,7 @@ async def cancel_job(job_id: str, state: StateDep) -> dict[str, Any]:
     "/{job_id}/events",
     summary="Progress as server-sent events",
     response_class=StreamingResponse,
-    responses={200: {"content": {"text/event-stream": {}}}},
+    responses={200: {"content": {"text/event-stream": {}}}, **error_responses(401, 404, 422)},
 )
 async def job_events(job_id: str, state: StateDep) -> StreamingResponse:
     """``event: progress`` on every change, then one ``event: done`` with the final status."""

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from ..dependencies import StateDep
 from ..errors import Unprocessable
 from ..operations import parse_json
-from ..schemas import DIGEST_PATTERN, WorkspaceInfo
+from ..schemas import BODY_ERRORS, DIGEST_PATTERN, WorkspaceInfo, error_responses
 from ..workspace_store import summarize
 
 router = APIRouter(prefix="/workspaces", tags=["workspaces"])
@@ -21,6 +21,7 @@ router = APIRouter(prefix="/workspaces", tags=["workspaces"])
     "",
     status_code=201,
     response_model=WorkspaceInfo,
+    responses=error_responses(*BODY_ERRORS, 401, 422),
     summary="Upload a workspace; its id is pyhf's sha256 digest",
     openapi_extra={
         "requestBody": {
@@ -51,7 +52,10 @@ async def upload_workspace(request: Request, state: StateDep) -> JSONResponse:
 
 
 @router.get(
-    "/{workspace_id}", response_model=WorkspaceInfo, summary="Describe an uploaded workspace"
+    "/{workspace_id}",
+    response_model=WorkspaceInfo,
+    responses=error_responses(401, 404, 422),
+    summary="Describe an uploaded workspace",
 )
 async def get_workspace(
     workspace_id: Annotated[str, Path(pattern=DIGEST_PATTERN)], state: StateDep
