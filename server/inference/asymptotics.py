@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .errors import InferenceError
 from .mle import FitOptions, FitRequest, fit_requests
 from .results import FitResults
 from .starts import FitStatus
@@ -110,7 +111,7 @@ def _cutoff(sqrtq_asimov: Tensor, calc_base_dist: str) -> Tensor:
         return torch.full_like(sqrtq_asimov, -torch.inf)
     if calc_base_dist == "clipped_normal":
         return -sqrtq_asimov
-    raise ValueError(f"unknown base distribution for asymptotics {calc_base_dist!r}")
+    raise InferenceError(f"unknown base distribution for asymptotics {calc_base_dist!r}")
 
 
 @dataclass

@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from .curvature import CPU_BLOCK_ROWS, Derivatives
+from .errors import InferenceError
 
 __all__ = ["CURVATURES", "Curvature", "TwiceNLL"]
 
@@ -69,7 +70,7 @@ class TwiceNLL:
         block_rows: int | Literal["auto"] | None = "auto",
     ):
         if curvature not in CURVATURES:
-            raise ValueError(f"curvature must be one of {CURVATURES}, not {curvature!r}")
+            raise InferenceError(f"curvature must be one of {CURVATURES}, not {curvature!r}")
         self.model = model
         self.data = data
         self.element = element
