@@ -6,7 +6,7 @@ runs extra starts (:mod:`pyhf_gpu_server.inference.starts`). Per shared workspac
 codes, all 24 patches of ``patchset.json`` at ``mu = 1`` (qtilde, observed + expected CLs):
 
 - ours with the extra starts (the default) and with one start (``FitOptions(starts=None)``),
-  best of a few timed calls after a warm-up, and pyhf (numpy, its own single-start fits) on
+  the median of a few timed calls after a warm-up (``bench_inference.timed``), and pyhf (numpy, its own single-start fits) on
   one patch, times 24;
 - how many patches' CLs changed by more than 1e-6, and the largest change.
 
@@ -28,27 +28,13 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bench_inference import ALL, load  # noqa: E402
+from bench_inference import ALL, load, timed  # noqa: E402
 
 from pyhf_gpu_server.engine import HistFactoryModel  # noqa: E402
 from pyhf_gpu_server.inference import hypotest  # noqa: E402
 from pyhf_gpu_server.inference.mle import FitOptions  # noqa: E402
 
 KINKED = {"histosys": {"interpcode": "code0"}, "normsys": {"interpcode": "code1"}}
-
-
-def best_time(fn, device, repeats: int = 3) -> tuple[float, object]:
-    fn()  # warm-up
-    best, result = float("inf"), None
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        result = fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return best, result
 
 
 def pyhf_one_patch(workspace: dict, patchset: dict) -> float:
@@ -69,8 +55,8 @@ def run(name: str, device: torch.device, pyhf_too: bool) -> dict:
     model = HistFactoryModel.from_patchset(
         workspace, patchset, modifier_settings=KINKED, device=device
     )
-    many, res_many = best_time(lambda: hypotest(model, 1.0), device)
-    one, res_one = best_time(lambda: hypotest(model, 1.0, options=FitOptions(starts=None)), device)
+    many, res_many = timed(lambda: hypotest(model, 1.0), device, budget=30.0)
+    one, res_one = timed(lambda: hypotest(model, 1.0, options=FitOptions(starts=None)), device)
     obs_many = torch.cat([res_many.cls_obs.unsqueeze(1), res_many.cls_exp], 1)
     obs_one = torch.cat([res_one.cls_obs.unsqueeze(1), res_one.cls_exp], 1)
     change = (obs_many - obs_one).abs().amax(1)
