@@ -188,9 +188,7 @@ def _minimize(model, data, element, init, bounds, fixed, options: FitOptions) ->
         parts.append(minimize(objective, init_, bounds_, fixed_, options.minimize))
     if len(parts) == 1:
         return parts[0]
-    return MinimizeResult(
-        *(torch.cat(column) for column in zip(*map(_columns, parts), strict=True))
-    )
+    return MinimizeResult(*(torch.cat(c) for c in zip(*map(_columns, parts), strict=True)))
 
 
 def _columns(result: MinimizeResult) -> list[Tensor]:
@@ -204,7 +202,7 @@ def _global_minima(
     """The first minima ``first``, or lower ones from extra starts where the model has
     kinked parameters (:mod:`~pyhf_gpu_server.inference.starts`), with each row's status:
     every row's extra starts in ONE minimiser call, then the lowest minimum of each row
-    settled on its kinks (two more calls)."""
+    settled on its kinks (``settle_rounds`` more calls)."""
     B = first.x.shape[0]
     kinked = model.kinked_params
     if options.starts is None or not kinked.numel():
@@ -223,20 +221,26 @@ def _global_minima(
         fixed.index_select(0, row),
         options,
     )
-    candidates = [  # per row: the first fit and its S extra starts
-        torch.cat([a.unsqueeze(1), b.unflatten(0, (B, S))], dim=1)
-        for a, b in zip(_columns(first), _columns(extra), strict=True)
-    ]
-    lowest = torch.where(torch.isfinite(candidates[1]), candidates[1], torch.inf).argmin(1)
-    seed = candidates[0].flatten(0, 1).index_select(0, rows * (S + 1) + lowest)
+    tried = _per_row(
+        _each(first, lambda t: t.unsqueeze(1)), _each(extra, lambda t: t.unflatten(0, (B, S)))
+    )
+    lowest = torch.where(torch.isfinite(tried.fun), tried.fun, torch.inf).argmin(1)
+    seed = tried.x.flatten(0, 1).index_select(0, rows * (S + 1) + lowest)
     settled, K = _settle_kinks(model, data, element, bounds, fixed, seed, options)
-    candidates = [
-        torch.cat([c, s.unflatten(0, (B, K))], dim=1)
-        for c, s in zip(candidates, _columns(settled), strict=True)
-    ]
-    best, status = best_of_starts(candidates[1], candidates[2], options.starts.agree_twice_nll)
+    tried = _per_row(tried, _each(settled, lambda t: t.unflatten(0, (B, K))))
+    best, status = best_of_starts(tried.fun, tried.converged, options.starts.agree_twice_nll)
     flat = rows * (S + 1 + K) + best
-    return MinimizeResult(*(c.flatten(0, 1).index_select(0, flat) for c in candidates)), status
+    return _each(tried, lambda t: t.flatten(0, 1).index_select(0, flat)), status
+
+
+def _each(result: MinimizeResult, change) -> MinimizeResult:
+    """``result`` with ``change`` applied to each of its per-row tensors."""
+    return MinimizeResult(*map(change, _columns(result)))
+
+
+def _per_row(*parts: MinimizeResult) -> MinimizeResult:
+    """Results shaped ``[B, k, ...]`` side by side: ``[B, sum k, ...]`` (a row's candidates)."""
+    return MinimizeResult(*(torch.cat(c, dim=1) for c in zip(*map(_columns, parts), strict=True)))
 
 
 def _settle_kinks(
