@@ -32,8 +32,10 @@ from pyhf_gpu_server.engine import HistFactoryModel, schema
 from pyhf_gpu_server.engine.errors import UnrepresentableValueError
 from pyhf_gpu_server.engine.layout import ElementLayout
 from pyhf_gpu_server.engine.stacking import partition, split_reason
+from pyhf_gpu_server.inference.mle import FitOptions
 from pyhf_gpu_server.inference.results import group_parameters
 
+from .admission import FitLimits
 from .elements import Background, Element, ElementStore, PatchSpec
 from .errors import BadRequest, ServiceError, Unprocessable, pydantic_detail, translate
 from .models_cache import CachedModel, ModelCache
@@ -362,6 +364,7 @@ class BatchContext:
     options: dict[str, Any]
     cached: CachedModel
     digests: tuple[str, ...]
+    max_rows: int  # rows one minimiser call may fit (--max-fit-memory-mb)
 
     def element_of(self, rows: Sequence[Row]) -> list[int]:
         """The model's element index of each row."""
@@ -386,12 +389,13 @@ def run_rows(context: BatchContext, rows: Sequence[Row]) -> list[RowResult]:
     model = context.cached.model
     element = torch.tensor(context.element_of(rows), dtype=torch.long, device=model.device)
     options = context.options
+    fitting = FitOptions(max_rows=context.max_rows)
     if context.operation == "cls":
         test_poi = torch.tensor([r.poi for r in rows], dtype=model.dtype, device=model.device)
-        result = inference.hypotest(model, test_poi, element=element, **options)
+        result = inference.hypotest(model, test_poi, element=element, options=fitting, **options)
         payloads = [result.to_pyhf_json(i) for i in range(len(rows))]
     elif context.operation == "fit":
-        result = inference.fit(model, element=element)
+        result = inference.fit(model, element=element, options=fitting)
         columns = [model.element_columns(e) for e in element.tolist()]
         payloads = [_fit_json(result, i, columns[i]) for i in range(len(rows))]
     elif context.operation == "upper-limit":
@@ -400,11 +404,11 @@ def run_rows(context: BatchContext, rows: Sequence[Row]) -> list[RowResult]:
             None if scan is None else torch.tensor(scan, dtype=model.dtype, device=model.device)
         )
         result = inference.upper_limit(
-            model, element=element, scan=scan_tensor, level=options["level"]
+            model, element=element, scan=scan_tensor, level=options["level"], options=fitting
         )
         payloads = [result.to_json(i) for i in range(len(rows))]
     else:
-        result = inference.significance(model, element=element, **options)
+        result = inference.significance(model, element=element, options=fitting, **options)
         payloads = [result.to_json(i) for i in range(len(rows))]
     statuses = _fit_statuses(result, len(payloads))
     return [
@@ -491,8 +495,11 @@ class Operations:
         build_executor: Executor,
         device: str,
         dtype: torch.dtype,
+        limits: FitLimits | None = None,
     ) -> None:
-        """Serve models on ``device`` in ``dtype``; translate and build on ``build_executor``."""
+        """Serve models on ``device`` in ``dtype``; translate and build on ``build_executor``;
+        refuse models and split engine calls by ``limits`` (none: no bound)."""
+        self.limits = limits
         self.cache = cache
         self.scheduler = scheduler
         self.elements = elements
@@ -517,7 +524,7 @@ class Operations:
             elements = await asyncio.get_running_loop().run_in_executor(
                 self.build_executor, self.elements.elements, plan.background, plan.patches
             )
-            elements = [plan.checked(e) for e in elements]
+            elements = [self._admitted(plan.checked(e)) for e in elements]
             translate_s = time.perf_counter() - start
             valid = [e for e in elements if e.layout is not None]
             if not valid:
@@ -568,6 +575,18 @@ class Operations:
                 results.extend(by_element[element.patch.digest][:per_element])
                 del by_element[element.patch.digest][:per_element]
         return assemble(plan, results)
+
+    def _admitted(self, element: Element) -> Element:
+        """``element``, or its 422 if its model can never be fitted within the limits."""
+        if element.layout is None or self.limits is None:
+            return element
+        layout = element.layout
+        refusal = self.limits.refusal(
+            layout.n_pars, layout.n_main, layout.n_main + len(layout.aux_param)
+        )
+        if refusal is None:
+            return element
+        return replace(element, layout=None, error=Unprocessable(refusal))
 
     def _meta(
         self,
@@ -650,7 +669,13 @@ class Operations:
         layouts = [e.layout for e in elements]
         build = partial(HistFactoryModel, layouts, device=self.device, dtype=self.dtype)
         cached = await self.cache.get(key, build)
-        return BatchContext(context.operation, context.options, cached, digests)
+        model = cached.model
+        max_rows = (
+            FitOptions().max_rows
+            if self.limits is None
+            else self.limits.rows_per_call(model.n_pars, model.n_main + model.n_aux)
+        )
+        return BatchContext(context.operation, context.options, cached, digests, max_rows)
 
 
 class _Progress:

@@ -69,6 +69,13 @@ class Settings:
     max_concurrent_jobs: int = field(
         default=2, metadata={"help": "asynchronous jobs worked on at the same time"}
     )
+    max_job_attempts: int = field(
+        default=2,
+        metadata={
+            "help": "a job is failed, not resumed, once the server process has ended this many "
+            "times while running it"
+        },
+    )
     model_cache_size: int = field(default=32, metadata={"help": "most models kept warm"})
     element_cache_size: int = field(
         default=4096,
@@ -76,6 +83,19 @@ class Settings:
     )
     model_cache_memory_mb: float = field(
         default=4096.0, metadata={"help": "most device memory (MiB) held by warm models"}
+    )
+    max_parameters: int = field(
+        default=5000, metadata={"help": "models with more parameters are refused (422)"}
+    )
+    max_bins: int = field(
+        default=50_000, metadata={"help": "models with more bins are refused (422)"}
+    )
+    max_fit_memory_mb: float = field(
+        default=4096.0,
+        metadata={
+            "help": "memory (MiB) the fits of one engine call may hold: rows are split to fit, "
+            "a model one row of which needs more is refused (422)"
+        },
     )
     request_timeout_s: float = field(
         default=300.0, metadata={"help": "an interactive request answers 504 after this"}
@@ -92,6 +112,21 @@ class Settings:
         default=None,
         repr=False,
         metadata={"help": "when set, every route but /healthz and /readyz needs this Bearer token"},
+    )
+    api_token_file: Path | None = field(
+        default=None,
+        metadata={"help": "read the API token from this file (kept out of `ps`, unlike --api-token)"},
+    )
+    header_timeout_s: float = field(
+        default=10.0,
+        metadata={"help": "a connection whose request headers are not complete by then is closed"},
+    )
+    body_timeout_s: float = field(
+        default=30.0,
+        metadata={"help": "a request whose body has not fully arrived by then answers 408"},
+    )
+    max_connections: int = field(
+        default=256, metadata={"help": "open connections (and requests) before new requests get 503"}
     )
     log_level: str = field(default="info", metadata={"help": "log level", "choices": LOG_LEVELS})
 
@@ -114,10 +149,16 @@ class Settings:
             "model_cache_size",
             "element_cache_size",
             "model_cache_memory_mb",
+            "max_parameters",
+            "max_bins",
+            "max_fit_memory_mb",
             "request_timeout_s",
             "result_ttl_hours",
             "max_json_depth",
             "graceful_timeout_s",
+            "header_timeout_s",
+            "body_timeout_s",
+            "max_connections",
         ):
             if getattr(self, name) <= 0:
                 problems.append(f"{name} must be positive, not {getattr(self, name)}")

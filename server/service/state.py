@@ -20,10 +20,11 @@ import torch
 from pyhf_gpu_server.engine import KernelCache
 
 from . import warmup
+from .admission import FitLimits
 from .compiling import BackgroundCompiler
 from .elements import ElementStore
 from .jobrunner import JobRunner
-from .jobstore import JobStore
+from .jobstore import DATABASE_NAME, JobStore
 from .metrics import Metrics
 from .models_cache import ModelCache
 from .operations import Operations, run_rows
@@ -96,7 +97,7 @@ class ServiceState:
             else None
         )
         workspaces = WorkspaceStore(settings.data_dir / "workspaces")
-        jobstore = JobStore(settings.data_dir / "jobs.sqlite3")
+        jobstore = JobStore(settings.data_dir / DATABASE_NAME)
         cache = ModelCache(
             build_executor,
             executor,
@@ -116,7 +117,14 @@ class ServiceState:
             release_memory=release,
         )
         elements = ElementStore(max_elements=settings.element_cache_size)
-        operations = Operations(cache, scheduler, elements, build_executor, device, dtype)
+        limits = FitLimits(
+            max_parameters=settings.max_parameters,
+            max_bins=settings.max_bins,
+            max_fit_bytes=int(settings.max_fit_memory_mb * 2**20),
+        )
+        operations = Operations(
+            cache, scheduler, elements, build_executor, device, dtype, limits=limits
+        )
         scheduler.combine = operations.combine
         jobs = JobRunner(
             jobstore,
@@ -124,6 +132,7 @@ class ServiceState:
             operations,
             concurrency=settings.max_concurrent_jobs,
             max_queued=settings.max_queue,
+            max_attempts=settings.max_job_attempts,
             result_ttl_s=settings.result_ttl_hours * 3600,
         )
         state = cls(
@@ -188,6 +197,11 @@ class ServiceState:
         )
         await loop.run_in_executor(self.executor, warmup.infer, model)
         log.info("warmed up", extra={"seconds": round(time.perf_counter() - start, 3)})
+
+    def store_problems(self) -> list[str]:
+        """Why jobs or workspaces cannot be stored now (each directory tried for real)."""
+        problems = [self.jobstore.writable_problem(), self.workspaces.writable_problem()]
+        return [problem for problem in problems if problem is not None]
 
     def device_memory_bytes(self) -> float:
         """Device memory in use: allocated CUDA memory, or the warm models' bytes on CPU."""
