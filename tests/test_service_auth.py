@@ -23,8 +23,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         yield started
 
 
-@pytest.mark.parametrize("path", ["/healthz", "/readyz"])
-def test_probes_need_no_token(server: ServerProcess, path: str) -> None:
+@pytest.mark.parametrize("path", ["/healthz", "/readyz", "/openapi.json", "/docs"])
+def test_probes_and_docs_need_no_token(server: ServerProcess, path: str) -> None:
     assert httpx.get(server.url + path).status_code == 200
 
 
@@ -34,8 +34,6 @@ def test_probes_need_no_token(server: ServerProcess, path: str) -> None:
         ("GET", "/info"),
         ("GET", "/metrics"),
         ("GET", "/jobs"),
-        ("GET", "/openapi.json"),
-        ("GET", "/docs"),
         ("POST", "/cls"),
         ("POST", "/workspaces"),
         ("POST", "/jobs"),
@@ -52,7 +50,6 @@ def test_everything_else_needs_the_token(server: ServerProcess, method: str, pat
 def test_the_right_token_is_accepted(server: ServerProcess) -> None:
     with server.client(token=TOKEN) as client:
         assert client.get("/info").json()["auth"] is True
-        assert client.get("/openapi.json").json()["info"]["title"] == "pyhf-gpu"
         uploaded = client.post("/workspaces", json=simple_workspace())
         assert uploaded.status_code == 201
 

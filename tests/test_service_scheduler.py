@@ -26,7 +26,7 @@ class Recorder:
         self.delay_s = delay_s
         self.oom_above = oom_above
 
-    def __call__(self, context: Any, rows: list[Any]) -> list[Any]:
+    def __call__(self, context: Any, rows: list[Any], stop: Any = None) -> list[Any]:
         self.calls.append((context, list(rows)))
         self.threads.add(threading.current_thread().name)
         if self.oom_above is not None and len(rows) > self.oom_above:
@@ -133,7 +133,7 @@ def test_out_of_memory_splits_then_503_for_a_single_row() -> None:
 
 
 def test_runner_errors_reach_every_caller_of_the_batch() -> None:
-    def broken(context: Any, rows: list[Any]) -> list[Any]:
+    def broken(context: Any, rows: list[Any], stop: Any = None) -> list[Any]:
         raise ValueError("bad model")
 
     async def scenario() -> None:

@@ -46,6 +46,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -53,6 +54,7 @@ import torch
 from torch import Tensor
 
 from .curvature import DenseCurvature, Derivatives, LowRankCurvature, curvature_of
+from .errors import FitStopped
 
 __all__ = ["BatchedObjective", "Derivatives", "MinimizeOptions", "MinimizeResult", "minimize"]
 
@@ -277,8 +279,12 @@ def minimize(
     bounds: Tensor,
     fixed: Tensor | None = None,
     options: MinimizeOptions | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> MinimizeResult:
     """Minimise ``B`` independent objectives at once; every tensor stays on ``init.device``.
+
+    ``stop`` (a host-side predicate, no device sync) is asked before every iteration; when it
+    answers true the call raises :class:`~pyhf_gpu_server.inference.errors.FitStopped`.
 
     Args:
         objective: the batched objective (:class:`BatchedObjective`).
@@ -363,6 +369,8 @@ def minimize(
     if check_every is None:
         check_every = 1 if device.type == "cpu" else 4
     for it in range(1, options.max_iter + 1):
+        if stop is not None and stop():
+            raise FitStopped(f"stopped by its caller after {it - 1} iterations")
         sel = s.rows
         s = _iterate(
             objective,

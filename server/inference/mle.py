@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -70,12 +71,15 @@ class FitOptions:
         max_rows: rows per minimiser call at most (larger batches are split, for memory).
         starts: :class:`~pyhf_gpu_server.inference.starts.StartOptions`, the extra start
             points of fits whose model has kinked parameters; None: one start (pyhf's way).
+        stop: asked between minimiser iterations; true stops the fit with
+            :class:`~pyhf_gpu_server.inference.errors.FitStopped` (nobody waits for it).
     """
 
     curvature: Curvature = "gauss-newton"
     minimize: MinimizeOptions = field(default_factory=MinimizeOptions)
     starts: StartOptions | None = field(default_factory=StartOptions)
     max_rows: int = 8192
+    stop: Callable[[], bool] | None = None
 
 
 @dataclass
@@ -185,7 +189,7 @@ def _minimize(model, data, element, init, bounds, fixed, options: FitOptions) ->
             t.narrow(0, start, length) for t in (data, element, init, bounds, fixed)
         )
         objective = TwiceNLL(model, data_, element_, options.curvature)
-        parts.append(minimize(objective, init_, bounds_, fixed_, options.minimize))
+        parts.append(minimize(objective, init_, bounds_, fixed_, options.minimize, options.stop))
     if len(parts) == 1:
         return parts[0]
     return MinimizeResult(*(torch.cat(c) for c in zip(*map(_columns, parts), strict=True)))

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from importlib import resources
 
 from fastapi import Depends, FastAPI
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.staticfiles import StaticFiles
 
-from .dependencies import require_token
+from .dependencies import require_token, with_file_token
 from .errors import install_error_handlers
 from .metrics import Metrics
-from .middleware import BodyLimitMiddleware, RequestContextMiddleware
+from .middleware import BodyLimitMiddleware, RequestContextMiddleware, TokenAuthMiddleware
 from .routers import health, inference, jobs, workspaces
 from .settings import Settings
 from .state import ServiceState
@@ -24,13 +26,21 @@ pyhf-compatible HistFactory inference, batched on one device.
 * `POST /workspaces` uploads a workspace once; requests then send `workspace_id` and small patches.
 * `POST /jobs` runs the same requests durably in the background (SQLite), with progress events.
 
-With an API token set, every route except `/healthz` and `/readyz` needs
-`Authorization: Bearer <token>` (this page and `/openapi.json` included).
+With an API token set, every route except `/healthz`, `/readyz`, this page and
+`/openapi.json` needs `Authorization: Bearer <token>`: enter it with *Authorize*.
 """
+
+DOCS_ASSETS = "/docs/static"
+# need no token: the probes, and the API's description (no data) with the page showing it
+OPEN_PATHS = ("/healthz", "/readyz", "/openapi.json", "/docs")
 
 
 def create_app(settings: Settings) -> FastAPI:
-    """A new app serving with ``settings``; its state is created at start-up (lifespan)."""
+    """A new app serving with ``settings``; its state is created at start-up (lifespan).
+
+    Raises ``ValueError`` when ``settings.api_token_file`` cannot be read.
+    """
+    settings = with_file_token(settings)
     metrics = Metrics()
 
     @asynccontextmanager
@@ -52,7 +62,17 @@ def create_app(settings: Settings) -> FastAPI:
     )
     app.state.settings = settings
     install_error_handlers(app)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_bytes=settings.max_body_bytes,
+        body_timeout_s=settings.body_timeout_s,
+    )
+    app.add_middleware(
+        TokenAuthMiddleware,
+        token=settings.api_token,
+        open_paths=OPEN_PATHS,
+        open_prefixes=(DOCS_ASSETS + "/",),
+    )
     app.add_middleware(RequestContextMiddleware, metrics=metrics)
     authenticated = [Depends(require_token)]
     app.include_router(health.public)
@@ -65,15 +85,27 @@ def create_app(settings: Settings) -> FastAPI:
 
 
 def _add_docs(app: FastAPI) -> None:
-    """/openapi.json and /docs (Swagger UI), behind the same auth as the API."""
+    """/openapi.json and /docs, open to all (see :data:`OPEN_PATHS`).
 
-    @app.get("/openapi.json", include_in_schema=False, dependencies=[Depends(require_token)])
+    Swagger UI's files come from the ``fastapi-offline`` package (Swagger UI 5, which reads
+    OpenAPI 3.1), served under :data:`DOCS_ASSETS`: the page needs no CDN.
+    """
+    assets = resources.files("fastapi_offline").joinpath("static")
+    app.mount(DOCS_ASSETS, StaticFiles(directory=str(assets)), name="docs-assets")
+
+    @app.get("/openapi.json", include_in_schema=False)
     async def openapi() -> JSONResponse:
         return JSONResponse(app.openapi())
 
-    @app.get("/docs", include_in_schema=False, dependencies=[Depends(require_token)])
+    @app.get("/docs", include_in_schema=False)
     async def docs() -> HTMLResponse:
-        return get_swagger_ui_html(openapi_url="/openapi.json", title="pyhf-gpu API")
+        return get_swagger_ui_html(
+            openapi_url="/openapi.json",
+            title="pyhf-gpu API",
+            swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
+            swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
+            swagger_favicon_url=f"{DOCS_ASSETS}/favicon.png",
+        )
 
 
 def _package_version() -> str:

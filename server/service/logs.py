@@ -35,7 +35,10 @@ class JsonFormatter(logging.Formatter):
 
 
 def configure_logging(level: str) -> None:
-    """Send the service's and uvicorn's logs to stderr as JSON lines at ``level``."""
+    """Send the service's and uvicorn's logs to stderr as JSON lines at ``level``.
+
+    pyhf's own INFO lines (one per modifier of every pyhf model built) show at ``debug`` only.
+    """
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter())
     root = logging.getLogger()
@@ -45,3 +48,5 @@ def configure_logging(level: str) -> None:
         logger = logging.getLogger(name)
         logger.handlers[:] = []
         logger.propagate = True
+    pyhf_level = logging.DEBUG if level.lower() == "debug" else logging.WARNING
+    logging.getLogger("pyhf").setLevel(max(pyhf_level, root.level))

@@ -1,17 +1,25 @@
-"""Pure ASGI middleware: request ids, access logs and metrics; body size limits and gzip."""
+"""Request guards. Pure ASGI middleware: request ids, access logs and metrics; the Bearer token
+(checked on the headers, before any body is read); body size limits, read deadline and gzip.
+And the uvicorn protocol that closes connections whose request headers never complete.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import time
 import uuid
 import zlib
+from collections.abc import Collection
 
+import h11
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from .dependencies import token_problem
 from .metrics import Metrics
 
 log = logging.getLogger("pyhf_gpu_server.service.access")
@@ -68,16 +76,56 @@ class RequestContextMiddleware:
             )
 
 
+class TokenAuthMiddleware:
+    """401 for a request without ``Authorization: Bearer <token>``, decided on its headers alone.
+
+    Sits outside :class:`BodyLimitMiddleware`, so an unauthenticated body is never read nor
+    gunzipped; the answer closes the connection (its unread body is not drained). ``open_paths``
+    and paths under ``open_prefixes`` need no token; with no token set, nothing does.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        token: str | None,
+        open_paths: Collection[str],
+        open_prefixes: tuple[str, ...] = (),
+    ) -> None:
+        """Wrap ``app``; requests need ``token`` except on the open paths."""
+        self.app = app
+        self.token = token
+        self.open_paths = frozenset(open_paths)
+        self.open_prefixes = open_prefixes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Hand on an authenticated (or open) request; answer 401 to any other."""
+        if scope["type"] != "http" or not self.token or self._is_open(scope["path"]):
+            await self.app(scope, receive, send)
+            return
+        problem = token_problem(Headers(scope=scope).get("authorization", ""), self.token)
+        if problem is None:
+            await self.app(scope, receive, send)
+            return
+        headers = {**problem.headers, "Connection": "close"}
+        await JSONResponse({"detail": problem.detail}, 401, headers)(scope, receive, send)
+
+    def _is_open(self, path: str) -> bool:
+        """Whether ``path`` needs no token."""
+        return path in self.open_paths or path.startswith(self.open_prefixes)
+
+
 class BodyLimitMiddleware:
     """Rejects bodies over ``max_bytes`` (declared, streamed or gunzipped: 413) and gunzips them.
 
+    A body not complete within ``body_timeout_s`` of its headers answers 408 (slow senders).
     A ``Content-Encoding: gzip`` body reaches the app decompressed, with the header removed.
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        """Wrap ``app`` with a limit of ``max_bytes``."""
+    def __init__(self, app: ASGIApp, max_bytes: int, body_timeout_s: float) -> None:
+        """Wrap ``app`` with a limit of ``max_bytes`` and a read deadline of ``body_timeout_s``."""
         self.app = app
         self.max_bytes = max_bytes
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Read the whole body within the limits, then hand it on."""
@@ -89,7 +137,11 @@ class BodyLimitMiddleware:
         if problem is not None:
             await problem(scope, receive, send)
             return
-        body = await self._read(receive)
+        try:
+            body = await asyncio.wait_for(self._read(receive), self.body_timeout_s)
+        except asyncio.TimeoutError:
+            await self._too_slow()(scope, receive, send)
+            return
         if body is None:
             await self._too_large("body")(scope, receive, send)
             return
@@ -152,6 +204,56 @@ class BodyLimitMiddleware:
             f"{what} is larger than the limit of {limit_mb:g} MiB (--max-body-mb); "
             "upload the workspace once with POST /workspaces and send small patches",
         )
+
+    def _too_slow(self) -> JSONResponse:
+        """The 408 answer; it closes the connection (the rest of the body is not awaited)."""
+        return JSONResponse(
+            {
+                "detail": f"the request body did not arrive within {self.body_timeout_s:g} s "
+                "(--body-timeout-s)"
+            },
+            status_code=408,
+            headers={"Connection": "close"},
+        )
+
+
+def header_deadline_protocol(timeout_s: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol, closing a connection whose request headers are not complete
+    within ``timeout_s`` of its opening or of its previous answer (slowloris clients)."""
+
+    class HeaderDeadlineProtocol(H11Protocol):
+        """:class:`H11Protocol` with a deadline for each request's headers."""
+
+        _header_deadline: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            """Start the first request's deadline."""
+            super().connection_made(transport)
+            self._arm_header_deadline()
+
+        def on_response_complete(self) -> None:
+            """Start the next request's deadline."""
+            super().on_response_complete()
+            self._arm_header_deadline()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            """Drop the deadline with the connection."""
+            if self._header_deadline is not None:
+                self._header_deadline.cancel()
+            super().connection_lost(exc)
+
+        def _arm_header_deadline(self) -> None:
+            """(Re)start the timer."""
+            if self._header_deadline is not None:
+                self._header_deadline.cancel()
+            self._header_deadline = self.loop.call_later(timeout_s, self._close_if_waiting)
+
+        def _close_if_waiting(self) -> None:
+            """Close the connection while it still waits for a request's headers."""
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.close()
+
+    return HeaderDeadlineProtocol
 
 
 def _reject(status: int, detail: str) -> JSONResponse:

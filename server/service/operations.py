@@ -384,12 +384,15 @@ class RowResult:
     model: CachedModel
 
 
-def run_rows(context: BatchContext, rows: Sequence[Row]) -> list[RowResult]:
-    """ONE batched inference call for ``rows``."""
+def run_rows(
+    context: BatchContext, rows: Sequence[Row], stop: Callable[[], bool] | None = None
+) -> list[RowResult]:
+    """ONE batched inference call for ``rows``; its fits give up (``FitStopped``) between two
+    iterations once ``stop()`` is true (nobody waits for the answer)."""
     model = context.cached.model
     element = torch.tensor(context.element_of(rows), dtype=torch.long, device=model.device)
     options = context.options
-    fitting = FitOptions(max_rows=context.max_rows)
+    fitting = FitOptions(max_rows=context.max_rows, stop=stop)
     if context.operation == "cls":
         test_poi = torch.tensor([r.poi for r in rows], dtype=model.dtype, device=model.device)
         result = inference.hypotest(model, test_poi, element=element, options=fitting, **options)
@@ -670,11 +673,10 @@ class Operations:
         build = partial(HistFactoryModel, layouts, device=self.device, dtype=self.dtype)
         cached = await self.cache.get(key, build)
         model = cached.model
-        max_rows = (
-            FitOptions().max_rows
-            if self.limits is None
-            else self.limits.rows_per_call(model.n_pars, model.n_main + model.n_aux)
-        )
+        max_rows = FitOptions().max_rows  # also bounds the time of one iteration (stop checks)
+        if self.limits is not None:
+            fitting = self.limits.rows_per_call(model.n_pars, model.n_main + model.n_aux)
+            max_rows = min(max_rows, fitting)
         return BatchContext(context.operation, context.options, cached, digests, max_rows)
 
 

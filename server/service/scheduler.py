@@ -38,7 +38,9 @@ log = logging.getLogger("pyhf_gpu_server.service.scheduler")
 
 Lane = Literal["interactive", "jobs"]
 LANES: tuple[Lane, ...] = ("interactive", "jobs")
-Runner = Callable[[Any, Sequence[Any]], list[Any]]
+# (context, rows, stop) -> one outcome per row; ``stop()`` turns true once nobody waits for
+# any of the rows (their callers disconnected, timed out or cancelled): the runner may give up
+Runner = Callable[[Any, Sequence[Any], Callable[[], bool]], list[Any]]
 # contexts of a batch's items -> (context to run with, indices of the items it serves)
 Combiner = Callable[[Sequence[Any]], Awaitable[list[tuple[Any, list[int]]]]]
 ProgressCallback = Callable[[int, int], None]
@@ -265,8 +267,15 @@ class Scheduler:
         """One engine call for the rows of ``batch`` with ``context``."""
         rows = [row for part in batch for row in part.item.rows[part.start : part.stop]]
         loop = asyncio.get_running_loop()
+        items = [part.item for part in batch]
+
+        def nobody_waits() -> bool:  # read on the device thread: futures only ever get done
+            return all(item.future.done() for item in items)
+
         try:
-            outcomes = await loop.run_in_executor(self._executor, self._execute, context, rows)
+            outcomes = await loop.run_in_executor(
+                self._executor, self._execute, context, rows, nobody_waits
+            )
         except Exception as exc:
             for part in batch:
                 self._fail(part.item, exc)
@@ -277,12 +286,14 @@ class Scheduler:
         for part, offset in zip(batch, offsets, strict=False):
             self._deliver(part, outcomes[offset : offset + part.stop - part.start])
 
-    def _execute(self, context: Any, rows: Sequence[Any]) -> list[RowOutcome]:
+    def _execute(
+        self, context: Any, rows: Sequence[Any], stop: Callable[[], bool]
+    ) -> list[RowOutcome]:
         """On the device thread: one engine call; on out-of-memory, halves (recursively)."""
         self._metrics.batch_size.observe(len(rows))
         start = time.perf_counter()
         try:
-            values = self._runner(context, rows)
+            values = self._runner(context, rows, stop)
         except Exception as exc:
             if not is_out_of_memory(exc):
                 raise
@@ -295,7 +306,9 @@ class Scheduler:
             self._metrics.oom_splits.inc()
             log.warning("device out of memory; splitting the batch", extra={"rows": len(rows)})
             half = len(rows) // 2
-            return self._execute(context, rows[:half]) + self._execute(context, rows[half:])
+            return self._execute(context, rows[:half], stop) + self._execute(
+                context, rows[half:], stop
+            )
         seconds = time.perf_counter() - start
         self._metrics.batch_seconds.observe(seconds)
         return [RowOutcome(value, len(rows), seconds) for value in values]

@@ -115,7 +115,9 @@ class Settings:
     )
     api_token_file: Path | None = field(
         default=None,
-        metadata={"help": "read the API token from this file (kept out of `ps`, unlike --api-token)"},
+        metadata={
+            "help": "read the API token from this file (kept out of `ps`, unlike --api-token)"
+        },
     )
     header_timeout_s: float = field(
         default=10.0,
@@ -126,7 +128,8 @@ class Settings:
         metadata={"help": "a request whose body has not fully arrived by then answers 408"},
     )
     max_connections: int = field(
-        default=256, metadata={"help": "open connections (and requests) before new requests get 503"}
+        default=256,
+        metadata={"help": "open connections (and requests) before new requests get 503"},
     )
     log_level: str = field(default="info", metadata={"help": "log level", "choices": LOG_LEVELS})
 

@@ -7,11 +7,13 @@ envelope ``{"workspace" | "workspace_id", "patches", "patchset", "patch_names", 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from asyncio import FIRST_COMPLETED
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from ..dependencies import StateDep
 from ..errors import RequestTimeout
@@ -20,6 +22,8 @@ from ..schemas import ANSWERS, BODY_ERRORS, OPTION_MODELS, REQUEST_MODELS, error
 from ..state import ServiceState
 
 router = APIRouter(tags=["inference"])
+DISCONNECT_POLL_S = 0.25
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request its client abandoned (never sent)
 
 _SUMMARIES = {
     "cls": "CLs of a hypothesis test, as `pyhf cls` prints it",
@@ -80,20 +84,35 @@ def _openapi(operation: str) -> dict[str, Any]:
     }
 
 
+async def _disconnected(request: Request) -> None:
+    """Return once the client has closed the connection (polled: the body is already read)."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+
+
 def _endpoint(operation: str):
     """The handler of POST /<operation>."""
 
-    async def endpoint(request: Request, state: StateDep) -> JSONResponse:
+    async def endpoint(request: Request, state: StateDep) -> Response:
         plan = await plan_from_http(request, operation, state)
         timeout = state.settings.request_timeout_s
-        try:
-            result = await asyncio.wait_for(state.operations.run(plan), timeout)
-        except TimeoutError:
-            raise RequestTimeout(
-                f"the request took longer than {timeout:g} s (--request-timeout-s); "
-                "submit it as a job with POST /jobs"
-            ) from None
-        return JSONResponse(result)
+        run = asyncio.ensure_future(state.operations.run(plan))
+        gone = asyncio.ensure_future(_disconnected(request))
+        done, _ = await asyncio.wait({run, gone}, timeout=timeout, return_when=FIRST_COMPLETED)
+        gone.cancel()
+        if run in done:
+            return JSONResponse(run.result())
+        # nobody will read the answer: cancelling the run drops its rows from the queue and
+        # stops a batch that serves nobody else between two fit iterations
+        run.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await run
+        if gone in done:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        raise RequestTimeout(
+            f"the request took longer than {timeout:g} s (--request-timeout-s); "
+            "submit it as a job with POST /jobs"
+        )
 
     endpoint.__name__ = operation.replace("-", "_")
     return endpoint
