@@ -9,7 +9,10 @@ from collections.abc import Sequence
 import uvicorn
 
 from pyhf_gpu_server.service.app import create_app
+from pyhf_gpu_server.service.dependencies import with_file_token
+from pyhf_gpu_server.service.jobstore import StoreError, preflight
 from pyhf_gpu_server.service.logs import configure_logging
+from pyhf_gpu_server.service.middleware import header_deadline_protocol
 from pyhf_gpu_server.service.settings import settings_from_args
 from pyhf_gpu_server.service.state import resolve_device
 
@@ -26,11 +29,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = settings_from_args(argv)
     configure_logging(settings.log_level)
     try:
+        settings = with_file_token(settings)
         resolve_device(settings)
     except ValueError as exc:
         print(f"pyhf-gpu-server: error: {exc}", file=sys.stderr)
         return 2
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        preflight(settings.data_dir)
+    except StoreError as exc:
+        print(f"pyhf-gpu-server: error: {exc}", file=sys.stderr)
+        return 1
     gc.set_threshold(*GC_THRESHOLDS)
     uvicorn.run(
         create_app(settings),
@@ -41,6 +49,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         access_log=False,
         timeout_graceful_shutdown=max(1, round(settings.graceful_timeout_s)),
         proxy_headers=False,
+        limit_concurrency=settings.max_connections,
+        http=header_deadline_protocol(settings.header_timeout_s),
     )
     return 0
 

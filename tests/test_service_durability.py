@@ -40,6 +40,13 @@ def stored_statuses(data_dir: Path) -> dict[str, str]:
         return dict(db.execute("SELECT id, status FROM jobs").fetchall())
 
 
+def stored_attempts(data_dir: Path, status: str) -> dict[str, int]:
+    """The ``attempts`` (runs the server process did not survive) of the jobs with ``status``."""
+    with sqlite3.connect(data_dir / "jobs.sqlite3") as db:
+        query = "SELECT id, attempts FROM jobs WHERE status = ?"
+        return dict(db.execute(query, (status,)).fetchall())
+
+
 def wait_until_running(client: httpx.Client, job_ids: list[str], timeout_s: float = 120) -> None:
     """Until some job is running."""
     deadline = time.monotonic() + timeout_s
@@ -71,6 +78,8 @@ def test_jobs_survive_kill_9_and_sigterm(tmp_path: Path) -> None:
     after_term = stored_statuses(tmp_path)
     assert not any(s == "failed" for s in after_term.values()), after_term
     assert all(s != "running" for s in after_term.values()), "running jobs went back to queued"
+    # a graceful stop hands its run back: it does not count towards --max-job-attempts
+    assert set(stored_attempts(tmp_path, "queued").values()) == {0}
 
     third = ServerProcess(tmp_path, ARGS).start()
     try:

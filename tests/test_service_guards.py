@@ -13,6 +13,8 @@ import json
 import logging
 import re
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -225,3 +227,14 @@ def test_token_file_problems_are_one_line_errors(tmp_path: Path) -> None:
     ]:
         with pytest.raises(ValueError, match=problem):
             with_file_token(settings)
+
+
+def test_an_unreadable_token_file_stops_the_server_with_one_line(tmp_path):
+    command = [
+        sys.executable, "-m", "pyhf_gpu_server.cli", "--data-dir", str(tmp_path),
+        "--api-token-file", str(tmp_path / "missing"), "--port", "1",
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.startswith("pyhf-gpu-server: error: cannot read --api-token-file")
+    assert "Traceback" not in done.stderr

@@ -3,7 +3,8 @@
 Jobs are validated (planned) when submitted, so bad input is a 4xx at ``POST /jobs``, not a
 failed job. An inline workspace is stored on disk and the stored request refers to it by id, so
 a restart can re-plan the job. Workers claim the oldest queued job; on shutdown a running job
-goes back to ``queued`` and resumes at the next start (after a crash, at start-up).
+goes back to ``queued`` and resumes at the next start (after a crash, at start-up, unless the
+process has ended ``--max-job-attempts`` times while running it: then it is ``failed``).
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import contextlib
 import logging
 from typing import Any
 
-from .errors import QueueFull, ServiceError, Unprocessable
-from .jobstore import JobStore
+from .errors import QueueFull, ServiceError, Unavailable, Unprocessable
+from .jobstore import JobStore, StoreError
 from .operations import Operations, envelope_from, plan_request
 from .schemas import OPERATIONS
 from .workspace_store import WorkspaceStore
@@ -36,14 +37,17 @@ class JobRunner:
         *,
         concurrency: int,
         max_queued: int,
+        max_attempts: int,
         result_ttl_s: float,
     ) -> None:
-        """Run up to ``concurrency`` jobs at once; refuse new ones past ``max_queued``."""
+        """Run up to ``concurrency`` jobs at once; refuse new ones past ``max_queued`` queued or
+        running; fail at start a job whose process ended ``max_attempts`` times running it."""
         self.store = store
         self.workspaces = workspaces
         self.operations = operations
         self.concurrency = concurrency
         self.max_queued = max_queued
+        self.max_attempts = max_attempts
         self.result_ttl_s = result_ttl_s
         self._wakeup = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -51,7 +55,14 @@ class JobRunner:
         self._watchers: set[asyncio.Event] = set()
 
     async def start(self) -> None:
-        """Re-queue jobs a crash left running, purge expired ones, start the workers."""
+        """Fail poison jobs, re-queue the others a crash left running, purge expired ones, start
+        the workers."""
+        poisoned = await asyncio.to_thread(self.store.fail_poison, self.max_attempts)
+        if poisoned:
+            log.warning(
+                "failed jobs whose runs ended the server process (--max-job-attempts)",
+                extra={"jobs": poisoned, "max_job_attempts": self.max_attempts},
+            )
         requeued = await asyncio.to_thread(self.store.requeue_interrupted)
         if requeued:
             log.info("re-queued interrupted jobs", extra={"jobs": requeued})
@@ -84,17 +95,30 @@ class JobRunner:
                 f"unknown operation {operation!r}; use one of {', '.join(OPERATIONS)}"
             )
         counts = await asyncio.to_thread(self.store.counts)
-        if counts["queued"] >= self.max_queued:
-            raise QueueFull(f"{counts['queued']} jobs are queued (--max-queue); retry later", 10)
+        if counts["queued"] + counts["running"] >= self.max_queued:
+            raise self._queue_full()  # before planning: a full queue costs no work
         envelope = envelope_from(request, {}, operation)
         plan = await asyncio.to_thread(plan_request, operation, envelope, self.workspaces, True)
         if "workspace" in envelope:
             envelope = {k: v for k, v in envelope.items() if k != "workspace"}
             envelope["workspace_id"] = plan.background.workspace_digest
-        job_id = await asyncio.to_thread(self.store.create, operation, envelope, plan.n_rows)
+        try:
+            job_id = await asyncio.to_thread(
+                self.store.create, operation, envelope, plan.n_rows, self.max_queued
+            )
+        except StoreError as exc:
+            raise Unavailable(f"cannot store the job: {exc}", 60) from None
+        if job_id is None:
+            raise self._queue_full()
         self._wakeup.set()
         self.changed()
         return job_id
+
+    def _queue_full(self) -> QueueFull:
+        """The 429 answered when ``--max-queue`` jobs are queued or running."""
+        return QueueFull(
+            f"{self.max_queued} jobs are queued or running (--max-queue); retry later", 10
+        )
 
     async def cancel(self, job_id: str) -> str | None:
         """Cancel a job; its status before, or ``None`` if unknown."""

@@ -1,22 +1,38 @@
 """Durable job store: asynchronous jobs and their results in SQLite (WAL) under ``--data-dir``.
 
 A job is written before it is acknowledged, so it survives a crash or ``kill -9``: at start,
-:meth:`JobStore.requeue_interrupted` puts jobs that were ``running`` back to ``queued``.
-Every method is synchronous and thread-safe; async code calls them through a thread.
+:meth:`JobStore.requeue_interrupted` puts jobs that were ``running`` back to ``queued``, unless
+the server process has ended while running them ``--max-job-attempts`` times (a poison job):
+those are marked ``failed``. ``attempts`` counts the runs a job's process did not survive (a
+graceful shutdown hands its run back). The store fails loudly: :func:`preflight` checks the data
+dir and the database before the server starts, and a database missing from a data dir that held
+one (see :data:`MARKER_NAME`) is reported as recreated. Every method is synchronous and
+thread-safe; async code calls them through a thread.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import sqlite3
+import sys
+import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+log = logging.getLogger("pyhf_gpu_server.service.jobs")
+
 FINAL_STATUSES = ("succeeded", "failed", "cancelled")
 STATUSES = ("queued", "running", *FINAL_STATUSES)
+DATABASE_NAME = "jobs.sqlite3"
+# written next to the database when it is first created: a later start that finds the marker but
+# not the database knows jobs were lost
+MARKER_NAME = "jobs.sqlite3.created"
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -38,13 +54,61 @@ CREATE INDEX IF NOT EXISTS jobs_created ON jobs (created_at);
 """
 
 
+class StoreError(Exception):
+    """The data dir or the job database cannot be used; the message is one line for an operator."""
+
+
+def writable_problem(directory: Path) -> str | None:
+    """Why files cannot be created in ``directory`` (created if missing), or ``None``.
+
+    Tried for real (a probe file is created and removed), so it also catches read-only mounts
+    and permissions that ``os.access`` misjudges."""
+    if directory.exists() and not directory.is_dir():
+        return f"{directory} is not writable (not a directory)"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-probe-"):
+            pass
+    except OSError as exc:
+        return f"{directory} is not writable ({exc.strerror or exc})"
+    return None
+
+
+def preflight(data_dir: Path) -> None:
+    """Raise :class:`StoreError` unless the data dir is writable and its database (if any) sound."""
+    problem = writable_problem(data_dir)
+    if problem is not None:
+        raise StoreError(f"the data dir {problem}; fix it or pass another --data-dir")
+    path = data_dir / DATABASE_NAME
+    if path.exists():
+        check_database(path)
+
+
+def check_database(path: Path) -> None:
+    """Raise :class:`StoreError` unless ``path`` is a SQLite database that passes ``quick_check``."""
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=rw", uri=True)) as db:
+            verdict = [row[0] for row in db.execute("PRAGMA quick_check").fetchall()]
+    except sqlite3.DatabaseError as exc:
+        kind = "is not a SQLite database" if "not a database" in str(exc) else "is damaged"
+        raise StoreError(
+            f"the job database {path} {kind} ({exc}); move it away or restore it"
+        ) from None
+    if verdict != ["ok"]:
+        raise StoreError(
+            f"the job database {path} is damaged (quick_check: {'; '.join(verdict[:3])}); "
+            "move it away or restore it"
+        )
+
+
 class JobStore:
     """Jobs in one SQLite file (WAL mode)."""
 
     def __init__(self, path: Path) -> None:
-        """Open (or create) the database at ``path``."""
+        """Open (or create) the database at ``path``; note whether it replaced a lost one."""
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
+        existed = path.exists() and path.stat().st_size > 0  # SQLite reads 0 bytes as empty
         self._lock = threading.Lock()
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._db.row_factory = sqlite3.Row
@@ -52,6 +116,19 @@ class JobStore:
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("PRAGMA busy_timeout=5000")
         self._db.executescript(_SCHEMA)
+        self.recreated_warning = None if existed else _lost_database_warning(path)
+        if self.recreated_warning is not None:
+            log.warning(self.recreated_warning)
+        _write_marker(path)
+
+    def writable_problem(self) -> str | None:
+        """Why the database's directory cannot be written (tried for real), or ``None``."""
+        problem = writable_problem(self.path.parent)
+        return None if problem is None else f"the job store {problem}"
+
+    def describe(self) -> dict[str, Any]:
+        """The store's state for ``/info``: whether this start recreated a lost database."""
+        return {"recreated": self.recreated_warning is not None, "warning": self.recreated_warning}
 
     def close(self) -> None:
         """Close the connection."""
@@ -63,15 +140,46 @@ class JobStore:
         with self._lock:
             return self._db.execute(sql, params)
 
-    def create(self, operation: str, request: dict[str, Any], total: int) -> str:
-        """Store a new queued job; its id."""
+    def create(
+        self,
+        operation: str,
+        request: dict[str, Any],
+        total: int,
+        max_unfinished: int = sys.maxsize,
+    ) -> str | None:
+        """Store a new queued job; its id, or ``None`` when ``max_unfinished`` jobs are already
+        queued or running (default: no cap). Counting and inserting are one transaction, so
+        concurrent submissions (also from other processes) never pass the cap together."""
         job_id = uuid.uuid4().hex
-        self._execute(
-            "INSERT INTO jobs (id, operation, status, request, total, created_at) "
-            "VALUES (?, ?, 'queued', ?, ?, ?)",
-            (job_id, operation, json.dumps(request), total, time.time()),
-        )
+        with self._lock, self._transaction():
+            (unfinished,) = self._db.execute(
+                "SELECT COUNT(*) FROM jobs WHERE status IN ('queued', 'running')"
+            ).fetchone()
+            if unfinished >= max_unfinished:
+                return None
+            self._db.execute(
+                "INSERT INTO jobs (id, operation, status, request, total, created_at) "
+                "VALUES (?, ?, 'queued', ?, ?, ?)",
+                (job_id, operation, json.dumps(request), total, time.time()),
+            )
         return job_id
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """``BEGIN IMMEDIATE`` (the write lock at once) ... ``COMMIT``, or ``ROLLBACK`` on error.
+
+        A failed write (the database became read-only, the disk is full) is a :class:`StoreError`.
+        """
+        try:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+        except sqlite3.OperationalError as exc:
+            raise StoreError(f"the job database {self.path} cannot be written ({exc})") from None
 
     def get(self, job_id: str, with_result: bool = True) -> dict[str, Any] | None:
         """The public view of a job (see ``schemas.JobView``), or ``None``."""
@@ -152,17 +260,38 @@ class JobStore:
                 )
             return row["status"]
 
+    def fail_poison(self, max_attempts: int) -> list[str]:
+        """Mark ``failed`` the unfinished jobs whose process ended ``max_attempts`` times while
+        running them (at start, before :meth:`requeue_interrupted`); their ids."""
+        with self._lock, self._transaction():
+            rows = self._db.execute(
+                "SELECT id, attempts FROM jobs "
+                "WHERE status IN ('queued', 'running') AND attempts >= ?",
+                (max_attempts,),
+            ).fetchall()
+            for row in rows:
+                self._db.execute(
+                    "UPDATE jobs SET status = 'failed', error = ?, finished_at = ? WHERE id = ?",
+                    (
+                        json.dumps(_poison_error(row["attempts"], max_attempts)),
+                        time.time(),
+                        row["id"],
+                    ),
+                )
+        return [row["id"] for row in rows]
+
     def requeue_interrupted(self) -> int:
-        """Put ``running`` jobs (interrupted by a crash or shutdown) back in the queue."""
+        """Put ``running`` jobs (their process ended while running them) back in the queue."""
         cursor = self._execute(
             "UPDATE jobs SET status = 'queued', started_at = NULL WHERE status = 'running'"
         )
         return cursor.rowcount
 
     def requeue(self, job_id: str) -> None:
-        """Put one running job back in the queue (graceful shutdown)."""
+        """Put one running job back in the queue (graceful shutdown: not a failed attempt)."""
         self._execute(
-            "UPDATE jobs SET status = 'queued', started_at = NULL WHERE id = ? AND status = 'running'",
+            "UPDATE jobs SET status = 'queued', started_at = NULL, attempts = attempts - 1 "
+            "WHERE id = ? AND status = 'running'",
             (job_id,),
         )
 
@@ -174,6 +303,36 @@ class JobStore:
             (time.time() - older_than_s,),
         )
         return cursor.rowcount
+
+
+def _poison_error(attempts: int, max_attempts: int) -> dict[str, Any]:
+    """The error of a job failed at start because its runs kept ending the server process."""
+    return {
+        "status": 500,
+        "detail": f"the server process ended {attempts} times while running this job; "
+        f"not retried (--max-job-attempts {max_attempts})",
+    }
+
+
+def _lost_database_warning(path: Path) -> str | None:
+    """The warning for a database just created in a data dir that held one before, or ``None``."""
+    if (path.parent / MARKER_NAME).exists():
+        sign = f"{MARKER_NAME} says it was created before"
+    elif any((path.parent / "workspaces").glob("*.json")):
+        sign = "workspaces/ holds stored workspaces"
+    else:
+        return None
+    return (
+        f"the job database {path} was missing and has been created empty, but {sign}: "
+        "jobs submitted before are lost"
+    )
+
+
+def _write_marker(path: Path) -> None:
+    """Note next to the database that it exists (see :data:`MARKER_NAME`)."""
+    marker = path.parent / MARKER_NAME
+    if not marker.exists():
+        marker.write_text(f"{path.name} created at {time.time()}\n")
 
 
 def _view(row: sqlite3.Row, with_result: bool) -> dict[str, Any]:

@@ -395,6 +395,15 @@ class WarmModel(_Declared):
     created_at: float
 
 
+class JobStoreState(_Declared):
+    """The job database: whether this start recreated one that was lost."""
+
+    recreated: bool = Field(
+        description="the database was missing (or empty) although the data dir held one before"
+    )
+    warning: str | None = Field(description="what was found, when recreated")
+
+
 class ServerInfo(_Declared):
     """GET /info: device, versions, limits, queue and warm models."""
 
@@ -412,3 +421,4 @@ class ServerInfo(_Declared):
         description="allocated CUDA memory, or the warm models' bytes on a CPU"
     )
     started_at: float
+    job_store: JobStoreState

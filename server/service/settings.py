@@ -149,6 +149,7 @@ class Settings:
             "max_batch_size",
             "max_queue",
             "max_concurrent_jobs",
+            "max_job_attempts",
             "model_cache_size",
             "element_cache_size",
             "model_cache_memory_mb",

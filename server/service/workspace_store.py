@@ -1,11 +1,15 @@
 """Workspace checks and the store of uploaded workspaces (files under ``--data-dir``).
 
 A workspace's id is pyhf's digest, ``pyhf.utils.digest(workspace)`` (sha256 of its sorted JSON).
+A directory that cannot be written does not stop the server: storing answers 503 naming the
+problem, and ``/readyz`` reports it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import threading
 from collections import OrderedDict
@@ -17,7 +21,10 @@ import pyhf
 
 from pyhf_gpu_server.engine import schema
 
-from .errors import NotFound, Unprocessable, translate
+from .errors import NotFound, Unavailable, Unprocessable, translate
+from .jobstore import writable_problem
+
+log = logging.getLogger("pyhf_gpu_server.service")
 
 # per-bin modifier data that must have one entry per bin of its channel
 _PER_BIN_MODIFIERS = {
@@ -92,10 +99,17 @@ class WorkspaceStore:
     def __init__(self, directory: Path, memory_items: int = 16) -> None:
         """Keep files in ``directory`` and up to ``memory_items`` parsed workspaces in memory."""
         self.directory = directory
-        self.directory.mkdir(parents=True, exist_ok=True)
+        problem = self.writable_problem()
+        if problem is not None:
+            log.warning(f"{problem}: uploads and jobs with a workspace answer 503")
         self._memory: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._memory_items = memory_items
         self._lock = threading.Lock()
+
+    def writable_problem(self) -> str | None:
+        """Why workspaces cannot be stored (tried for real), or ``None``."""
+        problem = writable_problem(self.directory)
+        return None if problem is None else f"the workspace store {problem}"
 
     def admit(self, spec: dict[str, Any], persist: bool) -> str:
         """Validate ``spec`` (once per digest), keep it, write it to disk if ``persist``; its id."""
@@ -141,14 +155,23 @@ class WorkspaceStore:
         return self.directory / f"{digest}.json"
 
     def _write(self, digest: str, spec: dict[str, Any]) -> None:
-        """Write atomically (temporary file, fsync, rename)."""
+        """Write atomically (temporary file, fsync, rename); 503 if the directory refuses."""
         target = self._path(digest)
         tmp = target.with_suffix(f".tmp{threading.get_ident()}")
-        with tmp.open("w") as handle:
-            json.dump(spec, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
+        try:
+            with tmp.open("w") as handle:
+                json.dump(spec, handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, target)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            raise Unavailable(
+                f"cannot store the workspace: the workspace store {self.directory} is not "
+                f"writable ({exc.strerror or exc}); the server's operator must fix --data-dir",
+                60,
+            ) from None
 
 
 def summarize(digest: str, spec: dict[str, Any], size: int) -> dict[str, Any]:

@@ -29,16 +29,20 @@ async def healthz() -> dict[str, str]:
 @public.get(
     "/readyz",
     response_model=Readiness,
-    responses={503: {"model": Readiness, "description": "the device or the queue is not ready"}},
-    summary="Readiness: the device works and the queue is not saturated",
+    responses={
+        503: {"model": Readiness, "description": "the device, the queue or the store is not ready"}
+    },
+    summary="Readiness: the device works, the queue is not saturated, the stores are writable",
 )
 async def readyz(state: StateDep) -> JSONResponse:
-    """503 while the device is unusable or the interactive queue is full."""
+    """503 while the device is unusable, the interactive queue is full, or jobs or workspaces
+    cannot be stored."""
     problems = []
     if not state.device_ok:
         problems.append(f"device {state.device} failed its start-up check")
     if state.scheduler.saturated:
         problems.append("the request queue is full")
+    problems.extend(await run_in_threadpool(state.store_problems))
     body = {"status": "unready" if problems else "ready", "problems": problems}
     return JSONResponse(body, status_code=503 if problems else 200)
 
@@ -90,6 +94,7 @@ async def info(state: StateDep) -> dict[str, Any]:
         "models": state.cache.describe(),
         "device_memory_bytes": state.device_memory_bytes(),
         "started_at": state.started_at,
+        "job_store": state.jobstore.describe(),
     }
 
 
