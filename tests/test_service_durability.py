@@ -79,7 +79,7 @@ def test_jobs_survive_kill_9_and_sigterm(tmp_path: Path) -> None:
     assert not any(s == "failed" for s in after_term.values()), after_term
     assert all(s != "running" for s in after_term.values()), "running jobs went back to queued"
     # a graceful stop hands its run back: it does not count towards --max-job-attempts
-    assert set(stored_attempts(tmp_path, "queued").values()) == {0}
+    assert set(stored_attempts(tmp_path, "queued").values()) <= {0}  # (all may have finished)
 
     third = ServerProcess(tmp_path, ARGS).start()
     try:

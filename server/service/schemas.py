@@ -180,15 +180,17 @@ _ERROR_DESCRIPTIONS = {
     400: "malformed JSON or gzip, empty body",
     401: "missing or wrong Bearer token",
     404: "unknown job or workspace_id",
+    408: "the body did not arrive within --body-timeout-s",
     409: "the job already finished",
     413: "body larger than --max-body-mb",
     415: "a Content-Encoding other than gzip",
     422: "invalid workspace, patch, patchset, measurement, option or parameter",
     429: "queue full (Retry-After)",
-    503: "device out of memory or shutting down (Retry-After)",
+    503: "device out of memory, shutting down, too many connections, or a store that cannot "
+    "be written (Retry-After)",
     504: "took longer than --request-timeout-s",
 }
-BODY_ERRORS = (400, 413, 415)  # what the body-size / gzip middleware answers on any body
+BODY_ERRORS = (400, 408, 413, 415)  # what the body middleware answers on any body
 
 
 def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
