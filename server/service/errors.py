@@ -114,6 +114,12 @@ class Unavailable(ServiceError):
         super().__init__(detail, headers={"Retry-After": str(retry_after_s)})
 
 
+class InsufficientStorage(ServiceError):
+    """The workspace store is full of workspaces that jobs still need (507)."""
+
+    status_code = 507
+
+
 class RequestTimeout(ServiceError):
     """The request ran out of time (504)."""
 

@@ -191,9 +191,13 @@ class JobRunner:
             )
 
     async def _purge_forever(self) -> None:
-        """Delete finished jobs older than the result TTL, now and periodically."""
+        """Delete finished jobs older than the result TTL and the uploaded workspaces unused
+        for their TTL, now and periodically."""
         while True:
             purged = await asyncio.to_thread(self.store.purge, self.result_ttl_s)
             if purged:
                 log.info("purged expired jobs", extra={"jobs": purged})
+            expired = await asyncio.to_thread(self.workspaces.expire)
+            if expired:
+                log.info("removed expired workspaces", extra={"workspaces": expired})
             await asyncio.sleep(PURGE_INTERVAL_S)

@@ -193,6 +193,17 @@ class JobStore:
         ).fetchone()
         return row["operation"], json.loads(row["request"])
 
+    def active_workspaces(self) -> set[str]:
+        """Ids of the stored workspaces that queued or running jobs still need."""
+        rows = self._execute(
+            "SELECT request FROM jobs WHERE status IN ('queued', 'running')"
+        ).fetchall()
+        return {
+            workspace_id
+            for row in rows
+            if (workspace_id := json.loads(row["request"]).get("workspace_id"))
+        }
+
     def list(self, limit: int, status: str | None = None) -> list[dict[str, Any]]:
         """Jobs newest first (without results)."""
         if status is None:

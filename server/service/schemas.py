@@ -189,6 +189,7 @@ _ERROR_DESCRIPTIONS = {
     503: "device out of memory, shutting down, too many connections, or a store that cannot "
     "be written (Retry-After)",
     504: "took longer than --request-timeout-s",
+    507: "the workspace store is full of workspaces that queued or running jobs need",
 }
 BODY_ERRORS = (400, 408, 413, 415)  # what the body middleware answers on any body
 
@@ -376,6 +377,11 @@ class Limits(_Declared):
     max_queue: int
     request_timeout_s: float
     result_ttl_hours: float
+    max_parameters: int
+    max_bins: int
+    max_fit_memory_mb: float
+    workspace_ttl_hours: float
+    workspace_quota_mb: float
 
 
 class QueueDepth(_Declared):

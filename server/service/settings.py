@@ -103,6 +103,20 @@ class Settings:
     result_ttl_hours: float = field(
         default=168.0, metadata={"help": "finished jobs and their results are kept this long"}
     )
+    workspace_ttl_hours: float = field(
+        default=168.0,
+        metadata={
+            "help": "uploaded workspaces no queued or running job needs expire this long "
+            "after their last use"
+        },
+    )
+    workspace_quota_mb: float = field(
+        default=10240.0,
+        metadata={
+            "help": "disk (MiB) uploaded workspaces may take; the least recently used "
+            "go first, and an upload that cannot fit answers 507"
+        },
+    )
     max_json_depth: int = field(default=64, metadata={"help": "deepest JSON nesting accepted"})
     graceful_timeout_s: float = field(
         default=30.0,
@@ -158,6 +172,8 @@ class Settings:
             "max_fit_memory_mb",
             "request_timeout_s",
             "result_ttl_hours",
+            "workspace_ttl_hours",
+            "workspace_quota_mb",
             "max_json_depth",
             "graceful_timeout_s",
             "header_timeout_s",

@@ -96,8 +96,13 @@ class ServiceState:
             if settings.compile_enabled(device)
             else None
         )
-        workspaces = WorkspaceStore(settings.data_dir / "workspaces")
         jobstore = JobStore(settings.data_dir / DATABASE_NAME)
+        workspaces = WorkspaceStore(
+            settings.data_dir / "workspaces",
+            ttl_s=settings.workspace_ttl_hours * 3600,
+            quota_bytes=int(settings.workspace_quota_mb * 2**20),
+            in_use=jobstore.active_workspaces,
+        )
         cache = ModelCache(
             build_executor,
             executor,

@@ -12,8 +12,9 @@ import json
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ import pyhf
 
 from pyhf_gpu_server.engine import schema
 
-from .errors import NotFound, Unavailable, Unprocessable, translate
+from .errors import InsufficientStorage, NotFound, Unavailable, Unprocessable, translate
 from .jobstore import writable_problem
 
 log = logging.getLogger("pyhf_gpu_server.service")
@@ -93,12 +94,31 @@ def workspace_digest(spec: dict[str, Any]) -> str:
     return pyhf.utils.digest(spec)
 
 
-class WorkspaceStore:
-    """Validated workspaces by digest: uploaded ones on disk, recent ones also in memory."""
+RECENT_USE_S = 60.0  # workspaces used this recently are never evicted to make room
 
-    def __init__(self, directory: Path, memory_items: int = 16) -> None:
+
+class WorkspaceStore:
+    """Validated workspaces by digest: uploaded ones on disk, recent ones also in memory.
+
+    Stored workspaces expire ``ttl_s`` after their last use (a file's mtime is its last use)
+    and take at most ``quota_bytes`` of disk, the least recently used going first; neither
+    removes a workspace that ``in_use()`` (queued or running jobs) still needs.
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        memory_items: int = 16,
+        *,
+        ttl_s: float | None = None,
+        quota_bytes: int | None = None,
+        in_use: Callable[[], set[str]] = set,
+    ) -> None:
         """Keep files in ``directory`` and up to ``memory_items`` parsed workspaces in memory."""
         self.directory = directory
+        self.ttl_s = ttl_s
+        self.quota_bytes = quota_bytes
+        self.in_use = in_use
         problem = self.writable_problem()
         if problem is not None:
             log.warning(f"{problem}: uploads and jobs with a workspace answer 503")
@@ -119,7 +139,10 @@ class WorkspaceStore:
         if not known and not self._path(digest).exists():
             validate_workspace(spec)
         if persist and not self._path(digest).exists():
+            self._make_room(len(json.dumps(spec)))
             self._write(digest, spec)
+        elif persist:
+            self._touch(digest)
         self._remember(digest, spec)
         return digest
 
@@ -130,6 +153,7 @@ class WorkspaceStore:
             raise NotFound(
                 f"workspace {digest!r} is not stored here; upload it with POST /workspaces"
             )
+        self._touch(digest)
         with self._lock:
             if digest in self._memory:
                 self._memory.move_to_end(digest)
@@ -137,6 +161,60 @@ class WorkspaceStore:
         spec = json.loads(path.read_text())
         self._remember(digest, spec)
         return spec
+
+    def expire(self) -> int:
+        """Delete the stored workspaces unused for ``ttl_s`` that no job needs; how many."""
+        if self.ttl_s is None:
+            return 0
+        cutoff = time.time() - self.ttl_s
+        needed = self.in_use()
+        old = [(d, p) for d, p, used, _ in self._stored() if used < cutoff and d not in needed]
+        for digest, path in old:
+            self._forget(digest, path)
+        return len(old)
+
+    def _make_room(self, size: int) -> None:
+        """Delete least recently used workspaces (no job needs) until ``size`` more bytes fit
+        the quota; :class:`InsufficientStorage` (507) if they cannot."""
+        if self.quota_bytes is None:
+            return
+        stored = sorted(self._stored(), key=lambda entry: entry[2])
+        total = sum(entry[3] for entry in stored)
+        needed = self.in_use()
+        recent = time.time() - RECENT_USE_S  # just stored for a job not yet in the job store
+        evictable = [e for e in stored if e[0] not in needed and e[2] < recent]
+        if total - sum(e[3] for e in evictable) + size > self.quota_bytes:
+            raise InsufficientStorage(
+                f"the workspace store is full: {size} more bytes do not fit its "
+                f"{self.quota_bytes} bytes (--workspace-quota-mb) beside the workspaces queued "
+                "or running jobs need and those used in the last minute; retry later"
+            )
+        for digest, path, _, bytes_ in evictable:
+            if total + size <= self.quota_bytes:
+                return
+            self._forget(digest, path)
+            total -= bytes_
+
+    def _stored(self) -> list[tuple[str, Path, float, int]]:
+        """Every stored workspace: (digest, path, last use, bytes)."""
+        entries = []
+        for path in self.directory.glob("*.json"):
+            with contextlib.suppress(OSError):  # removed meanwhile
+                stat = path.stat()
+                entries.append((path.stem, path, stat.st_mtime, stat.st_size))
+        return entries
+
+    def _forget(self, digest: str, path: Path) -> None:
+        with contextlib.suppress(OSError):
+            path.unlink()
+        with self._lock:
+            self._memory.pop(digest, None)
+        log.info("workspace removed", extra={"workspace_id": digest})
+
+    def _touch(self, digest: str) -> None:
+        """Mark the stored workspace as used now (its mtime)."""
+        with contextlib.suppress(OSError):
+            os.utime(self._path(digest))
 
     def size_of(self, digest: str) -> int:
         """Bytes of the stored file."""

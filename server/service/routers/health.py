@@ -84,6 +84,11 @@ async def info(state: StateDep) -> dict[str, Any]:
             "max_queue": settings.max_queue,
             "request_timeout_s": settings.request_timeout_s,
             "result_ttl_hours": settings.result_ttl_hours,
+            "max_parameters": settings.max_parameters,
+            "max_bins": settings.max_bins,
+            "max_fit_memory_mb": settings.max_fit_memory_mb,
+            "workspace_ttl_hours": settings.workspace_ttl_hours,
+            "workspace_quota_mb": settings.workspace_quota_mb,
         },
         "auth": bool(settings.api_token),
         "queue": {

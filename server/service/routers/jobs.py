@@ -53,7 +53,7 @@ async def _job(state: ServiceState, job_id: str, with_result: bool = True) -> di
     "",
     status_code=202,
     response_model=JobAccepted,
-    responses=error_responses(*BODY_ERRORS, 401, 404, 422, 429, 503),
+    responses=error_responses(*BODY_ERRORS, 401, 404, 422, 429, 503, 507),
     summary="Submit a cls, fit, upper-limit or significance request as a durable job",
     openapi_extra={
         "requestBody": {

@@ -21,7 +21,7 @@ router = APIRouter(prefix="/workspaces", tags=["workspaces"])
     "",
     status_code=201,
     response_model=WorkspaceInfo,
-    responses=error_responses(*BODY_ERRORS, 401, 422, 503),
+    responses=error_responses(*BODY_ERRORS, 401, 422, 503, 507),
     summary="Upload a workspace; its id is pyhf's sha256 digest",
     openapi_extra={
         "requestBody": {
