@@ -57,3 +57,10 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError(
             f"no shared workspaces under {WORKSPACES_DIR}; set PYHF_GPU_SHARED_WORKSPACES"
         )
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """An httpx client for the module's ``server`` fixture (a real server subprocess)."""
+    with server.client() as c:
+        yield c

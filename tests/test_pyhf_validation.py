@@ -44,12 +44,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         yield started
 
 
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> Iterator[httpx.Client]:
-    with server.client() as c:
-        yield c
-
-
 def ask_server(client: httpx.Client, case: dict) -> tuple[float, list[float], dict]:
     """The server's (observed, expected set, meta) for ``case``, in pyhf's order."""
     body = {"workspace": case["workspace"], "modifier_settings": case["modifier_settings"]}

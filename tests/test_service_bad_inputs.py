@@ -35,12 +35,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 
 
 @pytest.fixture(scope="module")
-def client(server: ServerProcess) -> Iterator[httpx.Client]:
-    with server.client() as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def uploaded(client: httpx.Client) -> str:
     """The small shared workspace's id (uploaded once)."""
     response = client.post("/workspaces", json=load(SMALL, "BkgOnly.json"))

@@ -41,12 +41,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 
 
 @pytest.fixture(scope="module")
-def client(server: ServerProcess) -> Iterator[httpx.Client]:
-    with server.client() as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def workspace_id(client: httpx.Client) -> str:
     spec = load(SMALL, "BkgOnly.json")
     response = client.post("/workspaces", json=spec)

@@ -56,12 +56,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         yield started
 
 
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> Iterator[httpx.Client]:
-    with server.client() as c:
-        yield c
-
-
 def toys(ntoys: int = NTOYS, seed: int = 0) -> dict[str, Any]:
     """The options of a toy-based significance."""
     return {"calctype": "toybased", "ntoys": ntoys, "seed": seed}
