@@ -197,3 +197,74 @@ def test_out_of_memory_detection() -> None:
     oom = getattr(__import__("torch"), "OutOfMemoryError", None)
     if oom is not None:
         assert is_out_of_memory(oom("x"))
+
+
+class PerRowCost(Recorder):
+    """A runner whose calls take ``seconds_per_row`` per row (a toy-based row, say)."""
+
+    def __init__(self, seconds_per_row: float) -> None:
+        super().__init__()
+        self.seconds_per_row = seconds_per_row
+
+    def __call__(self, context: Any, rows: list[Any], stop: Any = None) -> list[Any]:
+        self.delay_s = self.seconds_per_row * len(rows)
+        return super().__call__(context, rows, stop)
+
+
+def test_job_chunks_are_sized_by_measured_time_and_interactive_work_waits_one_chunk() -> None:
+    """Jobs run chunks of about ``job_chunk_s``: the first from the prior (row cost 100 at
+    2 ms: one row), the next from the measured 20 ms per row (10 rows of 0.2 s); an interactive
+    request arriving meanwhile waits for one chunk only, not for the job's 40 rows (0.8 s)."""
+
+    async def scenario() -> None:
+        runner = PerRowCost(0.02)
+        scheduler, _ = make(runner, max_batch_size=64, job_chunk_s=0.2)
+        job = scheduler.submit("job", "J", list(range(40)), lane="jobs", row_cost=100)
+        await asyncio.sleep(0.05)  # the first chunk is running
+        start = time.monotonic()
+        small = scheduler.submit("small", "S", [3])
+        assert [o.value for o in await small.future] == [9]
+        waited = time.monotonic() - start
+        assert [o.value for o in await job.future] == [i * i for i in range(40)]
+        sizes = [len(rows) for ctx, rows in runner.calls if ctx == "J"]
+        assert sizes[0] == 1  # nothing measured yet: 0.2 s / (100 x 2 ms)
+        assert max(sizes) <= 12 and len(sizes) >= 4, sizes  # ~10 rows of 20 ms each
+        assert sum(sizes) == 40
+        assert waited < 0.2 + 0.15, waited  # one chunk at most (plus scheduling)
+        await scheduler.stop()
+
+    asyncio.run(scenario())
+
+
+def test_interactive_chunks_are_not_limited_by_time() -> None:
+    async def scenario() -> None:
+        runner = PerRowCost(0.001)
+        scheduler, _ = make(runner, max_batch_size=64, job_chunk_s=0.001)
+        item = scheduler.submit("key", "I", list(range(50)), row_cost=1000)
+        await item.future
+        assert [len(rows) for _, rows in runner.calls] == [50]
+        await scheduler.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_steady_stream_of_requests_does_not_starve_jobs() -> None:
+    """Interactive items arrive faster than the device serves them; the job still gets a chunk
+    every few chunk lengths and finishes while the stream goes on."""
+
+    async def scenario() -> None:
+        runner = PerRowCost(0.01)
+        scheduler, _ = make(runner, max_batch_size=4, max_batch_delay_s=0.0, job_chunk_s=0.05)
+        job = scheduler.submit("job", "J", list(range(6)), lane="jobs", row_cost=1)
+        stream: list[Any] = []
+        deadline = time.monotonic() + 5.0
+        while not job.future.done() and time.monotonic() < deadline:
+            stream.append(scheduler.submit(f"k{len(stream)}", "I", [1, 2]))  # 20 ms each
+            await asyncio.sleep(0.01)  # twice what the device serves
+        assert job.future.done(), "the job starved"
+        assert [o.value for o in await job.future] == [i * i for i in range(6)]
+        assert sum(1 for item in stream if not item.future.done()) > 0  # the stream went on
+        await asyncio.gather(*(item.future for item in stream))
+        await scheduler.stop()
+
+    asyncio.run(scenario())

@@ -1,65 +1,193 @@
-"""Admission by cost: what a fit of a model holds in memory, and which models are refused.
+"""Admission by cost: what a fit of a model holds in memory, which solver it uses, and which
+requests are refused.
 
-A batched fit holds, per row, the curvature of ``-2 log L`` over the ``P`` parameters (the
-matrix, its factorisation and a secant term: ``3 P^2`` numbers with the dense solver) and the
-rate Jacobian over the ``N`` bins plus auxiliary data (``N P``, twice while a trial point is
-evaluated). A 129 kB workspace of 6000 bins with a staterror has ``P = 6001``: 2 GB a row.
-So before any work a model is refused when it can never fit (``--max-parameters``,
-``--max-bins``, or one row above ``--max-fit-memory-mb``), and the rows of an engine call are
-split into chunks that fit.
+A batched fit holds, per row, the rate Jacobian over the ``N`` data (``N P`` numbers, twice
+while a trial point is evaluated) and the curvature of ``-2 log L`` over the ``P`` parameters.
+The dense solver keeps the ``P x P`` matrix, its factor, a secant term and the temporaries of
+their assembly, and a fit's exact Hessian is built in column blocks: ``10 P^2`` in all, as
+measured (the peak resident memory of CPU fits of 1200- and 2400-bin staterror models grows
+by 5.6 ``P^2`` + 2 ``N P`` numbers per extra row, by 10-22 ``P^2`` for a first row); the
+low-rank solver (``inference/curvature.py``: diagonal + rank ``r`` Woodbury, ``r`` = main bins
++ secant pairs + unconstrained parameters) keeps ``2 r P + 2 r^2`` instead. A 129 kB workspace
+of 6000 bins with a staterror has ``P = 6001``: 3.8 GiB a row. So before any work:
+
+- the solver of a model is the one the minimiser would pick (``"auto"``), or the low-rank one
+  where the dense one would not fit a row in ``--max-fit-memory-mb`` but the low-rank one does;
+- a model is refused when it can never fit (``--max-parameters``, ``--max-bins``, or one row
+  above ``--max-fit-memory-mb`` with either solver), and a toy-based request when it asks for
+  more than ``--max-toys-per-request`` toys in all;
+- the rows of an engine call are split into minimiser calls that fit.
 
 Example:
     >>> limits = FitLimits(max_parameters=5000, max_bins=50_000, max_fit_bytes=4096 * 2**20)
-    >>> fit_bytes_per_row(n_pars=60, n_data=63)
-    146880
-    >>> limits.rows_per_call(n_pars=6001, n_data=12_000)
-    2
-    >>> limits.refusal(n_pars=6001, n_bins=6000, n_data=12_000)[:44]
+    >>> small = ModelShape(n_pars=60, n_main=40, n_aux=23, n_flat=2)
+    >>> fit = limits.fit_plan(small)
+    >>> fit.solver, fit.bytes_per_row, limits.rows_per_call(fit)
+    ('auto', 348480, 12324)
+    >>> wide = ModelShape(n_pars=6001, n_main=6000, n_aux=6000, n_flat=1)
+    >>> limits.rows_per_call(limits.fit_plan(wide))  # 3.8 GiB a row
+    1
+    >>> few_bins = ModelShape(n_pars=4000, n_main=10, n_aux=3990, n_flat=1)
+    >>> limits.fit_plan(few_bins)  # auto picks low-rank itself: 246 MiB a row, not 610
+    FitPlan(solver='auto', bytes_per_row=257739664)
+    >>> some_bins = ModelShape(n_pars=600, n_main=400, n_aux=599, n_flat=1)
+    >>> FitLimits(5000, 50_000, 20 * 2**20).fit_plan(some_bins).solver  # dense: 36.6 MiB
+    'low-rank'
+    >>> limits.refusal(wide)[:44]
     'the model has 6001 parameters, more than the'
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Literal
 
 BYTES_PER_NUMBER = 8  # float64; float32 halves it, the bound stays conservative
+SECANT_PAIRS = 8  # MinimizeOptions.secant_memory: two columns each in the low-rank curvature
+
+Solver = Literal["auto", "low-rank"]
 
 
-def fit_bytes_per_row(n_pars: int, n_data: int) -> int:
-    """Bytes one row of a batched fit holds: ``3 P^2`` (curvature, factor, secant) plus
-    ``2 N P`` (rate Jacobian, and the trial point's) numbers."""
-    return BYTES_PER_NUMBER * (3 * n_pars * n_pars + 2 * n_data * n_pars)
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes admission looks at: parameters, main bins, auxiliary data, and parameters
+    without a Normal constraint (their curvature may be zero: a low-rank column each)."""
+
+    n_pars: int
+    n_main: int
+    n_aux: int
+    n_flat: int
+
+    @property
+    def n_data(self) -> int:
+        return self.n_main + self.n_aux
+
+    @property
+    def low_rank(self) -> int:
+        """The rank ``r`` of the low-rank solver's correction."""
+        return self.n_main + 2 * SECANT_PAIRS + self.n_flat
+
+
+def dense_bytes_per_row(shape: ModelShape) -> int:
+    """``10 P^2`` (curvature, factor, secant, temporaries) + ``2 N P`` (Jacobian, and the trial
+    point's)."""
+    P = shape.n_pars
+    return BYTES_PER_NUMBER * (10 * P * P + 2 * shape.n_data * P)
+
+
+def low_rank_bytes_per_row(shape: ModelShape) -> int:
+    """``2 N P`` (Jacobians) + ``2 r P`` (Woodbury columns) + ``2 r^2`` (capacitance, factor)."""
+    P, r = shape.n_pars, shape.low_rank
+    return BYTES_PER_NUMBER * (2 * shape.n_data * P + 2 * r * P + 2 * r * r)
+
+
+@dataclass(frozen=True)
+class FitPlan:
+    """How a model's fits run: the solver and what one row holds with it."""
+
+    solver: Solver
+    bytes_per_row: int
 
 
 @dataclass(frozen=True)
 class FitLimits:
-    """The service's bounds on what one model may cost (``--max-*`` settings)."""
+    """The service's bounds on what one request may cost (``--max-*`` settings)."""
 
     max_parameters: int
     max_bins: int
     max_fit_bytes: int
+    max_toys: int = 10_000_000
 
-    def refusal(self, n_pars: int, n_bins: int, n_data: int) -> str | None:
-        """Why a model of this size is refused before any work, or None."""
+    def fit_plan(self, shape: ModelShape) -> FitPlan:
+        """The solver a model's fits use, and their bytes per row.
+
+        ``"auto"`` picks low-rank when ``2 r <= P`` (as the minimiser does); where it would
+        pick dense and a dense row does not fit but a low-rank one does, low-rank is forced."""
+        dense, low = dense_bytes_per_row(shape), low_rank_bytes_per_row(shape)
+        if 2 * shape.low_rank <= shape.n_pars:
+            return FitPlan("auto", low)
+        if dense > self.max_fit_bytes and low <= self.max_fit_bytes:
+            return FitPlan("low-rank", low)
+        return FitPlan("auto", dense)
+
+    def refusal(self, shape: ModelShape) -> str | None:
+        """Why a model of this shape is refused before any work, or None."""
+        n_bins = shape.n_main
         if n_bins > self.max_bins:
             return (
                 f"the model has {n_bins} bins, more than the {self.max_bins} this server fits "
                 "(--max-bins)"
             )
-        if n_pars > self.max_parameters:
+        if shape.n_pars > self.max_parameters:
             return (
-                f"the model has {n_pars} parameters, more than the {self.max_parameters} this "
-                "server fits (--max-parameters)"
+                f"the model has {shape.n_pars} parameters, more than the {self.max_parameters} "
+                "this server fits (--max-parameters)"
             )
-        need = fit_bytes_per_row(n_pars, n_data)
+        need = self.fit_plan(shape).bytes_per_row
         if need > self.max_fit_bytes:
             return (
-                f"one fit of this model ({n_pars} parameters, {n_data} data) needs "
+                f"one fit of this model ({shape.n_pars} parameters, {shape.n_data} data) needs "
                 f"~{need / 2**20:.0f} MiB, more than the {self.max_fit_bytes / 2**20:.0f} MiB "
                 "this server gives a fit (--max-fit-memory-mb)"
             )
         return None
 
-    def rows_per_call(self, n_pars: int, n_data: int) -> int:
+    def toys_refusal(self, ntoys: int, hypotheses: int) -> str | None:
+        """Why a toy-based request of ``hypotheses`` rows at ``ntoys`` each is refused, or None."""
+        total = ntoys * hypotheses
+        if total <= self.max_toys:
+            return None
+        return (
+            f"the request asks for {total} toys ({hypotheses} hypotheses x ntoys {ntoys}), more "
+            f"than the {self.max_toys} this server runs per request (--max-toys-per-request): "
+            "fewer test_poi values, patches or toys, or several requests"
+        )
+
+    def rows_per_call(self, fit: FitPlan) -> int:
         """How many rows one minimiser call may fit at once within ``max_fit_bytes``."""
-        return max(1, self.max_fit_bytes // fit_bytes_per_row(n_pars, n_data))
+        return max(1, self.max_fit_bytes // fit.bytes_per_row)
+
+
+class FitMemory:
+    """What the fits of the engine call running now hold (estimated: rows in flight times
+    bytes per row), and the most any call held; read by the metrics at every scrape.
+
+    After a call that held more than ``release_above`` bytes, ``release()`` hands the freed
+    memory back (on the CPU glibc keeps it otherwise: 180 MB of 490 after one fit of a
+    1200-bin model), so the process's resident memory returns to what the models hold.
+
+    Example:
+        >>> memory = FitMemory()
+        >>> with memory.holding(rows=8, fit=FitPlan("auto", 1000), max_rows=4):
+        ...     memory.current
+        4000
+        >>> memory.current, memory.peak
+        (0, 4000)
+    """
+
+    def __init__(
+        self, release: Callable[[], None] = lambda: None, release_above: int = 16 * 2**20
+    ) -> None:
+        self.current = 0
+        self.peak = 0
+        self.release = release
+        self.release_above = release_above
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def holding(self, rows: float, fit: FitPlan, max_rows: int) -> Iterator[None]:
+        """Count ``rows`` fit rows (at most ``max_rows`` at once) while the block runs."""
+        nbytes = int(min(rows, max_rows) * fit.bytes_per_row)
+        with self._lock:
+            self.current += nbytes
+            self.peak = max(self.peak, self.current)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.current -= nbytes
+            if nbytes > self.release_above:
+                self.release()

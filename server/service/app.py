@@ -69,7 +69,7 @@ def create_app(settings: Settings) -> FastAPI:
     )
     app.add_middleware(
         TokenAuthMiddleware,
-        token=settings.api_token,
+        callers=settings.callers,
         open_paths=OPEN_PATHS,
         open_prefixes=(DOCS_ASSETS + "/",),
     )

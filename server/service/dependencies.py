@@ -1,9 +1,9 @@
-"""FastAPI dependencies: the app's state and settings, and Bearer-token authentication."""
+"""FastAPI dependencies: the app's state and settings, and Bearer-token authentication
+(which names the caller: see :class:`~.settings.Callers`)."""
 
 from __future__ import annotations
 
 import dataclasses
-import hmac
 from pathlib import Path
 from typing import Annotated
 
@@ -11,7 +11,7 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from .errors import Unauthorized
-from .settings import Settings
+from .settings import Callers, Settings
 from .state import ServiceState
 
 _bearer = HTTPBearer(
@@ -30,43 +30,87 @@ def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
-def token_problem(authorization: str, expected: str) -> Unauthorized | None:
-    """The 401 for an ``Authorization`` header that does not carry ``expected``, else ``None``.
+def authenticate(authorization: str, callers: Callers) -> str:
+    """The name of the caller whose token an ``Authorization`` header carries.
 
-    The comparison takes constant time.
+    Raises :class:`~.errors.Unauthorized` for a missing, malformed or unknown token. Every
+    token is compared in constant time (:meth:`Callers.caller`).
     """
     scheme, _, given = authorization.partition(" ")
     if scheme.lower() != "bearer" or not given.strip():
-        return Unauthorized("this server needs 'Authorization: Bearer <token>'")
-    if not hmac.compare_digest(given.strip().encode(), expected.encode()):
-        return Unauthorized("the Bearer token is not valid")
-    return None
+        raise Unauthorized("this server needs 'Authorization: Bearer <token>'")
+    caller = callers.caller(given.strip())
+    if caller is None:
+        raise Unauthorized("the Bearer token is not valid")
+    return caller
 
 
 def require_token(
     request: Request,
     settings: Annotated[Settings, Depends(get_settings)],
     _credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-) -> None:
-    """401 unless auth is off or the request carries the token.
+) -> str | None:
+    """401 unless auth is off or the request carries a known token; the caller's name
+    (``None`` when auth is off), also kept in the request's ``state.caller``.
 
     :class:`~.middleware.TokenAuthMiddleware` already refused such requests before their body
     was read; this dependency declares the Bearer scheme in the OpenAPI document (Swagger's
     *Authorize* button) and guards the routes wherever the app runs without that middleware.
     """
-    expected = settings.api_token
-    if not expected:
-        return
-    problem = token_problem(request.headers.get("authorization", ""), expected)
-    if problem is not None:
-        raise problem
+    callers = settings.callers
+    caller = None
+    if callers is not None:
+        caller = authenticate(request.headers.get("authorization", ""), callers)
+    request.scope.setdefault("state", {})["caller"] = caller
+    return caller
+
+
+def parse_token_file(text: str, source: str) -> str | Callers:
+    """The token of a one-token file, or the callers of a ``NAME TOKEN`` file.
+
+    Blank lines and lines starting with ``#`` are ignored. One line of one field is a bare
+    token (as before callers had names); otherwise every line is ``NAME TOKEN`` (whitespace
+    separated), names and tokens unique. Raises ``ValueError`` (one line, naming ``source``
+    and the line, never a token) for anything else.
+    """
+    lines = [
+        (number, line.split())
+        for number, line in enumerate(text.splitlines(), 1)
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
+    if not lines:
+        raise ValueError(f"{source} is empty")
+    if len(lines) == 1 and len(lines[0][1]) == 1:
+        return lines[0][1][0]
+    names: dict[str, int] = {}
+    tokens: dict[str, int] = {}
+    for number, fields in lines:
+        if len(fields) != 2:
+            raise ValueError(
+                f"{source} line {number}: expected 'NAME TOKEN' (one caller per line), "
+                f"found {len(fields)} field{'' if len(fields) == 1 else 's'}"
+            )
+        name, token = fields
+        if name in names:
+            raise ValueError(
+                f"{source} line {number}: the caller name {name!r} is also on line {names[name]}"
+            )
+        if token in tokens:
+            raise ValueError(
+                f"{source} line {number}: the same token is also on line {tokens[token]}; "
+                "every caller needs its own"
+            )
+        names[name] = tokens[token] = number
+    return Callers(tuple((fields[0], fields[1]) for _, fields in lines))
 
 
 def with_file_token(settings: Settings) -> Settings:
     """``settings`` with :attr:`~Settings.api_token` read from ``api_token_file`` (when set),
-    and the file cleared (so a second call changes nothing).
+    and the file cleared (so a second call changes nothing): the token of a one-token file,
+    or the :class:`~.settings.Callers` of a ``NAME TOKEN`` file (see :func:`parse_token_file`).
 
-    Raises ``ValueError`` (one line) for an unreadable or empty file, or when both are given.
+    Raises ``ValueError`` (one line) for an unreadable, empty or malformed file, or when both
+    are given.
     """
     if settings.api_token_file is None:
         return settings
@@ -74,12 +118,13 @@ def with_file_token(settings: Settings) -> Settings:
     if settings.api_token:
         raise ValueError("give --api-token or --api-token-file, not both")
     try:
-        token = path.read_text().strip()
+        text = path.read_text()
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"cannot read --api-token-file {path}: {exc}") from None
-    if not token:
-        raise ValueError(f"--api-token-file {path} is empty")
+    token = parse_token_file(text, f"--api-token-file {path}")
     return dataclasses.replace(settings, api_token=token, api_token_file=None)
 
 
 StateDep = Annotated[ServiceState, Depends(get_state)]
+CallerDep = Annotated[str | None, Depends(require_token)]
+"""The authenticated caller's name; ``None`` when auth is off (then every caller is one)."""

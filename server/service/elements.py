@@ -10,6 +10,7 @@ call. A patch that cannot be applied or tested is kept as its own error, not the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -18,12 +19,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
+
 from pyhf_gpu_server.engine.layout import ElementLayout
 from pyhf_gpu_server.engine.translate import WorkspaceTranslator
 
 from .errors import ServiceError, Unprocessable, translate
 
 log = logging.getLogger("pyhf_gpu_server.service")
+
+LIST_BYTES = 56  # an empty list object (CPython, 64-bit)
+INT_BYTES = 36  # a number object and its pointer in a list
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,7 @@ class ElementStore:
         self._translators: OrderedDict[tuple, WorkspaceTranslator] = OrderedDict()
         self._elements: OrderedDict[tuple, Element] = OrderedDict()
         self._lock = threading.Lock()
+        self.total_bytes = 0  # host bytes of the cached elements' layouts
 
     def elements(self, background: Background, patches: Sequence[PatchSpec]) -> list[Element]:
         """The element of each patch on ``background``; cached ones are not read again."""
@@ -82,9 +89,7 @@ class ElementStore:
             if element is None:
                 element = self._translate(background, patch)
                 with self._lock:
-                    self._elements[key] = element
-                    while len(self._elements) > self.max_elements:
-                        self._elements.popitem(last=False)
+                    self._keep(key, element)
             elif element.patch.name != patch.name:
                 element = Element(patch, _renamed(element.layout, patch.name), element.error)
             found.append(element)
@@ -120,8 +125,38 @@ class ElementStore:
             while len(self._translators) > self.max_backgrounds:
                 evicted, _ = self._translators.popitem(last=False)
                 for element_key in [k for k in self._elements if k[0] == evicted]:
-                    del self._elements[element_key]
+                    self.total_bytes -= layout_bytes(self._elements.pop(element_key).layout)
         return translator
+
+    def _keep(self, key: tuple, element: Element) -> None:
+        """Cache ``element`` (under the lock), evicting the least recently used beyond the cap."""
+        previous = self._elements.pop(key, None)
+        if previous is not None:
+            self.total_bytes -= layout_bytes(previous.layout)
+        self._elements[key] = element
+        self.total_bytes += layout_bytes(element.layout)
+        while len(self._elements) > self.max_elements:
+            _, evicted = self._elements.popitem(last=False)
+            self.total_bytes -= layout_bytes(evicted.layout)
+
+
+def layout_bytes(value: Any) -> int:
+    """About the host bytes of a layout: its arrays, and its lists of index lists.
+
+    Example:
+        >>> import numpy as np
+        >>> layout_bytes(np.zeros(4)), layout_bytes([[1, 2], [3]])  # 3 lists, 3 ints
+        (32, 276)
+    """
+    if isinstance(value, np.ndarray):
+        return value.nbytes
+    if isinstance(value, list):
+        return sum(layout_bytes(v) for v in value) + LIST_BYTES
+    if isinstance(value, int | float):
+        return INT_BYTES
+    if dataclasses.is_dataclass(value):
+        return sum(layout_bytes(getattr(value, f.name)) for f in dataclasses.fields(value))
+    return 0
 
 
 def _renamed(layout: ElementLayout | None, name: str) -> ElementLayout | None:

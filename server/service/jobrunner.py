@@ -5,6 +5,8 @@ failed job. An inline workspace is stored on disk and the stored request refers 
 a restart can re-plan the job. Workers claim the oldest queued job; on shutdown a running job
 goes back to ``queued`` and resumes at the next start (after a crash, at start-up, unless the
 process has ended ``--max-job-attempts`` times while running it: then it is ``failed``).
+A job belongs to the caller that submitted it (``None`` with auth off); one caller may have at
+most ``--max-jobs-per-caller`` queued or running, all of them together ``--max-queue``.
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 from typing import Any
 
 from .errors import QueueFull, ServiceError, Unavailable, Unprocessable
-from .jobstore import JobStore, StoreError
+from .jobstore import JobStore, Refused, StoreError
 from .operations import Operations, envelope_from, plan_request
 from .schemas import OPERATIONS
 from .workspace_store import WorkspaceStore
@@ -81,8 +84,12 @@ class JobRunner:
                 await task
         self._tasks = []
 
-    async def submit(self, document: Any) -> str:
-        """Validate and store a job (``{"operation": ..., ...}``); its id. 4xx on bad input."""
+    async def submit(
+        self, document: Any, caller: str | None = None, max_per_caller: int = 0
+    ) -> str:
+        """Validate and store a job (``{"operation": ..., ...}``) of ``caller``; its id. 4xx on
+        bad input; 429 when ``--max-queue`` jobs, or ``max_per_caller`` (when positive) of
+        ``caller``'s, are queued or running."""
         if not isinstance(document, dict) or "operation" not in document:
             raise Unprocessable(
                 f"a job needs 'operation' (one of {', '.join(OPERATIONS)}) and the fields of "
@@ -94,22 +101,37 @@ class JobRunner:
             raise Unprocessable(
                 f"unknown operation {operation!r}; use one of {', '.join(OPERATIONS)}"
             )
+        max_owned = max_per_caller if caller is not None and max_per_caller > 0 else None
+        # before planning: a full queue costs no work (create() decides, atomically)
         counts = await asyncio.to_thread(self.store.counts)
         if counts["queued"] + counts["running"] >= self.max_queued:
-            raise self._queue_full()  # before planning: a full queue costs no work
+            raise self._queue_full()
+        if max_owned is not None:
+            owned = await asyncio.to_thread(self.store.unfinished_of, caller)
+            if owned >= max_owned:
+                raise self._caller_full(max_owned)
         envelope = envelope_from(request, {}, operation)
         plan = await asyncio.to_thread(plan_request, operation, envelope, self.workspaces, True)
+        self.operations.admit(plan)
         if "workspace" in envelope:
             envelope = {k: v for k, v in envelope.items() if k != "workspace"}
             envelope["workspace_id"] = plan.background.workspace_digest
         try:
             job_id = await asyncio.to_thread(
-                self.store.create, operation, envelope, plan.n_rows, self.max_queued
+                self.store.create,
+                operation,
+                envelope,
+                plan.n_rows,
+                self.max_queued,
+                owner=caller,
+                max_owned=sys.maxsize if max_owned is None else max_owned,
             )
         except StoreError as exc:
             raise Unavailable(f"cannot store the job: {exc}", 60) from None
-        if job_id is None:
+        if job_id is Refused.QUEUE:
             raise self._queue_full()
+        if job_id is Refused.OWNER:
+            raise self._caller_full(max_per_caller)
         self._wakeup.set()
         self.changed()
         return job_id
@@ -120,9 +142,20 @@ class JobRunner:
             f"{self.max_queued} jobs are queued or running (--max-queue); retry later", 10
         )
 
-    async def cancel(self, job_id: str) -> str | None:
-        """Cancel a job; its status before, or ``None`` if unknown."""
-        before = await asyncio.to_thread(self.store.cancel, job_id)
+    def _caller_full(self, max_per_caller: int) -> QueueFull:
+        """The 429 answered when the caller has ``max_per_caller`` jobs queued or running."""
+        return QueueFull(
+            f"you have {max_per_caller} jobs queued or running, the most one caller may have "
+            "(--max-jobs-per-caller); retry when one has finished",
+            10,
+        )
+
+    async def cancel(self, job_id: str, caller: str | None = None) -> str | None:
+        """Cancel a job; its status before, or ``None`` if unknown (or not ``caller``'s: see
+        :meth:`JobStore.get`; ``None``: anyone's)."""
+        before = await asyncio.to_thread(self.store.cancel, job_id, caller)
+        if before is None:
+            return None
         task = self._running.get(job_id)
         if task is not None:
             task.cancel()

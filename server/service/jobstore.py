@@ -4,7 +4,9 @@ A job is written before it is acknowledged, so it survives a crash or ``kill -9`
 :meth:`JobStore.requeue_interrupted` puts jobs that were ``running`` back to ``queued``, unless
 the server process has ended while running them ``--max-job-attempts`` times (a poison job):
 those are marked ``failed``. ``attempts`` counts the runs a job's process did not survive (a
-graceful shutdown hands its run back). The store fails loudly: :func:`preflight` checks the data
+graceful shutdown hands its run back). Each job records its ``owner``, the API caller that
+submitted it (``NULL`` with auth off, and for jobs stored before owners were recorded: those are
+visible to every caller). The store fails loudly: :func:`preflight` checks the data
 dir and the database before the server starts, and a database missing from a data dir that held
 one (see :data:`MARKER_NAME`) is reported as recreated. Every method is synchronous and
 thread-safe; async code calls them through a thread.
@@ -13,6 +15,7 @@ thread-safe; async code calls them through a thread.
 from __future__ import annotations
 
 import contextlib
+import enum
 import json
 import logging
 import sqlite3
@@ -47,11 +50,25 @@ CREATE TABLE IF NOT EXISTS jobs (
     attempts INTEGER NOT NULL DEFAULT 0,
     created_at REAL NOT NULL,
     started_at REAL,
-    finished_at REAL
+    finished_at REAL,
+    owner TEXT
 );
 CREATE INDEX IF NOT EXISTS jobs_status_created ON jobs (status, created_at);
 CREATE INDEX IF NOT EXISTS jobs_created ON jobs (created_at);
 """
+
+
+# Visibility of a job to the caller ``?``: its own, and those nobody owns (see the module's text).
+_VISIBLE = "(owner = ? OR owner IS NULL)"
+
+
+class Refused(enum.Enum):
+    """Why :meth:`JobStore.create` stored no job: the cap that was reached."""
+
+    QUEUE = "queue"
+    """``max_unfinished`` jobs (everyone's) are queued or running."""
+    OWNER = "owner"
+    """``max_owned`` of the owner's jobs are queued or running."""
 
 
 class StoreError(Exception):
@@ -116,10 +133,36 @@ class JobStore:
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("PRAGMA busy_timeout=5000")
         self._db.executescript(_SCHEMA)
+        self._migrate()
         self.recreated_warning = None if existed else _lost_database_warning(path)
         if self.recreated_warning is not None:
             log.warning(self.recreated_warning)
         _write_marker(path)
+
+    def _migrate(self) -> None:
+        """Bring a database written by an older version up to :data:`_SCHEMA`: add ``owner``
+        (existing jobs have none) and its index. Only when missing (an up-to-date database is
+        not written), in one write transaction, so concurrent openers agree."""
+
+        def current() -> bool:
+            columns = {row["name"] for row in self._db.execute("PRAGMA table_info(jobs)")}
+            index = self._db.execute(
+                "SELECT 1 FROM sqlite_master WHERE type = 'index' AND name = 'jobs_owner_status'"
+            ).fetchone()
+            return "owner" in columns and index is not None
+
+        with self._lock:
+            if current():
+                return
+            with self._transaction():
+                if current():  # another process migrated meanwhile
+                    return
+                columns = {row["name"] for row in self._db.execute("PRAGMA table_info(jobs)")}
+                if "owner" not in columns:
+                    self._db.execute("ALTER TABLE jobs ADD COLUMN owner TEXT")
+                self._db.execute(
+                    "CREATE INDEX IF NOT EXISTS jobs_owner_status ON jobs (owner, status)"
+                )
 
     def writable_problem(self) -> str | None:
         """Why the database's directory cannot be written (tried for real), or ``None``."""
@@ -146,23 +189,43 @@ class JobStore:
         request: dict[str, Any],
         total: int,
         max_unfinished: int = sys.maxsize,
-    ) -> str | None:
-        """Store a new queued job; its id, or ``None`` when ``max_unfinished`` jobs are already
-        queued or running (default: no cap). Counting and inserting are one transaction, so
-        concurrent submissions (also from other processes) never pass the cap together."""
+        *,
+        owner: str | None = None,
+        max_owned: int = sys.maxsize,
+    ) -> str | Refused:
+        """Store a new queued job of ``owner``; its id, or why not: :attr:`Refused.QUEUE` when
+        ``max_unfinished`` jobs are already queued or running, :attr:`Refused.OWNER` when
+        ``max_owned`` of ``owner``'s are (defaults: no caps; ``max_owned`` needs an owner).
+        Counting and inserting are one transaction, so concurrent submissions (also from other
+        processes) never pass a cap together."""
         job_id = uuid.uuid4().hex
         with self._lock, self._transaction():
             (unfinished,) = self._db.execute(
                 "SELECT COUNT(*) FROM jobs WHERE status IN ('queued', 'running')"
             ).fetchone()
             if unfinished >= max_unfinished:
-                return None
+                return Refused.QUEUE
+            if owner is not None and self._unfinished_of(owner) >= max_owned:
+                return Refused.OWNER
             self._db.execute(
-                "INSERT INTO jobs (id, operation, status, request, total, created_at) "
-                "VALUES (?, ?, 'queued', ?, ?, ?)",
-                (job_id, operation, json.dumps(request), total, time.time()),
+                "INSERT INTO jobs (id, operation, status, request, total, created_at, owner) "
+                "VALUES (?, ?, 'queued', ?, ?, ?, ?)",
+                (job_id, operation, json.dumps(request), total, time.time(), owner),
             )
         return job_id
+
+    def unfinished_of(self, owner: str) -> int:
+        """How many of ``owner``'s jobs are queued or running."""
+        with self._lock:
+            return self._unfinished_of(owner)
+
+    def _unfinished_of(self, owner: str) -> int:
+        """:meth:`unfinished_of`, under the lock already held."""
+        (count,) = self._db.execute(
+            "SELECT COUNT(*) FROM jobs WHERE owner = ? AND status IN ('queued', 'running')",
+            (owner,),
+        ).fetchone()
+        return count
 
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[None]:
@@ -181,9 +244,17 @@ class JobStore:
         except sqlite3.OperationalError as exc:
             raise StoreError(f"the job database {self.path} cannot be written ({exc})") from None
 
-    def get(self, job_id: str, with_result: bool = True) -> dict[str, Any] | None:
-        """The public view of a job (see ``schemas.JobView``), or ``None``."""
-        row = self._execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+    def get(
+        self, job_id: str, with_result: bool = True, visible_to: str | None = None
+    ) -> dict[str, Any] | None:
+        """The public view of a job (see ``schemas.JobView``), or ``None`` (also when
+        ``visible_to`` is a caller other than its owner; ``None``: anyone's job)."""
+        if visible_to is None:
+            row = self._execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        else:
+            row = self._execute(
+                f"SELECT * FROM jobs WHERE id = ? AND {_VISIBLE}", (job_id, visible_to)
+            ).fetchone()
         return None if row is None else _view(row, with_result)
 
     def request(self, job_id: str) -> tuple[str, dict[str, Any]]:
@@ -204,17 +275,22 @@ class JobStore:
             if (workspace_id := json.loads(row["request"]).get("workspace_id"))
         }
 
-    def list(self, limit: int, status: str | None = None) -> list[dict[str, Any]]:
-        """Jobs newest first (without results)."""
-        if status is None:
-            rows = self._execute(
-                "SELECT * FROM jobs ORDER BY created_at DESC LIMIT ?", (limit,)
-            ).fetchall()
-        else:
-            rows = self._execute(
-                "SELECT * FROM jobs WHERE status = ? ORDER BY created_at DESC LIMIT ?",
-                (status, limit),
-            ).fetchall()
+    def list(
+        self, limit: int, status: str | None = None, visible_to: str | None = None
+    ) -> list[dict[str, Any]]:
+        """Jobs newest first (without results): those ``visible_to`` that caller (``None``:
+        everyone's), with ``status`` (``None``: any)."""
+        where, params = [], []
+        if status is not None:
+            where.append("status = ?")
+            params.append(status)
+        if visible_to is not None:
+            where.append(_VISIBLE)
+            params.append(visible_to)
+        clause = f"WHERE {' AND '.join(where)} " if where else ""
+        rows = self._execute(
+            f"SELECT * FROM jobs {clause}ORDER BY created_at DESC LIMIT ?", (*params, limit)
+        ).fetchall()
         return [_view(row, with_result=False) for row in rows]
 
     def counts(self) -> dict[str, int]:
@@ -258,10 +334,16 @@ class JobStore:
             (json.dumps(error), time.time(), job_id),
         )
 
-    def cancel(self, job_id: str) -> str | None:
-        """Cancel a queued or running job; its status before (``None`` if no such job)."""
+    def cancel(self, job_id: str, visible_to: str | None = None) -> str | None:
+        """Cancel a queued or running job; its status before (``None`` if no such job, or
+        none ``visible_to`` that caller: see :meth:`get`)."""
         with self._lock:
-            row = self._db.execute("SELECT status FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            if visible_to is None:
+                row = self._db.execute("SELECT status FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            else:
+                row = self._db.execute(
+                    f"SELECT status FROM jobs WHERE id = ? AND {_VISIBLE}", (job_id, visible_to)
+                ).fetchone()
             if row is None:
                 return None
             if row["status"] in ("queued", "running"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -70,7 +70,32 @@ class Metrics:
         self.jobs = Gauge(
             "pyhf_gpu_jobs", "jobs in the job store, by status", ["status"], registry=r
         )
+        self.element_bytes = Gauge(
+            "pyhf_gpu_element_cache_bytes",
+            "host bytes held by translated patches (the layouts models are built from)",
+            registry=r,
+        )
+        self.fit_memory = Gauge(
+            "pyhf_gpu_fit_memory_bytes",
+            "bytes the fits of the engine call running now hold (estimated per row and solver)",
+            registry=r,
+        )
+        self.fit_memory_peak = Gauge(
+            "pyhf_gpu_fit_memory_peak_bytes",
+            "the most bytes the fits of one engine call held since the start",
+            registry=r,
+        )
+        # process_resident_memory_bytes & co.: what the whole process holds (Linux)
+        ProcessCollector(registry=r)
 
     def track_device_memory(self, read: Callable[[], float]) -> None:
         """Read the device-memory gauge from ``read`` at every scrape."""
         self.device_memory.set_function(read)
+
+    def track_memory(
+        self, elements: Callable[[], float], fits: Callable[[], float], peak: Callable[[], float]
+    ) -> None:
+        """Read the element-cache and fit-memory gauges at every scrape."""
+        self.element_bytes.set_function(elements)
+        self.fit_memory.set_function(fits)
+        self.fit_memory_peak.set_function(peak)

@@ -1,5 +1,6 @@
 """Request guards. Pure ASGI middleware: request ids, access logs and metrics; the Bearer token
-(checked on the headers, before any body is read); body size limits, read deadline and gzip.
+(checked on the headers, before any body is read; it names the caller, kept in the ASGI scope's
+``state["caller"]``); body size limits, read deadline and gzip.
 And the uvicorn protocol that closes connections whose request headers never complete.
 """
 
@@ -19,8 +20,10 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .dependencies import token_problem
+from .dependencies import authenticate
+from .errors import Unauthorized
 from .metrics import Metrics
+from .settings import Callers
 
 log = logging.getLogger("pyhf_gpu_server.service.access")
 
@@ -72,6 +75,7 @@ class RequestContextMiddleware:
                     "status": status,
                     "duration_ms": round(seconds * 1000, 3),
                     "client": (scope.get("client") or ("-",))[0],
+                    "caller": scope["state"].get("caller"),
                 },
             )
 
@@ -81,33 +85,44 @@ class TokenAuthMiddleware:
 
     Sits outside :class:`BodyLimitMiddleware`, so an unauthenticated body is never read nor
     gunzipped; the answer closes the connection (its unread body is not drained). ``open_paths``
-    and paths under ``open_prefixes`` need no token; with no token set, nothing does.
+    and paths under ``open_prefixes`` need no token; with no token set, nothing does. An
+    admitted request carries its caller's name in ``scope["state"]["caller"]`` (``None`` with
+    auth off, and on the open paths).
     """
 
     def __init__(
         self,
         app: ASGIApp,
-        token: str | None,
+        callers: Callers | None,
         open_paths: Collection[str],
         open_prefixes: tuple[str, ...] = (),
     ) -> None:
-        """Wrap ``app``; requests need ``token`` except on the open paths."""
+        """Wrap ``app``; requests need one of the tokens of ``callers`` (None: auth off),
+        except on the open paths."""
         self.app = app
-        self.token = token
+        self.callers = callers
         self.open_paths = frozenset(open_paths)
         self.open_prefixes = open_prefixes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Hand on an authenticated (or open) request; answer 401 to any other."""
-        if scope["type"] != "http" or not self.token or self._is_open(scope["path"]):
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        problem = token_problem(Headers(scope=scope).get("authorization", ""), self.token)
-        if problem is None:
+        state = scope.setdefault("state", {})
+        state["caller"] = None
+        if self.callers is None or self._is_open(scope["path"]):
             await self.app(scope, receive, send)
             return
-        headers = {**problem.headers, "Connection": "close"}
-        await JSONResponse({"detail": problem.detail}, 401, headers)(scope, receive, send)
+        try:
+            state["caller"] = authenticate(
+                Headers(scope=scope).get("authorization", ""), self.callers
+            )
+        except Unauthorized as problem:
+            headers = {**problem.headers, "Connection": "close"}
+            await JSONResponse({"detail": problem.detail}, 401, headers)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
     def _is_open(self, path: str) -> bool:
         """Whether ``path`` needs no token."""

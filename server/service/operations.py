@@ -32,10 +32,11 @@ from pyhf_gpu_server.engine import HistFactoryModel, schema
 from pyhf_gpu_server.engine.errors import UnrepresentableValueError
 from pyhf_gpu_server.engine.layout import ElementLayout
 from pyhf_gpu_server.engine.stacking import partition, split_reason
+from pyhf_gpu_server.inference.minimize import MinimizeOptions
 from pyhf_gpu_server.inference.mle import FitOptions
 from pyhf_gpu_server.inference.results import group_parameters
 
-from .admission import FitLimits
+from .admission import FitLimits, FitMemory, FitPlan, ModelShape
 from .elements import Background, Element, ElementStore, PatchSpec
 from .errors import BadRequest, ServiceError, Unprocessable, pydantic_detail, translate
 from .models_cache import CachedModel, ModelCache
@@ -173,6 +174,19 @@ class Plan:
     def n_rows(self) -> int:
         """Hypotheses in the whole request."""
         return len(self.patches) * len(self.pois or (None,))
+
+    @property
+    def row_cost(self) -> float:
+        """About how many fits one row takes (sizes the chunks of jobs by time): four for an
+        asymptotic test (free and conditional, data and Asimov), three per toy (the free fit
+        of each signal and background toy, the conditional fit of about half), four per point
+        of an upper-limit scan (about a dozen when the limit is searched for)."""
+        toys = 3 * self.options["ntoys"] if self.options.get("calctype") == "toybased" else 0
+        if self.operation == "fit":
+            return 2.0  # the fit and its Hessian
+        if self.operation == "upper-limit":
+            return 4.0 * len(self.options.get("scan") or range(12))
+        return 4.0 + toys
 
     def tested_outside_bounds(self, layout: ElementLayout) -> str | None:
         """Why this plan's POI values (``test_poi``, an upper-limit ``scan``) cannot be tested
@@ -353,6 +367,7 @@ class WorkContext:
     operation: str
     options: dict[str, Any]
     elements: tuple[Element, ...]
+    row_cost: float
 
 
 @dataclass(frozen=True)
@@ -365,6 +380,9 @@ class BatchContext:
     cached: CachedModel
     digests: tuple[str, ...]
     max_rows: int  # rows one minimiser call may fit (--max-fit-memory-mb)
+    fit_plan: FitPlan  # the solver its fits use and what a row holds
+    row_cost: float  # about how many fits a row runs (Plan.row_cost)
+    memory: FitMemory  # where the call's fits are counted while they run
 
     def element_of(self, rows: Sequence[Row]) -> list[int]:
         """The model's element index of each row."""
@@ -389,10 +407,22 @@ def run_rows(
 ) -> list[RowResult]:
     """ONE batched inference call for ``rows``; its fits give up (``FitStopped``) between two
     iterations once ``stop()`` is true (nobody waits for the answer)."""
+    rows_in_flight = len(rows) * context.row_cost
+    with context.memory.holding(rows_in_flight, context.fit_plan, context.max_rows):
+        return _run_rows(context, rows, stop)
+
+
+def _run_rows(
+    context: BatchContext, rows: Sequence[Row], stop: Callable[[], bool] | None
+) -> list[RowResult]:
     model = context.cached.model
     element = torch.tensor(context.element_of(rows), dtype=torch.long, device=model.device)
     options = context.options
-    fitting = FitOptions(max_rows=context.max_rows, stop=stop)
+    fitting = FitOptions(
+        minimize=MinimizeOptions(solver=context.fit_plan.solver),
+        max_rows=context.max_rows,
+        stop=stop,
+    )
     if context.operation == "cls":
         test_poi = torch.tensor([r.poi for r in rows], dtype=model.dtype, device=model.device)
         result = inference.hypotest(model, test_poi, element=element, options=fitting, **options)
@@ -499,10 +529,12 @@ class Operations:
         device: str,
         dtype: torch.dtype,
         limits: FitLimits | None = None,
+        fit_memory: FitMemory | None = None,
     ) -> None:
         """Serve models on ``device`` in ``dtype``; translate and build on ``build_executor``;
         refuse models and split engine calls by ``limits`` (none: no bound)."""
         self.limits = limits
+        self.fit_memory = fit_memory or FitMemory()
         self.cache = cache
         self.scheduler = scheduler
         self.elements = elements
@@ -521,6 +553,7 @@ class Operations:
 
         Patches of a patchset that cannot be tested answer their own error; the request fails
         only when none can."""
+        self.admit(plan)
         start = time.perf_counter()
         submissions: list[_Submission] = []
         try:
@@ -542,10 +575,12 @@ class Operations:
             progress = _Progress(sum(len(r) for r in rows), on_progress)
             for members, group_rows in zip(groups, rows, strict=True):
                 context = WorkContext(
-                    plan.background.key, plan.operation, plan.options, tuple(members)
+                    plan.background.key, plan.operation, plan.options, tuple(members), plan.row_cost
                 )
                 key = plan.batch_key(members[0].layout.stack_key)
-                item = self.scheduler.submit(key, context, group_rows, lane, progress.callback())
+                item = self.scheduler.submit(
+                    key, context, group_rows, lane, progress.callback(), plan.row_cost
+                )
                 reason = None
                 if members is not groups[0]:
                     reason = split_reason(groups[0][0].layout, members[0].layout)
@@ -579,14 +614,19 @@ class Operations:
                 del by_element[element.patch.digest][:per_element]
         return assemble(plan, results)
 
+    def admit(self, plan: Plan) -> None:
+        """422 before any work when the plan asks for more than the limits allow in all."""
+        if self.limits is None or plan.options.get("calctype") != "toybased":
+            return
+        refusal = self.limits.toys_refusal(plan.options["ntoys"], plan.n_rows)
+        if refusal is not None:
+            raise Unprocessable(refusal)
+
     def _admitted(self, element: Element) -> Element:
         """``element``, or its 422 if its model can never be fitted within the limits."""
         if element.layout is None or self.limits is None:
             return element
-        layout = element.layout
-        refusal = self.limits.refusal(
-            layout.n_pars, layout.n_main, layout.n_main + len(layout.aux_param)
-        )
+        refusal = self.limits.refusal(layout_shape(element.layout))
         if refusal is None:
             return element
         return replace(element, layout=None, error=Unprocessable(refusal))
@@ -674,10 +714,38 @@ class Operations:
         cached = await self.cache.get(key, build)
         model = cached.model
         max_rows = FitOptions().max_rows  # also bounds the time of one iteration (stop checks)
+        shape = model_shape(model)
+        fit_plan = FitPlan("auto", 0) if self.limits is None else self.limits.fit_plan(shape)
         if self.limits is not None:
-            fitting = self.limits.rows_per_call(model.n_pars, model.n_main + model.n_aux)
-            max_rows = min(max_rows, fitting)
-        return BatchContext(context.operation, context.options, cached, digests, max_rows)
+            max_rows = min(max_rows, self.limits.rows_per_call(fit_plan))
+        return BatchContext(
+            context.operation,
+            context.options,
+            cached,
+            digests,
+            max_rows,
+            fit_plan,
+            context.row_cost,
+            self.fit_memory,
+        )
+
+
+def layout_shape(layout: ElementLayout) -> ModelShape:
+    """The sizes of one element's model that admission looks at."""
+    constrained = set(layout.aux_param.tolist())
+    poisson = set(layout.aux_param[layout.aux_is_poisson].tolist())
+    return ModelShape(
+        layout.n_pars,
+        layout.n_main,
+        len(layout.aux_param),
+        layout.n_pars - len(constrained) + len(poisson),
+    )
+
+
+def model_shape(model: HistFactoryModel) -> ModelShape:
+    """The sizes of a (stacked) model that admission looks at."""
+    n_flat = model.unconstrained.numel() + model.poisson_constrained.numel()
+    return ModelShape(model.n_pars, model.n_main, model.n_aux, n_flat)
 
 
 class _Progress:

@@ -9,8 +9,14 @@ rows' results back. An item larger than ``max_batch_size`` runs in several chunk
 reported after each.
 
 Two lanes: ``interactive`` (HTTP requests) is always served before ``jobs`` (asynchronous jobs,
-not delayed for batching), and jobs run in chunks of at most ``max_batch_size`` rows, so a large
-patchset job delays an interactive request by at most one chunk.
+not delayed for batching), and jobs run in chunks sized by time: as many rows as fit in
+``job_chunk_s`` at the measured seconds per unit of row cost of their batch key (each item says
+what a row costs, e.g. the fits of a toy-based row; a key not yet measured assumes
+:data:`PRIOR_SECONDS_PER_COST`), at least one row and at most ``max_batch_size``. So a large
+patchset or toy job delays an interactive request by at most one such chunk. Jobs are not
+starved by a steady stream of requests either: once the jobs lane has waited
+``JOB_SHARE_ROUNDS`` chunk lengths since it last ran, its next chunk goes before the
+interactive lane (jobs keep at least a fifth of a busy device).
 
 A device out-of-memory error splits the batch in halves and retries; a single row that still
 does not fit fails with 503.
@@ -22,6 +28,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Hashable, Sequence
@@ -44,6 +51,12 @@ Runner = Callable[[Any, Sequence[Any], Callable[[], bool]], list[Any]]
 # contexts of a batch's items -> (context to run with, indices of the items it serves)
 Combiner = Callable[[Sequence[Any]], Awaitable[list[tuple[Any, list[int]]]]]
 ProgressCallback = Callable[[int, int], None]
+# Seconds per unit of row cost (about one fit) assumed for a batch key before its first chunk
+# has run: conservative for the CPU, so the first chunk of a job is short, the next ones sized
+# from what it measured.
+PRIOR_SECONDS_PER_COST = 2e-3
+# How many ``job_chunk_s`` the jobs lane may wait behind interactive work before it runs a chunk
+JOB_SHARE_ROUNDS = 4
 
 
 @dataclass(frozen=True)
@@ -65,6 +78,7 @@ class WorkItem:
     lane: Lane
     future: asyncio.Future[list[RowOutcome]]
     on_progress: ProgressCallback | None = None
+    row_cost: float = 1.0  # what one row costs, in about fits (sizes the chunks of jobs)
     enqueued_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None
     taken: int = 0
@@ -111,9 +125,11 @@ class Scheduler:
         max_batch_size: int,
         max_batch_delay_s: float,
         max_pending: int,
+        job_chunk_s: float = 2.0,
         release_memory: Callable[[], None] = lambda: None,
     ) -> None:
-        """``runner(context, rows) -> results`` is called on ``executor`` (a single thread)."""
+        """``runner(context, rows, stop) -> results`` is called on ``executor`` (a single
+        thread)."""
         self._runner = runner
         self.combine: Combiner = _first_context
         self._executor = executor
@@ -121,6 +137,9 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.max_batch_delay_s = max_batch_delay_s
         self.max_pending = max_pending
+        self.job_chunk_s = job_chunk_s
+        self._seconds_per_cost: dict[Hashable, float] = {}
+        self._jobs_served_at = time.monotonic()  # when the jobs lane last ran (or was empty)
         self._release_memory = release_memory
         self._lanes: dict[Lane, deque[WorkItem]] = {lane: deque() for lane in LANES}
         self._wakeup = asyncio.Event()
@@ -151,8 +170,10 @@ class Scheduler:
         rows: Sequence[Any],
         lane: Lane = "interactive",
         on_progress: ProgressCallback | None = None,
+        row_cost: float = 1.0,
     ) -> WorkItem:
-        """Queue ``rows``; await ``item.future`` for their outcomes (in order).
+        """Queue ``rows`` (each costing ``row_cost``, about fits); await ``item.future`` for
+        their outcomes (in order).
 
         Raises :class:`QueueFull` (429) when ``max_pending`` interactive items are waiting.
         """
@@ -162,7 +183,7 @@ class Scheduler:
                 f"(--max-queue {self.max_pending}); retry later or submit a job"
             )
         future: asyncio.Future[list[RowOutcome]] = asyncio.get_running_loop().create_future()
-        item = WorkItem(key, context, rows, lane, future, on_progress)
+        item = WorkItem(key, context, rows, lane, future, on_progress, row_cost)
         item.outcomes = [None] * len(rows)
         if not rows:
             future.set_result([])
@@ -203,15 +224,26 @@ class Scheduler:
                 await self._run(batch)
 
     def _head(self) -> WorkItem | None:
-        """The oldest live item of the highest-priority lane (dropping finished ones)."""
-        for lane in LANES:
-            queue = self._lanes[lane]
-            while queue and (queue[0].finished or queue[0].remaining == 0):
-                queue.popleft()
-            if queue:
-                return queue[0]
-        self._update_depth()
-        return None
+        """The oldest live item of the highest-priority lane (dropping finished ones), or the
+        jobs lane's when it has waited ``JOB_SHARE_ROUNDS`` chunks behind interactive work."""
+        heads = {lane: self._live_head(lane) for lane in LANES}
+        now = time.monotonic()
+        if heads["jobs"] is None:
+            self._jobs_served_at = now
+        overdue = now - self._jobs_served_at > JOB_SHARE_ROUNDS * self.job_chunk_s
+        if heads["jobs"] is not None and (heads["interactive"] is None or overdue):
+            self._jobs_served_at = now
+            return heads["jobs"]
+        if heads["interactive"] is None:
+            self._update_depth()
+        return heads["interactive"]
+
+    def _live_head(self, lane: Lane) -> WorkItem | None:
+        """The oldest item of ``lane`` still waiting for rows to run."""
+        queue = self._lanes[lane]
+        while queue and (queue[0].finished or queue[0].remaining == 0):
+            queue.popleft()
+        return queue[0] if queue else None
 
     async def _fill(self, head: WorkItem) -> None:
         """Wait until ``max_batch_size`` rows share ``head``'s key or its delay is over."""
@@ -229,21 +261,35 @@ class Scheduler:
         return sum(i.remaining for i in self._lanes[lane] if i.key == key and not i.finished)
 
     def _take(self, key: Hashable, lane: Lane) -> list[_Slice]:
-        """Up to ``max_batch_size`` pending rows with ``key``, oldest items first."""
+        """Up to ``max_batch_size`` pending rows with ``key``, oldest items first; for jobs,
+        only as many as fit in ``job_chunk_s`` (at least one)."""
         batch: list[_Slice] = []
         room = self.max_batch_size
+        budget = math.inf
+        if lane == "jobs":
+            budget = self.job_chunk_s / self._seconds_per_cost.get(key, PRIOR_SECONDS_PER_COST)
         for item in self._lanes[lane]:
             if room == 0:
                 break
             if item.key != key or item.finished or item.remaining == 0:
                 continue
-            count = min(room, item.remaining)
+            affordable = item.remaining if budget == math.inf else int(budget // item.row_cost)
+            count = min(room, item.remaining, max(affordable, 0 if batch else 1))
+            if count == 0:
+                break
             batch.append(_Slice(item, item.taken, item.taken + count))
             item.taken += count
             room -= count
+            budget -= count * item.row_cost
         self._lanes[lane] = deque(i for i in self._lanes[lane] if i.remaining and not i.finished)
         self._update_depth()
         return batch
+
+    def _learn(self, key: Hashable, cost: float, seconds: float) -> None:
+        """Fold an engine call's measured seconds per unit of cost into ``key``'s estimate."""
+        measured = seconds / max(cost, 1e-9)
+        known = self._seconds_per_cost.get(key)
+        self._seconds_per_cost[key] = measured if known is None else 0.5 * (known + measured)
 
     async def _run(self, batch: list[_Slice]) -> None:
         """Run one batch on the device thread and hand each item its rows' outcomes.
@@ -272,6 +318,7 @@ class Scheduler:
         def nobody_waits() -> bool:  # read on the device thread: futures only ever get done
             return all(item.future.done() for item in items)
 
+        started = time.perf_counter()
         try:
             outcomes = await loop.run_in_executor(
                 self._executor, self._execute, context, rows, nobody_waits
@@ -282,6 +329,8 @@ class Scheduler:
             return
         finally:
             self.batches_run += 1
+        cost = sum((p.stop - p.start) * p.item.row_cost for p in batch)
+        self._learn(batch[0].item.key, cost, time.perf_counter() - started)
         offsets = itertools.accumulate((p.stop - p.start for p in batch), initial=0)
         for part, offset in zip(batch, offsets, strict=False):
             self._deliver(part, outcomes[offset : offset + part.stop - part.start])

@@ -380,6 +380,9 @@ class Limits(_Declared):
     max_parameters: int
     max_bins: int
     max_fit_memory_mb: float
+    max_toys_per_request: int
+    job_chunk_s: float
+    max_jobs_per_caller: int
     workspace_ttl_hours: float
     workspace_quota_mb: float
 

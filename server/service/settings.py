@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hmac
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -18,12 +19,70 @@ ENV_PREFIX = "PYHF_GPU_"
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "cuda:N")
 DTYPE_CHOICES = ("float64", "float32")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+DEFAULT_CALLER = "default"
+"""The caller's name when the server has one token (``--api-token``, or a one-token file)."""
 
 
 def default_data_dir() -> Path:
     """``$XDG_DATA_HOME/pyhf-gpu`` (``~/.local/share/pyhf-gpu`` when unset)."""
     base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
     return Path(base) / "pyhf-gpu"
+
+
+@dataclass(frozen=True, repr=False)
+class Callers:
+    """Who may call the API: each Bearer token names one caller (token -> name).
+
+    Built from ``--api-token`` (one caller, :data:`DEFAULT_CALLER`) or from the ``NAME TOKEN``
+    lines of ``--api-token-file`` (``dependencies.parse_token_file``). Names and tokens are
+    unique; tokens never show in ``repr``.
+    """
+
+    entries: tuple[tuple[str, str], ...]
+    """``(name, token)`` pairs."""
+
+    def __post_init__(self) -> None:
+        """Refuse an empty table, empty names or tokens, and repeated names or tokens."""
+        names = [name for name, _ in self.entries]
+        tokens = [token for _, token in self.entries]
+        if not self.entries:
+            raise ValueError("no API token given")
+        if not all(names) or not all(tokens):
+            raise ValueError("API caller names and tokens must not be empty")
+        if len(set(names)) != len(names) or len(set(tokens)) != len(tokens):
+            raise ValueError("API caller names and tokens must each be unique")
+
+    @classmethod
+    def single(cls, token: str) -> Callers:
+        """One caller, :data:`DEFAULT_CALLER`, with ``token``."""
+        return cls(((DEFAULT_CALLER, token),))
+
+    @classmethod
+    def of(cls, api_token: str | Callers | None) -> Callers | None:
+        """The callers an :attr:`Settings.api_token` value admits; ``None`` when auth is off."""
+        if isinstance(api_token, Callers):
+            return api_token
+        return cls.single(api_token) if api_token else None
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The callers' names, in the order given."""
+        return tuple(name for name, _ in self.entries)
+
+    def caller(self, token: str) -> str | None:
+        """The name ``token`` belongs to, or ``None``.
+
+        Every token is compared, each in constant time, whether or not one matched already."""
+        given = token.encode()
+        found = None
+        for name, expected in self.entries:
+            if hmac.compare_digest(given, expected.encode()) and found is None:
+                found = name
+        return found
+
+    def __repr__(self) -> str:
+        """The names only (never the tokens)."""
+        return f"Callers({', '.join(self.names)})"
 
 
 @dataclass(frozen=True)
@@ -69,6 +128,13 @@ class Settings:
     max_concurrent_jobs: int = field(
         default=2, metadata={"help": "asynchronous jobs worked on at the same time"}
     )
+    max_jobs_per_caller: int = field(
+        default=0,
+        metadata={
+            "help": "queued or running jobs one caller (API token) may have before 429; "
+            "0: no cap beyond --max-queue"
+        },
+    )
     max_job_attempts: int = field(
         default=2,
         metadata={
@@ -97,6 +163,20 @@ class Settings:
             "a model one row of which needs more is refused (422)"
         },
     )
+    max_toys_per_request: int = field(
+        default=10_000_000,
+        metadata={
+            "help": "toys a toy-based request may ask for in all (ntoys x hypotheses); more is "
+            "refused (422)"
+        },
+    )
+    job_chunk_s: float = field(
+        default=2.0,
+        metadata={
+            "help": "seconds a chunk of a job may hold the device, sized from the measured time "
+            "per row: interactive requests wait behind at most one such chunk"
+        },
+    )
     request_timeout_s: float = field(
         default=300.0, metadata={"help": "an interactive request answers 504 after this"}
     )
@@ -122,7 +202,7 @@ class Settings:
         default=30.0,
         metadata={"help": "on SIGTERM, how long in-flight requests may finish before exit"},
     )
-    api_token: str | None = field(
+    api_token: str | Callers | None = field(
         default=None,
         repr=False,
         metadata={"help": "when set, every route but /healthz and /readyz needs this Bearer token"},
@@ -130,7 +210,8 @@ class Settings:
     api_token_file: Path | None = field(
         default=None,
         metadata={
-            "help": "read the API token from this file (kept out of `ps`, unlike --api-token)"
+            "help": "read the API token from this file (kept out of `ps`, unlike --api-token); "
+            "or one 'NAME TOKEN' line per caller: each caller sees only its own jobs"
         },
     )
     header_timeout_s: float = field(
@@ -170,6 +251,8 @@ class Settings:
             "max_parameters",
             "max_bins",
             "max_fit_memory_mb",
+            "max_toys_per_request",
+            "job_chunk_s",
             "request_timeout_s",
             "result_ttl_hours",
             "workspace_ttl_hours",
@@ -184,10 +267,17 @@ class Settings:
                 problems.append(f"{name} must be positive, not {getattr(self, name)}")
         if self.max_batch_delay_ms < 0:
             problems.append("max_batch_delay_ms must not be negative")
+        if self.max_jobs_per_caller < 0:
+            problems.append("max_jobs_per_caller must not be negative (0: no cap)")
         if problems:
             raise ValueError("; ".join(problems))
         object.__setattr__(self, "data_dir", Path(self.data_dir))
         object.__setattr__(self, "log_level", self.log_level.lower())
+
+    @property
+    def callers(self) -> Callers | None:
+        """Who may call (token -> name), from :attr:`api_token`; ``None`` when auth is off."""
+        return Callers.of(self.api_token)
 
     @property
     def max_body_bytes(self) -> int:

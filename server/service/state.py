@@ -7,6 +7,7 @@ module level, so two apps in one process (tests) do not share device settings or
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import platform
 import time
@@ -20,7 +21,7 @@ import torch
 from pyhf_gpu_server.engine import KernelCache
 
 from . import warmup
-from .admission import FitLimits
+from .admission import FitLimits, FitMemory
 from .compiling import BackgroundCompiler
 from .elements import ElementStore
 from .jobrunner import JobRunner
@@ -119,6 +120,7 @@ class ServiceState:
             max_batch_size=settings.max_batch_size,
             max_batch_delay_s=settings.max_batch_delay_ms / 1000,
             max_pending=settings.max_queue,
+            job_chunk_s=settings.job_chunk_s,
             release_memory=release,
         )
         elements = ElementStore(max_elements=settings.element_cache_size)
@@ -126,9 +128,17 @@ class ServiceState:
             max_parameters=settings.max_parameters,
             max_bins=settings.max_bins,
             max_fit_bytes=int(settings.max_fit_memory_mb * 2**20),
+            max_toys=settings.max_toys_per_request,
         )
         operations = Operations(
-            cache, scheduler, elements, build_executor, device, dtype, limits=limits
+            cache,
+            scheduler,
+            elements,
+            build_executor,
+            device,
+            dtype,
+            limits=limits,
+            fit_memory=FitMemory(release=_host_memory_releaser(device)),
         )
         scheduler.combine = operations.combine
         jobs = JobRunner(
@@ -157,6 +167,11 @@ class ServiceState:
             started_at=time.time(),
         )
         metrics.track_device_memory(state.device_memory_bytes)
+        metrics.track_memory(
+            lambda: elements.total_bytes,
+            lambda: operations.fit_memory.current,
+            lambda: operations.fit_memory.peak,
+        )
         state.device_ok = await state.check_device()
         if state.device_ok:
             await state.warm_up()
@@ -209,10 +224,23 @@ class ServiceState:
         return [problem for problem in problems if problem is not None]
 
     def device_memory_bytes(self) -> float:
-        """Device memory in use: allocated CUDA memory, or the warm models' bytes on CPU."""
+        """Device memory in use: allocated CUDA memory, or on CPU the warm models' bytes and
+        what the running fits hold."""
         if self.device.startswith("cuda"):
             return float(torch.cuda.memory_allocated(torch.device(self.device)))
-        return float(self.cache.total_bytes)
+        return float(self.cache.total_bytes + self.operations.fit_memory.current)
+
+
+def _host_memory_releaser(device: str) -> Callable[[], None]:
+    """What hands the memory a large CPU fit freed back to the system (glibc's
+    ``malloc_trim``; nothing on CUDA, whose caching allocator reuses it, or without glibc)."""
+    if device.startswith("cuda"):
+        return lambda: None
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return lambda: None
+    return lambda: trim(0)
 
 
 def _memory_releaser(device: str) -> Callable[[], None]:

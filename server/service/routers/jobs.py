@@ -1,4 +1,8 @@
-"""Asynchronous jobs: POST /jobs (202), GET /jobs, GET/DELETE /jobs/{id}, GET /jobs/{id}/events."""
+"""Asynchronous jobs: POST /jobs (202), GET /jobs, GET/DELETE /jobs/{id}, GET /jobs/{id}/events.
+
+With auth on, a job belongs to the caller that submitted it: ``GET /jobs`` lists the caller's
+own, and another caller's job answers 404 as an unknown id would (see ``jobstore``).
+"""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ..dependencies import StateDep
+from ..dependencies import CallerDep, StateDep
 from ..errors import Conflict, NotFound
 from ..jobstore import FINAL_STATUSES
 from ..operations import parse_json
@@ -41,11 +45,18 @@ def _job_schema(operation: str) -> dict[str, Any]:
     return schema
 
 
-async def _job(state: ServiceState, job_id: str, with_result: bool = True) -> dict[str, Any]:
-    """The job's view, or 404."""
-    view = await run_in_threadpool(state.jobstore.get, job_id, with_result)
+def _not_found(job_id: str) -> NotFound:
+    """The 404 for an unknown job id, or another caller's job (the same, on purpose)."""
+    return NotFound(f"no job with id {job_id!r} (finished jobs expire after --result-ttl-hours)")
+
+
+async def _job(
+    state: ServiceState, job_id: str, caller: str | None, with_result: bool = True
+) -> dict[str, Any]:
+    """The view of the job, when ``caller`` may see it (``None``: auth off), or 404."""
+    view = await run_in_threadpool(state.jobstore.get, job_id, with_result, caller)
     if view is None:
-        raise NotFound(f"no job with id {job_id!r} (finished jobs expire after --result-ttl-hours)")
+        raise _not_found(job_id)
     return view
 
 
@@ -70,11 +81,14 @@ async def _job(state: ServiceState, job_id: str, with_result: bool = True) -> di
         }
     },
 )
-async def submit_job(request: Request, state: StateDep) -> JSONResponse:
-    """Validated now (4xx on bad input), stored in SQLite, run in the background."""
+async def submit_job(request: Request, state: StateDep, caller: CallerDep) -> JSONResponse:
+    """Validated now (4xx on bad input), stored in SQLite, run in the background.
+
+    429 when ``--max-queue`` jobs are queued or running, or ``--max-jobs-per-caller`` of the
+    caller's."""
     body = await request.body()
     document = await run_in_threadpool(parse_json, body, state.settings.max_json_depth)
-    job_id = await state.jobs.submit(document)
+    job_id = await state.jobs.submit(document, caller, state.settings.max_jobs_per_caller)
     url = f"/jobs/{job_id}"
     return JSONResponse(
         {"id": job_id, "status": "queued", "url": url}, status_code=202, headers={"Location": url}
@@ -85,15 +99,17 @@ async def submit_job(request: Request, state: StateDep) -> JSONResponse:
     "",
     response_model=JobList,
     responses=error_responses(401, 422),
-    summary="List jobs, newest first",
+    summary="List the caller's jobs, newest first",
 )
 async def list_jobs(
     state: StateDep,
+    caller: CallerDep,
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,
     status: Annotated[JobStatus | None, Query()] = None,
 ) -> dict[str, Any]:
-    """Jobs without their results (fetch one for its result)."""
-    return {"jobs": await run_in_threadpool(state.jobstore.list, limit, status)}
+    """Jobs without their results (fetch one for its result). With auth on, the caller's own
+    (and any stored before jobs had owners); with auth off, all."""
+    return {"jobs": await run_in_threadpool(state.jobstore.list, limit, status, caller)}
 
 
 @router.get(
@@ -102,12 +118,12 @@ async def list_jobs(
     responses=error_responses(401, 404, 422),
     summary="Status, progress and result of a job",
 )
-async def get_job(job_id: str, state: StateDep) -> JSONResponse:
+async def get_job(job_id: str, state: StateDep, caller: CallerDep) -> JSONResponse:
     """For a patchset the result is keyed by patch name; a failed job has ``error``.
 
     The stored result is sent as it is (the synchronous answer, as ``JobView`` declares it),
     not parsed again."""
-    return JSONResponse(await _job(state, job_id))
+    return JSONResponse(await _job(state, job_id, caller))
 
 
 @router.delete(
@@ -116,14 +132,14 @@ async def get_job(job_id: str, state: StateDep) -> JSONResponse:
     responses=error_responses(401, 404, 409, 422),
     summary="Cancel a queued or running job",
 )
-async def cancel_job(job_id: str, state: StateDep) -> dict[str, Any]:
+async def cancel_job(job_id: str, state: StateDep, caller: CallerDep) -> dict[str, Any]:
     """409 if the job already finished."""
-    before = await state.jobs.cancel(job_id)
+    before = await state.jobs.cancel(job_id, caller)
     if before is None:
-        raise NotFound(f"no job with id {job_id!r}")
+        raise _not_found(job_id)
     if before in FINAL_STATUSES:
         raise Conflict(f"job {job_id!r} already {before}; nothing to cancel")
-    return await _job(state, job_id, with_result=False)
+    return await _job(state, job_id, caller, with_result=False)
 
 
 @router.get(
@@ -132,23 +148,23 @@ async def cancel_job(job_id: str, state: StateDep) -> dict[str, Any]:
     response_class=StreamingResponse,
     responses={200: {"content": {"text/event-stream": {}}}, **error_responses(401, 404, 422)},
 )
-async def job_events(job_id: str, state: StateDep) -> StreamingResponse:
+async def job_events(job_id: str, state: StateDep, caller: CallerDep) -> StreamingResponse:
     """``event: progress`` on every change, then one ``event: done`` with the final status."""
-    await _job(state, job_id, with_result=False)
+    await _job(state, job_id, caller, with_result=False)
     return StreamingResponse(
-        _events(state, job_id),
+        _events(state, job_id, caller),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
 
 
-async def _events(state: ServiceState, job_id: str) -> AsyncIterator[str]:
-    """Server-sent events for one job until it finishes (or expires)."""
+async def _events(state: ServiceState, job_id: str, caller: str | None) -> AsyncIterator[str]:
+    """Server-sent events for one job of ``caller`` until it finishes (or expires)."""
     changed = state.jobs.watch()
     last: tuple[Any, ...] | None = None
     try:
         while True:
-            view = await run_in_threadpool(state.jobstore.get, job_id, False)
+            view = await run_in_threadpool(state.jobstore.get, job_id, False, caller)
             if view is None:
                 yield _event("done", {"id": job_id, "status": "expired"})
                 return
