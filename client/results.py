@@ -74,13 +74,13 @@ class CLsResult:
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> CLsResult:
         """Parse one server answer (``{"CLs_obs": ..., "CLs_exp": [...], "meta": {...}}``)."""
-        poi = data.get("test_poi", (data.get("meta") or {}).get("test_poi"))
+        poi = (data.get("meta") or {}).get("test_poi")
         return cls(
             cls_obs=_float(data["CLs_obs"]),
             cls_exp=_floats(data.get("CLs_exp", [])),
             test_poi=None if poi is None or isinstance(poi, list) else float(poi),
             meta=dict(data.get("meta") or {}),
-            extra=_extra(data, ("CLs_obs", "CLs_exp", "test_poi")),
+            extra=_extra(data, ("CLs_obs", "CLs_exp")),
         )
 
     def to_pyhf_json(self) -> dict[str, Any]:
@@ -393,8 +393,8 @@ class Job:
             with contextlib.suppress(KeyError, TypeError, ValueError):
                 result = parse_result(op, result)
         return cls(
-            id=str(data.get("id") or data.get("job_id")),
-            status=str(data.get("status", "queued")),
+            id=str(data["id"]),
+            status=str(data["status"]),
             operation=op,
             progress=_progress_fraction(data.get("progress")),
             result=result,
@@ -403,21 +403,8 @@ class Job:
         )
 
 
-def _progress_fraction(progress: Any) -> float | None:
-    """Accept a fraction, a percentage or ``{"done": n, "total": m}``-style objects."""
-    if progress is None:
+def _progress_fraction(progress: Mapping[str, Any] | None) -> float | None:
+    """The fraction done of the server's ``{"done": n, "total": m}`` (None before planning)."""
+    if not progress or not progress.get("total"):
         return None
-    if isinstance(progress, bool):
-        return None
-    if isinstance(progress, (int, float)):
-        value = float(progress)
-        return value / 100.0 if value > 1.0 else value
-    if isinstance(progress, Mapping):
-        for key in ("fraction", "ratio"):
-            if isinstance(progress.get(key), (int, float)):
-                return float(progress[key])
-        done = next((progress[k] for k in ("done", "completed", "current") if k in progress), None)
-        total = progress.get("total")
-        if isinstance(done, (int, float)) and isinstance(total, (int, float)) and total > 0:
-            return float(done) / float(total)
-    return None
+    return float(progress["done"]) / float(progress["total"])

@@ -12,12 +12,26 @@ from test_inference_support import DEVICE, one_thread  # noqa: F401 (fixture)
 
 from pyhf_gpu_server.engine import HistFactoryModel
 from pyhf_gpu_server.inference import hypotest
-from pyhf_gpu_server.inference.test_statistics import compute
+from pyhf_gpu_server.inference.hypotest import CalculatorSpec, make_calculator
+from pyhf_gpu_server.inference.mle import FitRequest, fit_requests
 from pyhf_gpu_server.inference.toys import sample_toys
 
 OBSERVED = [12.0, 10.0]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def both_fits_statistic(test_stat: str, model, mu, data, element) -> torch.Tensor:
+    """The statistic with both fits run for every row (what pyhf does), from the same spec
+    the calculator uses."""
+    spec = CalculatorSpec.of(test_stat)
+    stat, tested = spec.stat, spec.stat.tested(mu)
+    fixed, free = fit_requests(
+        model,
+        [FitRequest(data, element, tested), FitRequest(data, element, mu * float("nan"))],
+        spec.fit,
+    )
+    return stat.of_fits(tested, fixed, free, model.poi_index)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +90,7 @@ def test_toy_test_statistics_equal_pyhf_on_the_same_toys(models):
     assert toys.shape == (12, len(data))
     assert torch.all(toys[:, : model.n_main] == toys[:, : model.n_main].round())  # Poisson counts
     mu = torch.ones(12, dtype=model.dtype, device=model.device)
-    ours, _, _ = compute("qtilde", model, mu, toys, element.expand(12), poi_floor=0.0)
+    ours = both_fits_statistic("qtilde", model, mu, toys, element.expand(12))
     for i, toy in enumerate(toys.tolist()):
         theirs = pyhf.infer.test_statistics.qmu_tilde(
             1.0,
@@ -148,18 +162,15 @@ def test_toy_statistics_skip_only_conditional_fits_the_clip_makes_irrelevant(mod
     """The calculator fits a toy at ``mu`` only where ``muhat`` does not clip its statistic to
     0, starting at the unconditional minimum; on this convex model that gives exactly the
     statistics of both fits run for every toy."""
-    from pyhf_gpu_server.inference.hypotest import make_calculator
-
     _, _, model = models
     element = torch.zeros(1, dtype=torch.long, device=DEVICE)
     toys = sample_toys(model, model.init, element, 400, torch.Generator(DEVICE).manual_seed(3))[0]
     rows = torch.zeros(toys.shape[0], dtype=torch.long, device=DEVICE)
     mu = torch.full((toys.shape[0],), 1.0, dtype=model.dtype, device=DEVICE)
-    calc = make_calculator(model, model.observed, element, test_stat=test_stat, calctype="toybased")
-    tested = mu * 0.0 if test_stat == "q0" else mu
-    found, status = calc._toy_statistics(toys, rows, tested)
-    floor = {"poi_floor": 0.0} if test_stat == "qtilde" else {}
-    expected, *_ = compute(test_stat, model, mu, toys, rows, **floor)
+    spec = CalculatorSpec.of(test_stat, "toybased")
+    calc = make_calculator(model, model.observed, element, spec)
+    found, status = calc._toy_statistics(toys, rows, spec.stat.tested(mu))
+    expected = both_fits_statistic(test_stat, model, mu, toys, rows)
     assert status.converged.all()
     assert 0 < int((found == 0).sum()) < toys.shape[0]  # both regimes are present
     assert torch.allclose(found, expected, rtol=0, atol=1e-6)

@@ -10,7 +10,8 @@ import pytest
 
 from pyhf_gpu_server.service.errors import BadRequest, Unprocessable
 from pyhf_gpu_server.service.logs import JsonFormatter
-from pyhf_gpu_server.service.operations import envelope_from, parse_json
+from pyhf_gpu_server.service.operations import OPERATIONS
+from pyhf_gpu_server.service.requests import envelope_from, parse_json
 from pyhf_gpu_server.service.settings import Settings, env_name, settings_from_args
 
 
@@ -74,11 +75,14 @@ def test_parser_rejects_non_finite_and_deep_json() -> None:
 
 
 def test_envelope_from_bare_workspace_and_query() -> None:
-    envelope = envelope_from({"channels": []}, {"test-poi": ["1", "2"], "ntoys": ["5"]}, "cls")
+    cls, upper_limit = OPERATIONS["cls"], OPERATIONS["upper-limit"]
+    envelope = envelope_from({"channels": []}, {"test-poi": ["1", "2"], "ntoys": ["5"]}, cls)
     assert envelope == {"workspace": {"channels": []}, "test_poi": ["1", "2"], "ntoys": "5"}
-    scan = envelope_from({"channels": []}, {"scan": ["0", "1", "2"]}, "upper-limit")
+    scan = envelope_from({"channels": []}, {"scan": ["0", "1", "2"]}, upper_limit)
     assert scan["scan"] == ["0", "1", "2"]  # a list option keeps every repetition
-    given = envelope_from({"workspace_id": "x", "ntoys": 9}, {"ntoys": ["5"]}, "cls")
+    one = envelope_from({"channels": []}, {"test_poi": ["3"], "test_stat": ["q"]}, cls)
+    assert (one["test_poi"], one["test_stat"]) == ("3", "q")  # one value: itself
+    given = envelope_from({"workspace_id": "x", "ntoys": 9}, {"ntoys": ["5"]}, cls)
     assert given["ntoys"] == 9  # the body wins
     with pytest.raises(Unprocessable, match="level"):
-        envelope_from({"channels": []}, {"level": ["0.1"]}, "fit")
+        envelope_from({"channels": []}, {"level": ["0.1"]}, OPERATIONS["fit"])

@@ -27,44 +27,28 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from .errors import InferenceError
-from .mle import FitOptions, FitRequest, fit_requests
+from .mle import FitOptions, FitRequest, FitSpec, fit_requests
 from .results import FitResults
 from .starts import FitStatus
-from .test_statistics import check_test_stat, test_statistic
+from .test_statistics import TestStatistic
+
+if TYPE_CHECKING:
+    from ..engine.model import HistFactoryModel
 
 __all__ = [
     "N_SIGMA",
     "AsymptoticCalculator",
-    "asimov_mu",
-    "asymptotic_teststat",
     "expected_pvalues",
     "pvalues",
 ]
 
 N_SIGMA = (2.0, 1.0, 0.0, -1.0, -2.0)
-
-
-def asimov_mu(test_stat: str) -> float:
-    """The POI value of pyhf's Asimov dataset: 1 for ``q0``, else 0."""
-    return 1.0 if test_stat == "q0" else 0.0
-
-
-def asymptotic_teststat(test_stat: str, sqrtq: Tensor, sqrtq_asimov: Tensor) -> Tensor:
-    """pyhf's asymptotic test statistic from ``sqrt(q)`` and ``sqrt(q_A)``.
-
-    ``q``/``q0``: ``sqrt(q) - sqrt(q_A)``; ``q~``: the same where ``sqrt(q) <= sqrt(q_A)``,
-    else ``(q - q_A) / (2 sqrt(q_A))``.
-    """
-    linear = sqrtq - sqrtq_asimov
-    if test_stat in ("q", "q0"):
-        return linear
-    quadratic = (sqrtq**2 - sqrtq_asimov**2) / (2 * sqrtq_asimov)
-    return torch.where(sqrtq <= sqrtq_asimov, linear, quadratic)
 
 
 # Twice-NLL differences below this are the minimiser's noise, not a test statistic: at
@@ -131,27 +115,26 @@ class AsymptoticCalculator:
         data: ``[D, N + A]`` distinct datasets (see
             :func:`~pyhf_gpu_server.inference.rows.unique_datasets`).
         element: ``[D]`` element of each dataset.
-        test_stat: ``"qtilde"``, ``"q"`` or ``"q0"``.
+        stat: the test statistic (:func:`~.test_statistics.get_test_stat`).
+        spec: how the fits run (:class:`~.mle.FitSpec`).
         calc_base_dist: ``"normal"`` or ``"clipped_normal"`` (pyhf's option).
-        fit_kwargs: ``init``/``bounds``/``fixed`` (``[P]``-shaped) and ``options`` for the fits.
     """
 
     def __init__(
         self,
-        model,
+        model: HistFactoryModel,
         data: Tensor,
         element: Tensor,
-        test_stat: str = "qtilde",
+        stat: TestStatistic,
+        spec: FitSpec,
         calc_base_dist: str = "normal",
-        **fit_kwargs,
     ) -> None:
-        check_test_stat(test_stat)
         self.model = model
         self.data = data
         self.element = element
-        self.test_stat = test_stat
+        self.stat = stat
+        self.spec = spec
         self.calc_base_dist = calc_base_dist
-        self.fit_kwargs = fit_kwargs
         self.free_data: FitResults | None = None
         self.free_asimov: FitResults | None = None
         self.asimov_fit: FitResults | None = None
@@ -161,11 +144,8 @@ class AsymptoticCalculator:
         self.conditional_minima: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
 
     @property
-    def options(self) -> FitOptions | None:
-        return self.fit_kwargs.get("options")
-
-    def _tested(self, mu: Tensor) -> Tensor:
-        return torch.zeros_like(mu) if self.test_stat == "q0" else mu
+    def options(self) -> FitOptions:
+        return self.spec.options
 
     def _warm_starts(self, tested: Tensor, index: Tensor) -> tuple[Tensor, Tensor]:
         """Start points ``[M, P]`` of new conditional fits to the data and to the Asimov data:
@@ -189,14 +169,12 @@ class AsymptoticCalculator:
 
     def teststatistic(self, mu: Tensor, index: Tensor) -> AsymptoticStats:
         """Asymptotic test statistics ``[M]`` for POI values ``mu [M]`` on datasets ``index [M]``."""
-        model, tested = self.model, self._tested(mu)
+        model, stat, tested = self.model, self.stat, self.stat.tested(mu)
         data, element = self.data[index], self.element[index]
         if self.free_data is None:
             D = self.element.shape[0]
             nan = torch.full((D,), torch.nan, dtype=model.dtype, device=model.device)
-            asimov_poi = torch.full(
-                (D,), asimov_mu(self.test_stat), dtype=model.dtype, device=model.device
-            )
+            asimov_poi = torch.full((D,), stat.asimov_mu, dtype=model.dtype, device=model.device)
             self.free_data, self.asimov_fit, fixed_data = fit_requests(
                 model,
                 [
@@ -204,7 +182,7 @@ class AsymptoticCalculator:
                     FitRequest(self.data, self.element, asimov_poi),
                     FitRequest(data, element, tested),
                 ],
-                **self.fit_kwargs,
+                self.spec,
             )
             self.asimov_data = model.expected_data(self.asimov_fit.bestfit, self.element)
             # The Asimov fits start where their data came from: the free fit's minimum is
@@ -220,7 +198,7 @@ class AsymptoticCalculator:
                         self.asimov_fit.bestfit[index],
                     ),
                 ],
-                **self.fit_kwargs,
+                self.spec,
             )
         else:
             data_start, asimov_start = self._warm_starts(tested, index)
@@ -230,14 +208,12 @@ class AsymptoticCalculator:
                     FitRequest(data, element, tested, data_start),
                     FitRequest(self.asimov_data[index], element, tested, asimov_start),
                 ],
-                **self.fit_kwargs,
+                self.spec,
             )
         self._remember(tested, index, fixed_data, fixed_asimov)
         free_data, free_asimov = self.free_data.select(index), self.free_asimov.select(index)
-        q = test_statistic(self.test_stat, tested, fixed_data, free_data, model.poi_index)
-        q_asimov = test_statistic(
-            self.test_stat, tested, fixed_asimov, free_asimov, model.poi_index
-        )
+        q = stat.of_fits(tested, fixed_data, free_data, model.poi_index)
+        q_asimov = stat.of_fits(tested, fixed_asimov, free_asimov, model.poi_index)
         sqrtq, sqrtq_asimov = _sqrt_above_fit_noise(q), _sqrt_above_fit_noise(q_asimov)
         fits = {
             "free_data": free_data.status,
@@ -246,7 +222,7 @@ class AsymptoticCalculator:
             "free_asimov": free_asimov.status,
             "fixed_asimov": fixed_asimov.status,
         }
-        teststat = asymptotic_teststat(self.test_stat, sqrtq, sqrtq_asimov)
+        teststat = stat.asymptotic(sqrtq, sqrtq_asimov)
         return AsymptoticStats(teststat, sqrtq_asimov, fits)
 
     def pvalues(self, stats: AsymptoticStats) -> tuple[Tensor, Tensor, Tensor]:

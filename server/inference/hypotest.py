@@ -21,19 +21,24 @@ Example:
 
 from __future__ import annotations
 
-from typing import Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import Tensor
 
 from .asymptotics import AsymptoticCalculator
 from .errors import InferenceError
-from .mle import FitOptions, rows_data
+from .mle import FitOptions, FitSpec, rows_data
 from .results import HypotestResults
 from .rows import rows_of, unique_datasets
-from .test_statistics import check_test_stat
+from .test_statistics import TestStatistic, get_test_stat
+from .toys import ToyCalculator
 
-__all__ = ["hypotest", "make_calculator", "prepare_rows", "run_calculator"]
+if TYPE_CHECKING:
+    from ..engine.model import HistFactoryModel
+
+__all__ = ["CalculatorSpec", "hypotest", "make_calculator", "prepare_rows", "run_calculator"]
 
 CalcType = Literal["asymptotics", "toybased"]
 
@@ -59,10 +64,49 @@ def prepare_rows(
     return poi, datasets, elements, index
 
 
-def _check_model(model, test_stat: str) -> None:
+@dataclass(frozen=True)
+class CalculatorSpec:
+    """How hypotheses are tested, passed explicitly to every stage: the test statistic, the
+    fits (:class:`~.mle.FitSpec`, its POI floor the statistic's), asymptotic formulae or
+    toys and their numbers."""
+
+    stat: TestStatistic
+    fit: FitSpec
+    calctype: CalcType = "asymptotics"
+    calc_base_dist: str = "normal"
+    ntoys: int = 2000
+    seed: int | None = None
+    generator: torch.Generator | None = None
+
+    @classmethod
+    def of(
+        cls,
+        test_stat: str = "qtilde",
+        calctype: CalcType = "asymptotics",
+        *,
+        calc_base_dist: str = "normal",
+        ntoys: int = 2000,
+        seed: int | None = None,
+        generator: torch.Generator | None = None,
+        init: Tensor | None = None,
+        bounds: Tensor | None = None,
+        fixed: Tensor | None = None,
+        options: FitOptions | None = None,
+    ) -> CalculatorSpec:
+        """The spec of pyhf's keyword arguments (``InferenceError`` for an unknown
+        ``test_stat`` or ``calctype``)."""
+        stat = get_test_stat(test_stat)
+        if calctype not in ("asymptotics", "toybased"):
+            raise InferenceError(
+                f"unknown calctype {calctype!r}; expected 'asymptotics' or 'toybased'"
+            )
+        fit = FitSpec(init, bounds, fixed, options or FitOptions(), stat.poi_floor)
+        return cls(stat, fit, calctype, calc_base_dist, ntoys, seed, generator)
+
+
+def _check_model(model: HistFactoryModel) -> None:
     if model.poi_index is None:
         raise InferenceError("No POI is defined. A POI is required to run a hypothesis test.")
-    check_test_stat(test_stat)
     if bool(model.fixed[:, model.poi_index].any()):
         raise InferenceError(
             f"the POI {model.poi_name!r} is fixed in the measurement; hypothesis tests need it "
@@ -71,42 +115,28 @@ def _check_model(model, test_stat: str) -> None:
 
 
 def make_calculator(
-    model,
+    model: HistFactoryModel,
     datasets: Tensor,
     elements: Tensor,
-    *,
-    test_stat: str = "qtilde",
-    calctype: CalcType = "asymptotics",
-    calc_base_dist: str = "normal",
-    ntoys: int = 2000,
-    seed: int | None = None,
-    generator: torch.Generator | None = None,
-    init: Tensor | None = None,
-    bounds: Tensor | None = None,
-    fixed: Tensor | None = None,
-    options: FitOptions | None = None,
-):
-    """The calculator (asymptotic or toy-based) for ``datasets``; ``q~`` floors the POI at 0."""
-    _check_model(model, test_stat)
-    fit_kwargs = {"init": init, "bounds": bounds, "fixed": fixed, "options": options}
-    if test_stat == "qtilde":
-        fit_kwargs["poi_floor"] = 0.0
-    if calctype == "asymptotics":
+    spec: CalculatorSpec | None = None,
+) -> AsymptoticCalculator | ToyCalculator:
+    """The calculator (asymptotic or toy-based) for ``datasets`` (default spec: pyhf's
+    defaults, ``q~`` asymptotics)."""
+    spec = spec or CalculatorSpec.of()
+    _check_model(model)
+    if spec.calctype == "asymptotics":
         return AsymptoticCalculator(
-            model, datasets, elements, test_stat, calc_base_dist, **fit_kwargs
+            model, datasets, elements, spec.stat, spec.fit, spec.calc_base_dist
         )
-    if calctype == "toybased":
-        from .toys import ToyCalculator
-
-        if generator is None:
-            generator = torch.Generator(device=model.device)
-            generator.manual_seed(0 if seed is None else seed)
-        return ToyCalculator(model, datasets, elements, test_stat, ntoys, generator, **fit_kwargs)
-    raise InferenceError(f"unknown calctype {calctype!r}; expected 'asymptotics' or 'toybased'")
+    generator = spec.generator
+    if generator is None:
+        generator = torch.Generator(device=model.device)
+        generator.manual_seed(0 if spec.seed is None else spec.seed)
+    return ToyCalculator(model, datasets, elements, spec.stat, spec.fit, spec.ntoys, generator)
 
 
 def hypotest(
-    model,
+    model: HistFactoryModel,
     test_poi,
     element=None,
     *,
@@ -141,13 +171,9 @@ def hypotest(
         :class:`~pyhf_gpu_server.inference.results.HypotestResults` (``to_pyhf_json(i)`` is
         pyhf's ``{"CLs_obs", "CLs_exp"}``; for ``q0`` the observed value is ``p0`` = CLsb).
     """
-    poi, datasets, elements, index = prepare_rows(model, test_poi, data, element)
-    calc = make_calculator(
-        model,
-        datasets,
-        elements,
-        test_stat=test_stat,
-        calctype=calctype,
+    spec = CalculatorSpec.of(
+        test_stat,
+        calctype,
         calc_base_dist=calc_base_dist,
         ntoys=ntoys,
         seed=seed,
@@ -157,7 +183,8 @@ def hypotest(
         fixed=fixed,
         options=options,
     )
-    return run_calculator(calc, poi, index)
+    poi, datasets, elements, index = prepare_rows(model, test_poi, data, element)
+    return run_calculator(make_calculator(model, datasets, elements, spec), poi, index)
 
 
 def run_calculator(calc, poi: Tensor, index: Tensor) -> HypotestResults:
@@ -168,7 +195,7 @@ def run_calculator(calc, poi: Tensor, index: Tensor) -> HypotestResults:
     return HypotestResults(
         poi=poi,
         element=calc.element[index],
-        test_stat=calc.test_stat,
+        test_stat=calc.stat.name,
         cls_obs=cls,
         cls_exp=cls_exp,
         clsb_obs=clsb,

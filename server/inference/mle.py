@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -47,9 +48,13 @@ from .starts import (
     release_downhill,
 )
 
+if TYPE_CHECKING:
+    from ..engine.model import HistFactoryModel
+
 __all__ = [
     "FitOptions",
     "FitRequest",
+    "FitSpec",
     "covariance",
     "fit",
     "fit_requests",
@@ -82,6 +87,24 @@ class FitOptions:
     stop: Callable[[], bool] | None = None
 
 
+@dataclass(frozen=True)
+class FitSpec:
+    """How the fits of an inference call run, passed explicitly down its stages.
+
+    Attributes:
+        init, bounds, fixed: ``[P]``, ``[P, 2]``, ``[P]`` overrides of the model's suggested
+            start points, bounds and fixed parameters (None: the model's, per element).
+        options: :class:`FitOptions`.
+        poi_floor: raise the POI's lower bound to this (``q~`` floors it at 0; None: no).
+    """
+
+    init: Tensor | None = None
+    bounds: Tensor | None = None
+    fixed: Tensor | None = None
+    options: FitOptions = field(default_factory=FitOptions)
+    poi_floor: float | None = None
+
+
 @dataclass
 class FitRequest:
     """A block of rows for :func:`fit_requests`: datasets ``[R, N + A]``, elements ``[R]``,
@@ -94,7 +117,7 @@ class FitRequest:
     init: Tensor | None = None
 
 
-def rows_data(model, data: Tensor | None, element) -> tuple[Tensor, Tensor]:
+def rows_data(model: HistFactoryModel, data: Tensor | None, element) -> tuple[Tensor, Tensor]:
     """Per-row datasets ``[B, N + A]`` and elements ``[B]``.
 
     No ``data``: the observations of ``element`` (every element when ``element`` is None).
@@ -118,7 +141,7 @@ def rows_data(model, data: Tensor | None, element) -> tuple[Tensor, Tensor]:
 
 
 def _start(
-    model,
+    model: HistFactoryModel,
     element: Tensor,
     poi: Tensor | None,
     init: Tensor | None,
@@ -180,7 +203,9 @@ def covariance(hessian: Tensor, fixed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return unc, corr, cov
 
 
-def _minimize(model, data, element, init, bounds, fixed, options: FitOptions) -> MinimizeResult:
+def _minimize(
+    model: HistFactoryModel, data, element, init, bounds, fixed, options: FitOptions
+) -> MinimizeResult:
     """One minimiser run per chunk of ``options.max_rows`` rows, concatenated."""
     parts = []
     for start in range(0, init.shape[0], options.max_rows):
@@ -279,7 +304,7 @@ def _settle_kinks(
 
 
 def fit_rows(
-    model,
+    model: HistFactoryModel,
     data: Tensor,
     element: Tensor,
     poi: Tensor | None = None,
@@ -332,7 +357,7 @@ def fit_rows(
 
 
 def fit(
-    model,
+    model: HistFactoryModel,
     data: Tensor | None = None,
     element=None,
     *,
@@ -376,16 +401,18 @@ def fit(
     )
 
 
-def fixed_poi_fit(model, poi_val, data: Tensor | None = None, element=None, **kwargs) -> FitResults:
+def fixed_poi_fit(
+    model: HistFactoryModel, poi_val, data: Tensor | None = None, element=None, **kwargs
+) -> FitResults:
     """Fits with the POI fixed at ``poi_val`` (float or ``[B]``): pyhf's ``fixed_poi_fit``."""
     return fit(model, data, element, fixed_poi=poi_val, **kwargs)
 
 
-def fit_requests(model, requests: list[FitRequest], **kwargs) -> list[FitResults]:
-    """Run several blocks of fits in one batched call; one FitResults per block.
-
-    ``kwargs`` go to :func:`fit_rows` (``init``, ``bounds``, ``fixed`` must then be per
-    parameter, ``[P]``-shaped, or None).
+def fit_requests(
+    model: HistFactoryModel, requests: list[FitRequest], spec: FitSpec | None = None
+) -> list[FitResults]:
+    """Run several blocks of fits in one batched call, as ``spec`` says; one FitResults per
+    block.
 
     >>> import torch
     >>> from pyhf_gpu_server.engine import HistFactoryModel
@@ -402,20 +429,25 @@ def fit_requests(model, requests: list[FitRequest], **kwargs) -> list[FitResults
     >>> bool(free.best_twice_nll <= pinned.best_twice_nll), pinned.bestfit[0, 0].item()
     (True, 1.0)
     """
+    spec = spec or FitSpec()
     sizes = [r.element.shape[0] for r in requests]
+    init = spec.init
     if any(r.init is not None for r in requests):
-        default = kwargs.pop("init", None)
         starts = []
         for r in requests:
-            start = _start(model, r.element, None, default, None, None)[0]
+            start = _start(model, r.element, None, spec.init, None, None)[0]
             starts.append(start if r.init is None else torch.where(r.init.isnan(), start, r.init))
-        kwargs["init"] = torch.cat(starts)
+        init = torch.cat(starts)
     merged = fit_rows(
         model,
         torch.cat([r.data for r in requests]),
         torch.cat([r.element for r in requests]),
         torch.cat([r.poi for r in requests]),
-        **kwargs,
+        init=init,
+        bounds=spec.bounds,
+        fixed=spec.fixed,
+        options=spec.options,
+        poi_floor=spec.poi_floor,
     )
     out, start = [], 0
     for size in sizes:

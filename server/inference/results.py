@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from .starts import FitStatus
+from .test_statistics import get_test_stat
 
 __all__ = [
     "FitResults",
@@ -137,12 +138,12 @@ class FitResults:
         }
 
     def to_json(self, i: int = 0) -> dict:
-        """Row ``i`` with uncertainties and fit status, by parameter label."""
+        """Row ``i`` as pyhf's fit output plus uncertainties (grouped like the parameters)
+        and the correlation matrix."""
         return {
             **self.to_pyhf_json(i),
             "uncertainties": group_parameters(self.labels, self.uncertainty[i].tolist()),
-            "converged": bool(self.converged[i]),
-            "iterations": int(self.iterations[i]),
+            "corr_mat": self.corr_mat[i].tolist(),
         }
 
 
@@ -208,11 +209,11 @@ class HypotestResults:
 
     def observed(self) -> Tensor:
         """pyhf's first return value: CLs, or CLsb (= p0) for ``q0``."""
-        return self.clsb_obs if self.test_stat == "q0" else self.cls_obs
+        return self.clsb_obs if get_test_stat(self.test_stat).discovery else self.cls_obs
 
     def expected(self) -> Tensor:
         """pyhf's expected set ``[B, 5]``: CLs bands, or CLsb bands for ``q0``."""
-        return self.clsb_exp if self.test_stat == "q0" else self.cls_exp
+        return self.clsb_exp if get_test_stat(self.test_stat).discovery else self.cls_exp
 
     def to_pyhf_json(self, i: int = 0) -> dict:
         """Row ``i`` exactly as ``pyhf cls`` prints it: ``{"CLs_obs", "CLs_exp"}``."""
@@ -220,7 +221,7 @@ class HypotestResults:
 
     def tail_probs(self, i: int = 0) -> list[float]:
         """pyhf's ``return_tail_probs``: ``[CLsb, CLb]`` (``[CLb]`` for ``q0``)."""
-        if self.test_stat == "q0":
+        if get_test_stat(self.test_stat).discovery:
             return [float(self.clb_obs[i])]
         return [float(self.clsb_obs[i]), float(self.clb_obs[i])]
 

@@ -18,30 +18,34 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
+if TYPE_CHECKING:
+    from ..engine.model import HistFactoryModel
+
 __all__ = ["as_float", "as_index", "grid", "rows_of", "unique_datasets"]
 
 
-def as_float(model, value: float | Sequence[float] | Tensor) -> Tensor:
+def as_float(model: HistFactoryModel, value: float | Sequence[float] | Tensor) -> Tensor:
     """``value`` as a floating tensor on ``model.device`` in ``model.dtype`` (at least 1-d)."""
     return torch.atleast_1d(torch.as_tensor(value, dtype=model.dtype, device=model.device))
 
 
-def as_index(model, value: int | Sequence[int] | Tensor) -> Tensor:
+def as_index(model: HistFactoryModel, value: int | Sequence[int] | Tensor) -> Tensor:
     """``value`` as a LongTensor on ``model.device`` (at least 1-d)."""
     return torch.atleast_1d(torch.as_tensor(value, dtype=torch.long, device=model.device))
 
 
-def grid(model, pois: Tensor, elements: Tensor) -> tuple[Tensor, Tensor]:
+def grid(model: HistFactoryModel, pois: Tensor, elements: Tensor) -> tuple[Tensor, Tensor]:
     """Every (element, POI) pair, element-major: ``([E*S] pois, [E*S] elements)``."""
     n_poi, n_el = pois.shape[0], elements.shape[0]
     return pois.repeat(n_el), elements.repeat_interleave(n_poi)
 
 
-def rows_of(model, test_poi, element) -> tuple[Tensor, Tensor]:
+def rows_of(model: HistFactoryModel, test_poi, element) -> tuple[Tensor, Tensor]:
     """Per-row POI values and elements.
 
     ``element=None`` means every element of the model: a scalar or ``[S]`` ``test_poi`` then

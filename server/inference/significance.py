@@ -20,11 +20,17 @@ Example:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
-from .hypotest import hypotest
+from .hypotest import CalcType, hypotest
+from .mle import FitOptions
 from .results import SignificanceResults
+
+if TYPE_CHECKING:
+    from ..engine.model import HistFactoryModel
 
 __all__ = ["significance", "z_from_p"]
 
@@ -35,14 +41,35 @@ def z_from_p(p: Tensor) -> Tensor:
 
 
 def significance(
-    model, element=None, *, data: Tensor | None = None, **hypotest_kwargs
+    model: HistFactoryModel,
+    element=None,
+    *,
+    data: Tensor | None = None,
+    calctype: CalcType = "asymptotics",
+    ntoys: int = 2000,
+    seed: int | None = None,
+    init: Tensor | None = None,
+    bounds: Tensor | None = None,
+    fixed: Tensor | None = None,
+    options: FitOptions | None = None,
 ) -> SignificanceResults:
-    """Observed and expected discovery p-values and significances per element (or dataset).
-
-    ``hypotest_kwargs`` go to :func:`~pyhf_gpu_server.inference.hypotest.hypotest`
-    (``calctype="toybased"``, ``ntoys``, ``seed``, ``bounds``, ``options``, ...).
-    """
-    res = hypotest(model, 0.0, element, data=data, test_stat="q0", **hypotest_kwargs)
+    """Observed and expected discovery p-values and significances per element (or dataset):
+    pyhf's ``hypotest(0.0, ..., test_stat="q0")``; the options as
+    :func:`~pyhf_gpu_server.inference.hypotest.hypotest`'s."""
+    res = hypotest(
+        model,
+        0.0,
+        element,
+        data=data,
+        test_stat="q0",
+        calctype=calctype,
+        ntoys=ntoys,
+        seed=seed,
+        init=init,
+        bounds=bounds,
+        fixed=fixed,
+        options=options,
+    )
     p0_obs, p0_set = res.clsb_obs, res.clsb_exp
     p0_exp = p0_set[:, 2]
     return SignificanceResults(

@@ -1,103 +1,116 @@
-"""Profile-likelihood test statistics exactly as pyhf's ``infer.test_statistics``, batched.
+"""Profile-likelihood test statistics exactly as pyhf's ``infer.test_statistics``, batched,
+as ONE object per statistic chosen by name (pyhf's ``infer.utils.get_test_stat``).
 
-The tensor functions take the twice-NLL minima of the conditional (POI fixed at ``mu``) and
+The statistics come from the twice-NLL minima of the conditional (POI fixed at ``mu``) and
 unconditional fits and the unconditional best-fit POI ``muhat``, per row:
 
 - ``t_mu = max(2 NLL(mu, theta_hat_hat) - 2 NLL(mu_hat, theta_hat), 0)``
 - ``q_mu``: ``t_mu``, or 0 where ``muhat > mu`` (``q~_mu`` when the POI is bounded at 0)
-- ``q_0``: ``t_0``, or 0 where ``muhat < 0``
-
-:func:`compute` runs the two fits for ``B`` rows in one batched minimiser call.
+- ``q_0``: ``t_0``, or 0 where ``muhat < 0``: a discovery test, which tests ``mu = 0``
+  whatever ``mu`` says, against the background-plus-signal (``mu = 1``) Asimov data and toys
 
 Example:
     >>> import torch
     >>> fixed, free = torch.tensor([28.5, 25.0, 26.0]), torch.tensor([25.0, 25.5, 25.0])
-    >>> qmu_like(torch.tensor([1.0, 1.0, 1.0]), torch.tensor([0.0, 0.2, 1.5]), fixed, free).tolist()
+    >>> q = get_test_stat("q")
+    >>> q.from_deviances(torch.ones(3), torch.tensor([0.0, 0.2, 1.5]), fixed, free).tolist()
     [3.5, 0.0, 0.0]
-    >>> q0_like(torch.tensor([0.3, -0.1, 0.5]), fixed, free).tolist()
+    >>> q0 = get_test_stat("q0")
+    >>> q0.from_deviances(torch.ones(3), torch.tensor([0.3, -0.1, 0.5]), fixed, free).tolist()
     [3.5, 0.0, 1.0]
+    >>> q0.tested(torch.tensor([2.0])).tolist(), q0.asimov_mu, get_test_stat("qtilde").poi_floor
+    ([0.0], 1.0, 0.0)
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
 from torch import Tensor
 
 from .errors import InferenceError
-from .mle import FitRequest, fit_requests
-from .results import FitResults
 
-__all__ = [
-    "TEST_STATS",
-    "check_test_stat",
-    "compute",
-    "from_deviances",
-    "q0_like",
-    "qmu_like",
-    "test_statistic",
-    "tmu_like",
-]
+if TYPE_CHECKING:
+    from .results import FitResults
 
-TEST_STATS = ("q0", "q", "qtilde")
+__all__ = ["TEST_STATS", "TestStatistic", "get_test_stat"]
 
 
-def check_test_stat(name: str) -> None:
-    """Raise ``ValueError`` unless ``name`` is one of :data:`TEST_STATS`."""
-    if name not in TEST_STATS:
-        raise InferenceError(f"unknown test statistic {name!r}; expected one of {TEST_STATS}")
+@dataclass(frozen=True)
+class TestStatistic:
+    """One profile-likelihood test statistic and everything that follows from its choice.
 
-
-def tmu_like(fixed_twice_nll: Tensor, free_twice_nll: Tensor) -> Tensor:
-    """``t_mu`` (``t~_mu`` with the POI bounded at 0): the clipped twice-NLL difference."""
-    return (fixed_twice_nll - free_twice_nll).clamp(min=0.0)
-
-
-def qmu_like(mu: Tensor, muhat: Tensor, fixed_twice_nll: Tensor, free_twice_nll: Tensor) -> Tensor:
-    """``q_mu`` / ``q~_mu``: ``t_mu``, set to 0 where the best-fit POI exceeds ``mu``."""
-    t = tmu_like(fixed_twice_nll, free_twice_nll)
-    return t.masked_fill(muhat > mu, 0.0)
-
-
-def q0_like(muhat: Tensor, fixed_twice_nll: Tensor, free_twice_nll: Tensor) -> Tensor:
-    """``q_0``: ``t_0``, set to 0 where the best-fit POI is negative."""
-    t = tmu_like(fixed_twice_nll, free_twice_nll)
-    return t.masked_fill(muhat < 0, 0.0)
-
-
-def test_statistic(
-    name: str, mu: Tensor, fixed: FitResults, free: FitResults, poi_index: int
-) -> Tensor:
-    """The test statistic ``name`` (``"q0"``, ``"q"``, ``"qtilde"``) from the two fits' results
-    (of the same datasets: their ``deviance`` differences are the ``-2 log L`` differences)."""
-    return from_deviances(name, mu, free.bestfit[:, poi_index], fixed.deviance, free.deviance)
-
-
-def from_deviances(
-    name: str, mu: Tensor, muhat: Tensor, fixed_deviance: Tensor, free_deviance: Tensor
-) -> Tensor:
-    """The test statistic ``name`` from the fits' deviances and the best-fit POI ``muhat``."""
-    if name == "q0":
-        return q0_like(muhat, fixed_deviance, free_deviance)
-    if name in ("q", "qtilde"):
-        return qmu_like(mu, muhat, fixed_deviance, free_deviance)
-    raise InferenceError(f"unknown test statistic {name!r}; expected one of {TEST_STATS}")
-
-
-test_statistic.__test__ = False  # not a pytest test
-
-
-def compute(
-    name: str, model, mu: Tensor, data: Tensor, element: Tensor, **fit_kwargs
-) -> tuple[Tensor, FitResults, FitResults]:
-    """Test statistic ``[B]`` of ``B`` rows plus the (conditional, unconditional) fits.
-
-    ``q0`` tests ``mu = 0`` whatever ``mu`` says (as pyhf). ``fit_kwargs`` go to
-    :func:`~pyhf_gpu_server.inference.mle.fit_rows` (``bounds``, ``options``, ...).
+    Attributes:
+        name: ``"q0"``, ``"q"`` or ``"qtilde"``.
+        discovery: ``q0``: tests ``mu = 0``; its Asimov data and background toys are at
+            ``mu = 1``; pyhf reports CLsb (= p0) in place of CLs.
+        poi_floor: ``q~`` bounds the POI below at 0 in every fit (None: the model's bound).
+        quadratic: ``q~``'s asymptotic form beyond ``sqrt(q_A)``.
     """
-    tested = mu * 0.0 if name == "q0" else mu
-    free_poi = mu * float("nan")
-    fixed, free = fit_requests(
-        model,
-        [FitRequest(data, element, tested), FitRequest(data, element, free_poi)],
-        **fit_kwargs,
-    )
-    return test_statistic(name, tested, fixed, free, model.poi_index), fixed, free
+
+    __test__ = False  # not a pytest test class
+
+    name: str
+    discovery: bool = False
+    poi_floor: float | None = None
+    quadratic: bool = False
+
+    @property
+    def asimov_mu(self) -> float:
+        """The POI value of pyhf's Asimov dataset (and of the background toys): 1 for
+        ``q0``, else 0."""
+        return 1.0 if self.discovery else 0.0
+
+    def tested(self, mu: Tensor) -> Tensor:
+        """The POI values actually tested for requested ``mu`` (``q0``: 0 everywhere)."""
+        return torch.zeros_like(mu) if self.discovery else mu
+
+    def clipped(self, tested: Tensor, muhat: Tensor) -> Tensor:
+        """Rows whose statistic is 0 by the best-fit POI alone (no conditional fit needed):
+        ``muhat < 0`` for ``q0``, ``muhat > mu`` for ``q``/``q~``."""
+        return muhat < 0 if self.discovery else muhat > tested
+
+    def from_deviances(
+        self, tested: Tensor, muhat: Tensor, fixed_deviance: Tensor, free_deviance: Tensor
+    ) -> Tensor:
+        """The statistic from the fits' deviances and the best-fit POI ``muhat``."""
+        t = (fixed_deviance - free_deviance).clamp(min=0.0)
+        return t.masked_fill(self.clipped(tested, muhat), 0.0)
+
+    def of_fits(
+        self, tested: Tensor, fixed: FitResults, free: FitResults, poi_index: int
+    ) -> Tensor:
+        """The statistic from the conditional and unconditional fits of the same datasets
+        (their ``deviance`` differences are the ``-2 log L`` differences)."""
+        return self.from_deviances(
+            tested, free.bestfit[:, poi_index], fixed.deviance, free.deviance
+        )
+
+    def asymptotic(self, sqrtq: Tensor, sqrtq_asimov: Tensor) -> Tensor:
+        """pyhf's asymptotic test statistic from ``sqrt(q)`` and ``sqrt(q_A)``: ``sqrt(q) -
+        sqrt(q_A)``; for ``q~`` where ``sqrt(q) > sqrt(q_A)``, ``(q - q_A) / (2 sqrt(q_A))``."""
+        linear = sqrtq - sqrtq_asimov
+        if not self.quadratic:
+            return linear
+        quadratic = (sqrtq**2 - sqrtq_asimov**2) / (2 * sqrtq_asimov)
+        return torch.where(sqrtq <= sqrtq_asimov, linear, quadratic)
+
+
+_STATISTICS = {
+    "q0": TestStatistic("q0", discovery=True),
+    "q": TestStatistic("q"),
+    "qtilde": TestStatistic("qtilde", poi_floor=0.0, quadratic=True),
+}
+TEST_STATS = tuple(_STATISTICS)
+
+
+def get_test_stat(name: str) -> TestStatistic:
+    """The test statistic called ``name``; :class:`InferenceError` naming the choices if none."""
+    try:
+        return _STATISTICS[name]
+    except (KeyError, TypeError):
+        raise InferenceError(
+            f"unknown test statistic {name!r}; expected one of {TEST_STATS}"
+        ) from None

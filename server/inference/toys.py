@@ -28,13 +28,17 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from .mle import FitOptions, FitRequest, fit_requests
+from .mle import FitOptions, FitRequest, FitSpec, fit_requests
 from .starts import FitStatus
-from .test_statistics import check_test_stat, from_deviances, test_statistic
+from .test_statistics import TestStatistic
+
+if TYPE_CHECKING:
+    from ..engine.model import HistFactoryModel
 
 __all__ = ["PERCENTILES", "ToyCalculator", "empirical_pvalues", "sample_toys"]
 
@@ -107,40 +111,39 @@ class ToyCalculator:
     Args:
         model: a :class:`~pyhf_gpu_server.engine.HistFactoryModel`.
         data, element: ``[D, N + A]`` distinct datasets and their elements ``[D]``.
-        test_stat: ``"qtilde"``, ``"q"`` or ``"q0"``.
+        stat: the test statistic (:func:`~.test_statistics.get_test_stat`).
+        spec: how the fits run (:class:`~.mle.FitSpec`).
         ntoys: toys per hypothesis (signal and background each).
         generator: a ``torch.Generator`` on the model's device.
-        fit_kwargs: ``init``/``bounds``/``fixed`` (``[P]``-shaped), ``options``, ``poi_floor``.
     """
 
     def __init__(
         self,
-        model,
+        model: HistFactoryModel,
         data: Tensor,
         element: Tensor,
-        test_stat: str,
+        stat: TestStatistic,
+        spec: FitSpec,
         ntoys: int,
         generator: torch.Generator,
-        **fit_kwargs,
     ) -> None:
-        check_test_stat(test_stat)
         self.model = model
         self.data = data
         self.element = element
-        self.test_stat = test_stat
+        self.stat = stat
+        self.spec = spec
         self.ntoys = ntoys
         self.generator = generator
-        self.fit_kwargs = fit_kwargs
 
     @property
-    def options(self) -> FitOptions | None:
-        return self.fit_kwargs.get("options")
+    def options(self) -> FitOptions:
+        return self.spec.options
 
     def teststatistic(self, mu: Tensor, index: Tensor) -> ToyStats:
         """Observed and toy test statistics for POI values ``mu [M]`` on datasets ``index [M]``."""
-        model, T = self.model, self.ntoys
-        tested = torch.zeros_like(mu) if self.test_stat == "q0" else mu
-        bkg_mu = torch.full_like(mu, 1.0 if self.test_stat == "q0" else 0.0)
+        model, T, stat = self.model, self.ntoys, self.stat
+        tested = stat.tested(mu)
+        bkg_mu = torch.full_like(mu, stat.asimov_mu)
         data, element = self.data[index], self.element[index]
         free_poi = torch.full_like(mu, torch.nan)
         signal_fit, bkg_fit, fixed_obs, free_obs = fit_requests(
@@ -151,9 +154,9 @@ class ToyCalculator:
                 FitRequest(data, element, tested),
                 FitRequest(data, element, free_poi),
             ],
-            **self.fit_kwargs,
+            self.spec,
         )
-        observed = test_statistic(self.test_stat, tested, fixed_obs, free_obs, model.poi_index)
+        observed = stat.of_fits(tested, fixed_obs, free_obs, model.poi_index)
 
         toys = torch.cat(
             [
@@ -188,23 +191,23 @@ class ToyCalculator:
         free = fit_requests(
             model,
             [FitRequest(toys, element, torch.full_like(tested, torch.nan))],
-            **self.fit_kwargs,
+            self.spec,
         )[0]
         muhat = free.bestfit[:, model.poi_index]
-        needed = (muhat >= 0) if self.test_stat == "q0" else (muhat <= tested)
+        needed = ~self.stat.clipped(tested, muhat)
         fixed_deviance, fixed_status = free.deviance, free.status
         rows = needed.nonzero().squeeze(-1)
         if rows.numel():
             fixed = fit_requests(
                 model,
                 [FitRequest(toys[rows], element[rows], tested[rows], free.bestfit[rows])],
-                **self.fit_kwargs,
+                self.spec,
             )[0]
             fixed_deviance = fixed_deviance.index_copy(0, rows, fixed.deviance)
             fixed_status = FitStatus(
                 *(a.index_copy(0, rows, b) for a, b in zip(free.status, fixed.status, strict=True))
             )
-        stats = from_deviances(self.test_stat, tested, muhat, fixed_deviance, free.deviance)
+        stats = self.stat.from_deviances(tested, muhat, fixed_deviance, free.deviance)
         return stats, FitStatus.combine([free.status, fixed_status])
 
     def pvalues(self, stats: ToyStats) -> tuple[Tensor, Tensor, Tensor]:

@@ -24,17 +24,21 @@ Example:
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from .asymptotics import N_SIGMA
 from .errors import InferenceError
-from .hypotest import make_calculator, prepare_rows, run_calculator
+from .hypotest import CalculatorSpec, make_calculator, prepare_rows, run_calculator
 from .mle import FitOptions
 from .results import HypotestResults, UpperLimitResults
 from .rows import as_float
 from .starts import FitStatus
+
+if TYPE_CHECKING:
+    from ..engine.model import HistFactoryModel
 
 __all__ = ["interp", "linear_grid_scan", "toms748_like_scan", "upper_limit"]
 
@@ -63,7 +67,12 @@ def _curves(res: HypotestResults) -> Tensor:
 
 
 def linear_grid_scan(
-    model, scan, data: Tensor | None = None, element=None, level: float = 0.05, **hypotest_kwargs
+    model: HistFactoryModel,
+    scan,
+    spec: CalculatorSpec,
+    data: Tensor | None = None,
+    element=None,
+    level: float = 0.05,
 ) -> tuple[UpperLimitResults, HypotestResults]:
     """Limits from hypothesis tests at every ``scan`` value (pyhf's ``linear_grid_scan``).
 
@@ -73,7 +82,7 @@ def linear_grid_scan(
     scan = as_float(model, scan)
     S = scan.shape[0]
     _, datasets, elements, index = prepare_rows(model, 0.0, data, element)
-    calc = make_calculator(model, datasets, elements, **hypotest_kwargs)
+    calc = make_calculator(model, datasets, elements, spec)
     D = elements.shape[0]
     rows = torch.arange(D, device=model.device)
     res = run_calculator(calc, scan.repeat(D), rows.repeat_interleave(S))
@@ -192,14 +201,14 @@ def _root(mus: Tensor, values: Tensor, a: Tensor, b: Tensor, level: float) -> Te
 
 
 def toms748_like_scan(
-    model,
+    model: HistFactoryModel,
+    spec: CalculatorSpec,
     data: Tensor | None = None,
     element=None,
     level: float = 0.05,
     rtol: float = 1e-4,
     atol: float = 2e-12,
     max_iter: int = 40,
-    **hypotest_kwargs,
 ) -> UpperLimitResults:
     """Batched root search of the observed and expected limits (pyhf's ``upper_limit(scan=None)``).
 
@@ -207,13 +216,13 @@ def toms748_like_scan(
     hits ``Phi^-1(CLs) = Phi^-1(level)`` to ``rtol``.
     """
     _, datasets, elements, index = prepare_rows(model, 0.0, data, element)
-    calc = make_calculator(model, datasets, elements, **hypotest_kwargs)
+    calc = make_calculator(model, datasets, elements, spec)
     R = elements.shape[0]
     rows = torch.arange(R, device=model.device)
-    if hypotest_kwargs.get("bounds") is None:
+    if spec.fit.bounds is None:
         bounds = model.bounds[elements, model.poi_index]
     else:
-        bounds = as_float(model, hypotest_kwargs["bounds"])[model.poi_index].expand(R, 2)
+        bounds = as_float(model, spec.fit.bounds)[model.poi_index].expand(R, 2)
     lo, hi = bounds[:, 0], bounds[:, 1]
 
     fractions = torch.tensor(PROBES, dtype=hi.dtype, device=hi.device)
@@ -249,7 +258,7 @@ def toms748_like_scan(
 
 
 def upper_limit(
-    model,
+    model: HistFactoryModel,
     element=None,
     *,
     data: Tensor | None = None,
@@ -258,8 +267,12 @@ def upper_limit(
     test_stat: str = "qtilde",
     calctype: str = "asymptotics",
     rtol: float = 1e-4,
+    ntoys: int = 2000,
+    seed: int | None = None,
+    init: Tensor | None = None,
+    bounds: Tensor | None = None,
+    fixed: Tensor | None = None,
     options: FitOptions | None = None,
-    **hypotest_kwargs,
 ) -> UpperLimitResults:
     """Observed and expected upper limits at CL ``1 - level`` per element (or dataset).
 
@@ -273,14 +286,25 @@ def upper_limit(
             root search needs ``"asymptotics"`` (toys are noisy: give a ``scan`` for them).
         rtol: relative width of the final brackets (root search); pyhf's and NextStat's
             default.
-        options: fit options; ``hypotest_kwargs`` go to the calculator (``bounds``, ...).
+        ntoys, seed: toys only.
+        init, bounds, fixed, options: the fits' (see
+            :func:`~pyhf_gpu_server.inference.hypotest.hypotest`).
 
     Returns:
         :class:`~pyhf_gpu_server.inference.results.UpperLimitResults`.
     """
-    kwargs = {"test_stat": test_stat, "calctype": calctype, "options": options, **hypotest_kwargs}
+    spec = CalculatorSpec.of(
+        test_stat,
+        calctype,
+        ntoys=ntoys,
+        seed=seed,
+        init=init,
+        bounds=bounds,
+        fixed=fixed,
+        options=options,
+    )
     if scan is not None:
-        return linear_grid_scan(model, scan, data, element, level, **kwargs)[0]
+        return linear_grid_scan(model, scan, spec, data, element, level)[0]
     if calctype != "asymptotics":
         raise InferenceError("the root search needs calctype='asymptotics'; pass a scan for toys")
-    return toms748_like_scan(model, data, element, level, rtol=rtol, **kwargs)
+    return toms748_like_scan(model, spec, data, element, level, rtol=rtol)

@@ -17,10 +17,11 @@ import logging
 import sys
 from typing import Any
 
+from .dispatch import Dispatcher
 from .errors import QueueFull, ServiceError, Unavailable, Unprocessable
 from .jobstore import JobStore, Refused, StoreError
-from .operations import Operations, envelope_from, plan_request
-from .schemas import OPERATIONS
+from .operations import OPERATIONS
+from .requests import envelope_from, plan_request
 from .workspace_store import WorkspaceStore
 
 log = logging.getLogger("pyhf_gpu_server.service.jobs")
@@ -36,7 +37,7 @@ class JobRunner:
         self,
         store: JobStore,
         workspaces: WorkspaceStore,
-        operations: Operations,
+        dispatcher: Dispatcher,
         *,
         concurrency: int,
         max_queued: int,
@@ -47,7 +48,7 @@ class JobRunner:
         running; fail at start a job whose process ended ``max_attempts`` times running it."""
         self.store = store
         self.workspaces = workspaces
-        self.operations = operations
+        self.dispatcher = dispatcher
         self.concurrency = concurrency
         self.max_queued = max_queued
         self.max_attempts = max_attempts
@@ -97,7 +98,7 @@ class JobRunner:
             )
         request = dict(document)
         operation = request.pop("operation")
-        if operation not in OPERATIONS:
+        if not isinstance(operation, str) or operation not in OPERATIONS:
             raise Unprocessable(
                 f"unknown operation {operation!r}; use one of {', '.join(OPERATIONS)}"
             )
@@ -110,9 +111,10 @@ class JobRunner:
             owned = await asyncio.to_thread(self.store.unfinished_of, caller)
             if owned >= max_owned:
                 raise self._caller_full(max_owned)
-        envelope = envelope_from(request, {}, operation)
-        plan = await asyncio.to_thread(plan_request, operation, envelope, self.workspaces, True)
-        self.operations.admit(plan)
+        kind = OPERATIONS[operation]
+        envelope = envelope_from(request, {}, kind)
+        plan = await asyncio.to_thread(plan_request, kind, envelope, self.workspaces, True)
+        self.dispatcher.admit(plan)
         if "workspace" in envelope:
             envelope = {k: v for k, v in envelope.items() if k != "workspace"}
             envelope["workspace_id"] = plan.background.workspace_digest
@@ -205,13 +207,15 @@ class JobRunner:
         """Plan and run one job; store its result, or its error as the 4xx detail."""
         try:
             operation, request = await asyncio.to_thread(self.store.request, job_id)
-            plan = await asyncio.to_thread(plan_request, operation, request, self.workspaces)
+            plan = await asyncio.to_thread(
+                plan_request, OPERATIONS[operation], request, self.workspaces
+            )
 
             def progress(done: int, total: int) -> None:
                 self.store.progress(job_id, done, total)
                 self.changed()
 
-            result = await self.operations.run(plan, "jobs", progress)
+            result = await self.dispatcher.run(plan, "jobs", progress)
             await asyncio.to_thread(self.store.finish, job_id, result)
         except ServiceError as exc:
             await asyncio.to_thread(

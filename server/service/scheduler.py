@@ -34,7 +34,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
 import torch
 
@@ -45,11 +45,15 @@ log = logging.getLogger("pyhf_gpu_server.service.scheduler")
 
 Lane = Literal["interactive", "jobs"]
 LANES: tuple[Lane, ...] = ("interactive", "jobs")
-# (context, rows, stop) -> one outcome per row; ``stop()`` turns true once nobody waits for
+WorkT = TypeVar("WorkT")  # what an item brings (the service's WorkContext)
+BatchT = TypeVar("BatchT")  # what an engine call runs with (the service's BatchContext)
+RowT = TypeVar("RowT")  # one hypothesis (the service's Row)
+ValueT = TypeVar("ValueT")  # one row's answer (the service's ComputedRow)
+# (context, rows, stop) -> one value per row; ``stop()`` turns true once nobody waits for
 # any of the rows (their callers disconnected, timed out or cancelled): the runner may give up
-Runner = Callable[[Any, Sequence[Any], Callable[[], bool]], list[Any]]
+Runner = Callable[[BatchT, Sequence[RowT], Callable[[], bool]], list[ValueT]]
 # contexts of a batch's items -> (context to run with, indices of the items it serves)
-Combiner = Callable[[Sequence[Any]], Awaitable[list[tuple[Any, list[int]]]]]
+Combiner = Callable[[Sequence[WorkT]], Awaitable[list[tuple[BatchT, list[int]]]]]
 ProgressCallback = Callable[[int, int], None]
 # Seconds per unit of row cost (about one fit) assumed for a batch key before its first chunk
 # has run: conservative for the CPU, so the first chunk of a job is short, the next ones sized
@@ -60,30 +64,30 @@ JOB_SHARE_ROUNDS = 4
 
 
 @dataclass(frozen=True)
-class RowOutcome:
+class RowOutcome(Generic[ValueT]):
     """One row's result and the engine call that produced it."""
 
-    value: Any
+    value: ValueT
     batch_rows: int
     compute_s: float
 
 
 @dataclass(eq=False)
-class WorkItem:
+class WorkItem(Generic[WorkT, RowT, ValueT]):
     """Rows with one batch key, submitted by one caller; ``future`` resolves to their outcomes."""
 
     key: Hashable
-    context: Any
-    rows: Sequence[Any]
+    context: WorkT
+    rows: Sequence[RowT]
     lane: Lane
-    future: asyncio.Future[list[RowOutcome]]
+    future: asyncio.Future[list[RowOutcome[ValueT]]]
     on_progress: ProgressCallback | None = None
     row_cost: float = 1.0  # what one row costs, in about fits (sizes the chunks of jobs)
     enqueued_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None
     taken: int = 0
     done: int = 0
-    outcomes: list[RowOutcome | None] = field(default_factory=list)
+    outcomes: list[RowOutcome[ValueT] | None] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -113,12 +117,12 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
 
 
-class Scheduler:
+class Scheduler(Generic[WorkT, BatchT, RowT, ValueT]):
     """Collects rows into batches and runs them, one batch at a time, on the device executor."""
 
     def __init__(
         self,
-        runner: Runner,
+        runner: Runner[BatchT, RowT, ValueT],
         executor: Executor,
         metrics: Metrics,
         *,
@@ -131,7 +135,7 @@ class Scheduler:
         """``runner(context, rows, stop) -> results`` is called on ``executor`` (a single
         thread)."""
         self._runner = runner
-        self.combine: Combiner = _first_context
+        self.combine: Combiner[WorkT, BatchT] = _first_context
         self._executor = executor
         self._metrics = metrics
         self.max_batch_size = max_batch_size
@@ -166,8 +170,8 @@ class Scheduler:
     def submit(
         self,
         key: Hashable,
-        context: Any,
-        rows: Sequence[Any],
+        context: WorkT,
+        rows: Sequence[RowT],
         lane: Lane = "interactive",
         on_progress: ProgressCallback | None = None,
         row_cost: float = 1.0,
@@ -309,7 +313,7 @@ class Scheduler:
         for context, members in groups:
             await self._run_group(context, [batch[i] for i in members])
 
-    async def _run_group(self, context: Any, batch: list[_Slice]) -> None:
+    async def _run_group(self, context: BatchT, batch: list[_Slice]) -> None:
         """One engine call for the rows of ``batch`` with ``context``."""
         rows = [row for part in batch for row in part.item.rows[part.start : part.stop]]
         loop = asyncio.get_running_loop()
@@ -336,8 +340,8 @@ class Scheduler:
             self._deliver(part, outcomes[offset : offset + part.stop - part.start])
 
     def _execute(
-        self, context: Any, rows: Sequence[Any], stop: Callable[[], bool]
-    ) -> list[RowOutcome]:
+        self, context: BatchT, rows: Sequence[RowT], stop: Callable[[], bool]
+    ) -> list[RowOutcome[ValueT]]:
         """On the device thread: one engine call; on out-of-memory, halves (recursively)."""
         self._metrics.batch_size.observe(len(rows))
         start = time.perf_counter()

@@ -12,8 +12,6 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-Operation = Literal["cls", "fit", "upper-limit", "significance"]
-OPERATIONS: tuple[str, ...] = ("cls", "fit", "upper-limit", "significance")
 JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 DIGEST_PATTERN = r"^[0-9a-f]{64}$"
 MAX_POIS = 1000
@@ -123,36 +121,6 @@ class UpperLimitOptions(_Strict):
 class SignificanceOptions(CalculatorOptions):
     """Discovery significance (pyhf's ``hypotest(0.0, ..., test_stat="q0")``): how p0 is
     computed."""
-
-
-class ClsRequest(ModelSelection, ClsOptions):
-    """POST /cls envelope."""
-
-
-class FitRequest(ModelSelection, FitOptions):
-    """POST /fit envelope."""
-
-
-class UpperLimitRequest(ModelSelection, UpperLimitOptions):
-    """POST /upper-limit envelope."""
-
-
-class SignificanceRequest(ModelSelection, SignificanceOptions):
-    """POST /significance envelope."""
-
-
-REQUEST_MODELS: dict[str, type[ModelSelection]] = {
-    "cls": ClsRequest,
-    "fit": FitRequest,
-    "upper-limit": UpperLimitRequest,
-    "significance": SignificanceRequest,
-}
-OPTION_MODELS: dict[str, type[_Strict]] = {
-    "cls": ClsOptions,
-    "fit": FitOptions,
-    "upper-limit": UpperLimitOptions,
-    "significance": SignificanceOptions,
-}
 
 
 class _Declared(BaseModel):
@@ -281,20 +249,6 @@ class PatchError(_Declared):
     error: ErrorEntry
 
 
-# What each operation answers: one result; a list over a list of test_poi; {patch: result}
-# for a patchset, where a patch that cannot be tested answers its error (one per test_poi).
-ClsAnswer = ClsResult | list[ClsResult] | dict[str, ClsResult | list[ClsResult] | PatchError]
-FitAnswer = FitResult | dict[str, FitResult | PatchError]
-UpperLimitAnswer = UpperLimitResult | dict[str, UpperLimitResult | PatchError]
-SignificanceAnswer = SignificanceResult | dict[str, SignificanceResult | PatchError]
-ANSWERS: dict[str, Any] = {
-    "cls": ClsAnswer,
-    "fit": FitAnswer,
-    "upper-limit": UpperLimitAnswer,
-    "significance": SignificanceAnswer,
-}
-
-
 class WorkspaceInfo(_Declared):
     """An uploaded workspace."""
 
@@ -320,28 +274,21 @@ class JobProgress(_Declared):
     total: int
 
 
-class JobView(_Declared):
+class JobViewBase(_Declared):
     """A job: GET /jobs/{id} with its result (the synchronous answer) or error; in a listing
-    and in a DELETE answer, ``result``, ``error`` and ``failed_patches`` are null."""
+    and in a DELETE answer, ``result``, ``error`` and ``failed_patches`` are null.
+    (``operation`` and ``result`` are declared per operation: ``operations.JobView``.)"""
 
     id: str
-    operation: Operation
     status: JobStatus
     progress: JobProgress
     created_at: float
     started_at: float | None
     finished_at: float | None
-    result: ClsAnswer | FitAnswer | UpperLimitAnswer | SignificanceAnswer | None = None
     error: ErrorEntry | None = None
     failed_patches: int | None = Field(
         None, description="patchset jobs: patches answered with an error entry"
     )
-
-
-class JobList(_Declared):
-    """GET /jobs: newest first."""
-
-    jobs: list[JobView]
 
 
 class Liveness(_Declared):

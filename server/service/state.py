@@ -23,12 +23,12 @@ from pyhf_gpu_server.engine import KernelCache
 from . import warmup
 from .admission import FitLimits, FitMemory
 from .compiling import BackgroundCompiler
+from .dispatch import Dispatcher, ServiceScheduler, run_rows
 from .elements import ElementStore
 from .jobrunner import JobRunner
 from .jobstore import DATABASE_NAME, JobStore
 from .metrics import Metrics
 from .models_cache import ModelCache
-from .operations import Operations, run_rows
 from .scheduler import Scheduler
 from .settings import Settings
 from .workspace_store import WorkspaceStore
@@ -75,8 +75,8 @@ class ServiceState:
     workspaces: WorkspaceStore
     jobstore: JobStore
     cache: ModelCache
-    scheduler: Scheduler
-    operations: Operations
+    scheduler: ServiceScheduler
+    dispatcher: Dispatcher
     jobs: JobRunner
     compiler: BackgroundCompiler | None
     started_at: float
@@ -113,7 +113,7 @@ class ServiceState:
             release_memory=release,
             on_built=None if compiler is None else compiler.submit,
         )
-        scheduler = Scheduler(
+        scheduler: ServiceScheduler = Scheduler(
             run_rows,
             executor,
             metrics,
@@ -130,7 +130,7 @@ class ServiceState:
             max_fit_bytes=int(settings.max_fit_memory_mb * 2**20),
             max_toys=settings.max_toys_per_request,
         )
-        operations = Operations(
+        dispatcher = Dispatcher(
             cache,
             scheduler,
             elements,
@@ -140,11 +140,11 @@ class ServiceState:
             limits=limits,
             fit_memory=FitMemory(release=_host_memory_releaser(device)),
         )
-        scheduler.combine = operations.combine
+        scheduler.combine = dispatcher.combine
         jobs = JobRunner(
             jobstore,
             workspaces,
-            operations,
+            dispatcher,
             concurrency=settings.max_concurrent_jobs,
             max_queued=settings.max_queue,
             max_attempts=settings.max_job_attempts,
@@ -161,7 +161,7 @@ class ServiceState:
             jobstore=jobstore,
             cache=cache,
             scheduler=scheduler,
-            operations=operations,
+            dispatcher=dispatcher,
             jobs=jobs,
             compiler=compiler,
             started_at=time.time(),
@@ -169,8 +169,8 @@ class ServiceState:
         metrics.track_device_memory(state.device_memory_bytes)
         metrics.track_memory(
             lambda: elements.total_bytes,
-            lambda: operations.fit_memory.current,
-            lambda: operations.fit_memory.peak,
+            lambda: dispatcher.fit_memory.current,
+            lambda: dispatcher.fit_memory.peak,
         )
         state.device_ok = await state.check_device()
         if state.device_ok:
@@ -228,7 +228,7 @@ class ServiceState:
         what the running fits hold."""
         if self.device.startswith("cuda"):
             return float(torch.cuda.memory_allocated(torch.device(self.device)))
-        return float(self.cache.total_bytes + self.operations.fit_memory.current)
+        return float(self.cache.total_bytes + self.dispatcher.fit_memory.current)
 
 
 def _host_memory_releaser(device: str) -> Callable[[], None]:

@@ -1,4 +1,6 @@
-"""POST /cls, /fit, /upper-limit, /significance: one synchronous answer, computed in batches.
+"""POST /<operation> for every operation of the registry (``operations.OPERATIONS``): one
+synchronous answer, computed in batches, validated and serialised by the operation's
+response model.
 
 The body is a bare workspace (as ``pyhf cls`` reads it; options in the query string) or an
 envelope ``{"workspace" | "workspace_id", "patches", "patchset", "patch_names", ...options}``.
@@ -13,26 +15,19 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from ..dependencies import StateDep
 from ..errors import RequestTimeout
-from ..operations import Plan, envelope_from, parse_json, plan_request
-from ..schemas import ANSWERS, BODY_ERRORS, OPTION_MODELS, REQUEST_MODELS, error_responses
+from ..operations import OPERATIONS, Operation
+from ..requests import Plan, envelope_from, parse_json, plan_request
+from ..schemas import BODY_ERRORS, error_responses
 from ..state import ServiceState
 
 router = APIRouter(tags=["inference"])
 DISCONNECT_POLL_S = 0.25
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request its client abandoned (never sent)
 
-_SUMMARIES = {
-    "cls": "CLs of a hypothesis test, as `pyhf cls` prints it",
-    "fit": "Maximum-likelihood fit, as `pyhf fit --value` prints it, with uncertainties and "
-    "corr_mat",
-    "upper-limit": "Observed and expected upper limits on the POI",
-    "significance": "Discovery significance (p0 and Z), observed and expected; asymptotic or "
-    "toy-based",
-}
 _ERRORS = error_responses(*BODY_ERRORS, 401, 404, 422, 429, 503, 504)
 _SHAPES = (
     "One hypothesis answers one object; a list of `test_poi` answers a list; a `patchset` "
@@ -42,7 +37,7 @@ _SHAPES = (
 )
 
 
-async def plan_from_http(request: Request, operation: str, state: ServiceState) -> Plan:
+async def plan_from_http(request: Request, operation: Operation, state: ServiceState) -> Plan:
     """Read the body and query of ``request`` into a validated :class:`Plan` (4xx if bad)."""
     body = await request.body()
     query = {key: request.query_params.getlist(key) for key in request.query_params}
@@ -55,16 +50,16 @@ async def plan_from_http(request: Request, operation: str, state: ServiceState) 
     return await run_in_threadpool(plan)
 
 
-def _openapi(operation: str) -> dict[str, Any]:
+def _openapi(operation: Operation) -> dict[str, Any]:
     """Request body and query parameters of ``operation`` for the OpenAPI document."""
-    envelope = REQUEST_MODELS[operation].model_json_schema()
+    envelope = operation.request_model.model_json_schema()
     bare = {
         "type": "object",
         "title": "Workspace",
         "description": "a bare HistFactory workspace; options go in the query string",
         "required": ["channels"],
     }
-    options = OPTION_MODELS[operation].model_json_schema().get("properties", {})
+    options = operation.options_model.model_json_schema().get("properties", {})
     names = ["measurement", *options]
     return {
         "requestBody": {
@@ -90,18 +85,18 @@ async def _disconnected(request: Request) -> None:
         await asyncio.sleep(DISCONNECT_POLL_S)
 
 
-def _endpoint(operation: str):
+def _endpoint(operation: Operation):
     """The handler of POST /<operation>."""
 
-    async def endpoint(request: Request, state: StateDep) -> Response:
+    async def endpoint(request: Request, state: StateDep) -> Any:
         plan = await plan_from_http(request, operation, state)
         timeout = state.settings.request_timeout_s
-        run = asyncio.ensure_future(state.operations.run(plan))
+        run = asyncio.ensure_future(state.dispatcher.run(plan))
         gone = asyncio.ensure_future(_disconnected(request))
         done, _ = await asyncio.wait({run, gone}, timeout=timeout, return_when=FIRST_COMPLETED)
         gone.cancel()
         if run in done:
-            return JSONResponse(run.result())
+            return run.result()  # validated and serialised by the operation's answer model
         # nobody will read the answer: cancelling the run drops its rows from the queue and
         # stops a batch that serves nobody else between two fit iterations
         run.cancel()
@@ -114,18 +109,18 @@ def _endpoint(operation: str):
             "submit it as a job with POST /jobs"
         )
 
-    endpoint.__name__ = operation.replace("-", "_")
+    endpoint.__name__ = operation.name.replace("-", "_")
     return endpoint
 
 
-for _operation, _summary in _SUMMARIES.items():
+for _operation in OPERATIONS.values():
     router.add_api_route(
-        f"/{_operation}",
+        f"/{_operation.name}",
         _endpoint(_operation),
         methods=["POST"],
-        summary=_summary,
+        summary=_operation.summary,
         description=_SHAPES,
-        response_model=ANSWERS[_operation],
+        response_model=_operation.answer_model,
         responses=_ERRORS,
         openapi_extra=_openapi(_operation),
     )

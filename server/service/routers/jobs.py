@@ -19,16 +19,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ..dependencies import CallerDep, StateDep
 from ..errors import Conflict, NotFound
 from ..jobstore import FINAL_STATUSES
-from ..operations import parse_json
-from ..schemas import (
-    BODY_ERRORS,
-    REQUEST_MODELS,
-    JobAccepted,
-    JobList,
-    JobStatus,
-    JobView,
-    error_responses,
-)
+from ..operations import OPERATIONS, JobList, JobView
+from ..requests import parse_json
+from ..schemas import BODY_ERRORS, JobAccepted, JobStatus, error_responses
 from ..state import ServiceState
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
@@ -38,7 +31,7 @@ KEEPALIVE_S = 15.0
 
 def _job_schema(operation: str) -> dict[str, Any]:
     """The JSON schema of a job of ``operation``: its envelope plus ``operation``."""
-    schema = REQUEST_MODELS[operation].model_json_schema()
+    schema = OPERATIONS[operation].request_model.model_json_schema()
     schema["title"] = f"{schema['title']} job"
     schema["properties"] = {"operation": {"const": operation}, **schema["properties"]}
     schema["required"] = ["operation", *schema.get("required", [])]
@@ -74,7 +67,7 @@ async def _job(
                     "schema": {
                         "description": "'operation' plus the fields of that operation's "
                         "envelope (workspace or workspace_id, patches/patchset, options)",
-                        "anyOf": [_job_schema(operation) for operation in REQUEST_MODELS],
+                        "anyOf": [_job_schema(operation) for operation in OPERATIONS],
                     }
                 }
             },

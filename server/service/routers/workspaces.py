@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 
 from ..dependencies import StateDep
 from ..errors import Unprocessable
-from ..operations import parse_json
+from ..requests import parse_json
 from ..schemas import BODY_ERRORS, DIGEST_PATTERN, WorkspaceInfo, error_responses
 from ..workspace_store import summarize
 

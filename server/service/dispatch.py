@@ -1,0 +1,408 @@
+"""Running plans: translated elements, stacked warm models, batched rows, answers.
+
+:class:`Dispatcher` translates a plan's elements (:mod:`.elements`, build thread), queues
+their rows (the scheduler, which joins rows of many requests on one background into one
+stacked model: :meth:`Dispatcher.combine`, the model cache) and assembles the answer;
+:func:`run_rows` is the one engine call per batch, on the device thread, through the
+operation's :meth:`~.operations.Operation.run`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Any
+
+import torch
+from pydantic import BaseModel
+
+from pyhf_gpu_server.engine import HistFactoryModel
+from pyhf_gpu_server.engine.layout import ElementLayout
+from pyhf_gpu_server.engine.stacking import partition, split_reason
+from pyhf_gpu_server.inference.minimize import MinimizeOptions
+from pyhf_gpu_server.inference.mle import FitOptions
+
+from .admission import FitLimits, FitMemory, FitPlan, ModelShape
+from .elements import Element, ElementStore
+from .errors import ServiceError, Unprocessable, translate
+from .models_cache import CachedModel, ModelCache
+from .operations import EngineRows, Operation, RowResult
+from .requests import Plan, Row
+from .scheduler import Lane, RowOutcome, Scheduler, WorkItem
+
+
+# -------------------------------------------------------------------------- batches and device
+@dataclass(frozen=True)
+class WorkContext:
+    """What one work item (the rows of one group of stackable elements of one request) brings
+    to a batch: its elements, by patch digest, and the operation with its options."""
+
+    background_key: tuple[str, ...]
+    operation: Operation
+    options: BaseModel
+    elements: tuple[Element, ...]
+    row_cost: float
+
+
+@dataclass(frozen=True)
+class BatchContext:
+    """What an engine call needs besides its rows: a warm model stacking the rows' elements
+    (identified by patch digest), the operation with its options, and how its fits run."""
+
+    operation: Operation
+    options: BaseModel
+    cached: CachedModel
+    digests: tuple[str, ...]
+    max_rows: int  # rows one minimiser call may fit (--max-fit-memory-mb)
+    fit_plan: FitPlan  # the solver its fits use and what a row holds
+    row_cost: float  # about how many fits a row runs (Plan.row_cost)
+    memory: FitMemory  # where the call's fits are counted while they run
+
+    def engine_rows(self, rows: Sequence[Row], stop: Callable[[], bool] | None) -> EngineRows:
+        """``rows`` as tensors on the model's device, with how their fits run."""
+        model = self.cached.model
+        index = {digest: i for i, digest in enumerate(self.digests)}
+        elements = [index[row.element] for row in rows]
+        poi = None
+        if self.operation.pois_field is not None:
+            poi = torch.tensor([r.poi for r in rows], dtype=model.dtype, device=model.device)
+        fit = FitOptions(
+            minimize=MinimizeOptions(solver=self.fit_plan.solver),
+            max_rows=self.max_rows,
+            stop=stop,
+        )
+        return EngineRows(
+            torch.tensor(elements, dtype=torch.long, device=model.device),
+            poi,
+            [model.element_columns(e) for e in elements],
+            fit,
+        )
+
+
+@dataclass(frozen=True)
+class ComputedRow:
+    """One row's answer from the device and the warm model it ran on."""
+
+    result: RowResult
+    model: CachedModel
+
+
+def run_rows(
+    context: BatchContext, rows: Sequence[Row], stop: Callable[[], bool] | None = None
+) -> list[ComputedRow]:
+    """ONE batched inference call for ``rows`` (the operation's :meth:`~Operation.run`); its
+    fits give up (``FitStopped``) between two iterations once ``stop()`` is true (nobody
+    waits for the answer)."""
+    rows_in_flight = len(rows) * context.row_cost
+    with context.memory.holding(rows_in_flight, context.fit_plan, context.max_rows):
+        engine_rows = context.engine_rows(rows, stop)
+        results = context.operation.run(context.cached.model, engine_rows, context.options)
+    return [ComputedRow(result, context.cached) for result in results]
+
+
+# ------------------------------------------------------------------------------------ answers
+def finite_json(value: Any) -> Any:
+    """``value`` with NaN/inf floats as ``null`` (JSON has no such numbers)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(v) for v in value]
+    return value
+
+
+def _chunks(values: list[Any], size: int) -> Iterator[list[Any]]:
+    """``values`` in consecutive chunks of ``size``."""
+    for start in range(0, len(values), size):
+        yield values[start : start + size]
+
+
+def assemble(plan: Plan, results: list[dict[str, Any]]) -> Any:
+    """Shape row results: one result, a list over test_poi, and/or a dict by patch name."""
+    per_element = [  # an untestable patch answers one error entry, whatever the POI list
+        chunk if plan.poi_list and "error" not in chunk[0] else chunk[0]
+        for chunk in _chunks(results, len(plan.pois or (0,)))
+    ]
+    if not plan.named:
+        return per_element[0]
+    return dict(zip((p.name for p in plan.patches), per_element, strict=True))
+
+
+def patch_error(error: ServiceError) -> dict[str, Any]:
+    """The answer of a patch that could not be tested, in place of its result."""
+    return {"error": {"status": error.status_code, "detail": error.detail}}
+
+
+ServiceScheduler = Scheduler[WorkContext, BatchContext, Row, ComputedRow]
+
+
+@dataclass
+class _Submission:
+    """One group of stackable elements of a request, queued as one work item."""
+
+    elements: list[Element]
+    rows: list[Row]
+    item: WorkItem[WorkContext, Row, ComputedRow]
+    split_reason: str | None
+
+
+class Dispatcher:
+    """Runs plans: elements from the warm backgrounds (build thread), rows through the
+    scheduler, whose batches join the rows of every request on one background into one
+    stacked model (:meth:`combine`, the model cache), JSON back."""
+
+    def __init__(
+        self,
+        cache: ModelCache,
+        scheduler: ServiceScheduler,
+        elements: ElementStore,
+        build_executor: Executor,
+        device: str,
+        dtype: torch.dtype,
+        limits: FitLimits | None = None,
+        fit_memory: FitMemory | None = None,
+    ) -> None:
+        """Serve models on ``device`` in ``dtype``; translate and build on ``build_executor``;
+        refuse models and split engine calls by ``limits`` (none: no bound)."""
+        self.limits = limits
+        self.fit_memory = fit_memory or FitMemory()
+        self.cache = cache
+        self.scheduler = scheduler
+        self.elements = elements
+        self.build_executor = build_executor
+        self.device = device
+        self.dtype = dtype
+        self.dtype_name = str(dtype).removeprefix("torch.")
+
+    async def run(
+        self,
+        plan: Plan,
+        lane: Lane = "interactive",
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> Any:
+        """The pyhf-shaped answer of ``plan`` (library errors become 4xx :class:`ServiceError`).
+
+        Patches of a patchset that cannot be tested answer their own error; the request fails
+        only when none can."""
+        self.admit(plan)
+        start = time.perf_counter()
+        submissions: list[_Submission] = []
+        try:
+            elements = await asyncio.get_running_loop().run_in_executor(
+                self.build_executor, self.elements.elements, plan.background, plan.patches
+            )
+            elements = [self._admitted(plan.checked(e)) for e in elements]
+            translate_s = time.perf_counter() - start
+            valid = [e for e in elements if e.layout is not None]
+            if not valid:
+                if not plan.named:
+                    raise elements[0].error
+                raise Unprocessable(
+                    "no patch can be tested: "
+                    + "; ".join(f"{e.patch.name}: {e.error.detail}" for e in elements[:10])
+                )
+            groups = [[valid[i] for i in group] for group in partition([e.layout for e in valid])]
+            rows = [plan.rows([e.patch for e in members]) for members in groups]
+            progress = _Progress(sum(len(r) for r in rows), on_progress)
+            for members, group_rows in zip(groups, rows, strict=True):
+                context = WorkContext(
+                    plan.background.key, plan.operation, plan.options, tuple(members), plan.row_cost
+                )
+                key = plan.batch_key(members[0].layout.stack_key)
+                item = self.scheduler.submit(
+                    key, context, group_rows, lane, progress.callback(), plan.row_cost
+                )
+                reason = None
+                if members is not groups[0]:
+                    reason = split_reason(groups[0][0].layout, members[0].layout)
+                submissions.append(_Submission(members, group_rows, item, reason))
+            try:
+                outcomes = await asyncio.gather(*(s.item.future for s in submissions))
+            except BaseException:
+                for submission in submissions:
+                    self.scheduler.cancel(submission.item)
+                raise
+        except Exception as exc:
+            raise (translate(exc) or exc) from None
+        timings = {
+            "translate_ms": round(translate_s * 1000, 3),
+            "total_ms": round((time.perf_counter() - start) * 1000, 3),
+        }
+        by_element: dict[str, list[dict[str, Any]]] = {}
+        for submission, found in zip(submissions, outcomes, strict=True):
+            for row, outcome in zip(submission.rows, found, strict=True):
+                meta = self._meta(plan, row, outcome, submission, timings)
+                by_element.setdefault(row.element, []).append(
+                    finite_json({**outcome.value.result.payload, "meta": meta})
+                )
+        results = []
+        per_element = len(plan.pois or (None,))
+        for element in elements:
+            if element.layout is None:
+                results.extend([patch_error(element.error)] * per_element)
+            else:
+                results.extend(by_element[element.patch.digest][:per_element])
+                del by_element[element.patch.digest][:per_element]
+        return assemble(plan, results)
+
+    def admit(self, plan: Plan) -> None:
+        """422 before any work when the plan asks for more than the limits allow in all."""
+        if self.limits is None or not plan.toys:
+            return
+        refusal = self.limits.toys_refusal(plan.operation.toys(plan.options), plan.n_rows)
+        if refusal is not None:
+            raise Unprocessable(refusal)
+
+    def _admitted(self, element: Element) -> Element:
+        """``element``, or its 422 if its model can never be fitted within the limits."""
+        if element.layout is None or self.limits is None:
+            return element
+        refusal = self.limits.refusal(layout_shape(element.layout))
+        if refusal is None:
+            return element
+        return replace(element, layout=None, error=Unprocessable(refusal))
+
+    def _meta(
+        self,
+        plan: Plan,
+        row: Row,
+        outcome: RowOutcome[ComputedRow],
+        submission: _Submission,
+        timings: dict[str, float],
+    ) -> dict[str, Any]:
+        """How one row was computed: device, model, cache, batch, fit status, timings."""
+        computed: ComputedRow = outcome.value
+        status = computed.result.status
+        item = submission.item
+        queued = (item.started_at or item.enqueued_at) - item.enqueued_at
+        meta: dict[str, Any] = {
+            "device": self.device,
+            "dtype": self.dtype_name,
+            "model_id": computed.model.model_id,
+            "cache": "hit" if computed.model.hit else "miss",
+            "batch_rows": outcome.batch_rows,
+            "converged": status.converged,
+            "starts": status.starts,
+            "starts_agreed": status.starts_agreed,
+            "timings": {
+                **timings,
+                "build_ms": round(computed.model.build_s * 1000, 3),
+                "queue_ms": round(queued * 1000, 3),
+                "compute_ms": round(outcome.compute_s * 1000, 3),
+            },
+        }
+        if row.poi is not None:
+            meta["test_poi"] = row.poi
+        if plan.named:
+            meta["patch"] = next(
+                e.patch.name for e in submission.elements if e.patch.digest == row.element
+            )
+        if submission.split_reason is not None:
+            meta["stacked_apart"] = submission.split_reason
+        return meta
+
+    async def combine(
+        self, contexts: Sequence[WorkContext]
+    ) -> list[tuple[BatchContext, list[int]]]:
+        """The models for the work items of one batch (``contexts``, one per item): one stack
+        of all their elements, so that distinct signals from many requests run in one engine
+        call; items whose elements do not stack with the rest get their own. Answers
+        (context, indices of the items it serves); models come warm from the cache or are
+        built on the build thread."""
+        if len(contexts) == 1:  # one request's group: stackable already (partitioned in run)
+            return [(await self._batch(contexts[0], contexts[0].elements), [0])]
+        elements: dict[str, Element] = {}
+        for context in contexts:
+            for element in context.elements:
+                elements.setdefault(element.patch.digest, element)
+        digests = list(elements)
+        groups = [
+            [digests[i] for i in group]
+            for group in partition([e.layout for e in elements.values()])
+        ]
+        served: dict[int, list[int]] = {}
+        alone: list[int] = []
+        for index, context in enumerate(contexts):
+            own = {e.patch.digest for e in context.elements}
+            group = next((g for g, members in enumerate(groups) if own <= set(members)), None)
+            if group is None:
+                alone.append(index)
+            else:
+                served.setdefault(group, []).append(index)
+        first = contexts[0]
+        answer = []
+        for group, items in served.items():
+            answer.append((await self._batch(first, [elements[d] for d in groups[group]]), items))
+        for index in alone:
+            answer.append((await self._batch(first, list(contexts[index].elements)), [index]))
+        return answer
+
+    async def _batch(self, context: WorkContext, elements: Sequence[Element]) -> BatchContext:
+        """The batch context of a warm model stacking ``elements``."""
+        digests = tuple(e.patch.digest for e in elements)
+        key = (*context.background_key, digests, self.device, self.dtype_name)
+        layouts = [e.layout for e in elements]
+        build = partial(HistFactoryModel, layouts, device=self.device, dtype=self.dtype)
+        cached = await self.cache.get(key, build)
+        model = cached.model
+        max_rows = FitOptions().max_rows  # also bounds the time of one iteration (stop checks)
+        shape = model_shape(model)
+        fit_plan = FitPlan("auto", 0) if self.limits is None else self.limits.fit_plan(shape)
+        if self.limits is not None:
+            max_rows = min(max_rows, self.limits.rows_per_call(fit_plan))
+        return BatchContext(
+            context.operation,
+            context.options,
+            cached,
+            digests,
+            max_rows,
+            fit_plan,
+            context.row_cost,
+            self.fit_memory,
+        )
+
+
+def layout_shape(layout: ElementLayout) -> ModelShape:
+    """The sizes of one element's model that admission looks at."""
+    constrained = set(layout.aux_param.tolist())
+    poisson = set(layout.aux_param[layout.aux_is_poisson].tolist())
+    return ModelShape(
+        layout.n_pars,
+        layout.n_main,
+        len(layout.aux_param),
+        layout.n_pars - len(constrained) + len(poisson),
+    )
+
+
+def model_shape(model: HistFactoryModel) -> ModelShape:
+    """The sizes of a (stacked) model that admission looks at."""
+    n_flat = model.unconstrained.numel() + model.poisson_constrained.numel()
+    return ModelShape(model.n_pars, model.n_main, model.n_aux, n_flat)
+
+
+class _Progress:
+    """Rows done over all the work items of one request, reported as one count."""
+
+    def __init__(self, total: int, report: Callable[[int, int], None] | None) -> None:
+        self.total = total
+        self.report = report
+        self.done: dict[int, int] = {}
+
+    def callback(self) -> Callable[[int, int], None] | None:
+        """The progress callback of the next work item."""
+        if self.report is None:
+            return None
+        slot = len(self.done)
+        self.done[slot] = 0
+
+        def update(done: int, _total: int) -> None:
+            self.done[slot] = done
+            self.report(sum(self.done.values()), self.total)
+
+        return update

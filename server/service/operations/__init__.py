@@ -1,0 +1,55 @@
+"""The operations the service answers, by name (``POST /<name>``, a job's ``operation``).
+
+Example:
+    >>> sorted(OPERATIONS)
+    ['cls', 'fit', 'significance', 'upper-limit']
+    >>> OPERATIONS["cls"].request_model.__name__, OPERATIONS["cls"].pois_field
+    ('ClsRequest', 'test_poi')
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from typing import Any, Literal
+
+from pydantic import create_model
+
+from ..schemas import JobViewBase, _Declared
+from .base import EngineRows, Operation, RowResult, RowStatus
+from .cls import Cls
+from .fit import Fit
+from .significance import Significance
+from .upper_limit import UpperLimit
+
+__all__ = [
+    "OPERATIONS",
+    "EngineRows",
+    "JobList",
+    "JobView",
+    "Operation",
+    "RowResult",
+    "RowStatus",
+    "operation_named",
+]
+
+OPERATIONS: dict[str, Operation] = {
+    op.name: op for op in (Cls(), Fit(), UpperLimit(), Significance())
+}
+
+
+def operation_named(name: str) -> Operation:
+    """The operation called ``name``; ``KeyError`` if there is none."""
+    return OPERATIONS[name]
+
+
+_ANSWER: Any = functools.reduce(operator.or_, (op.answer_model for op in OPERATIONS.values()))
+JobView = create_model(
+    "JobView",
+    __base__=JobViewBase,
+    operation=(Literal[tuple(OPERATIONS)], ...),
+    result=(_ANSWER | None, None),
+)
+JobView.__doc__ = JobViewBase.__doc__
+JobList = create_model("JobList", __base__=_Declared, jobs=(list[JobView], ...))
+JobList.__doc__ = "GET /jobs: newest first."

@@ -1,0 +1,128 @@
+"""The typed seam between the service and the inference layer: one :class:`Operation` per
+kind of question (``cls``, ``fit``, ...), each with its options model, its result model and
+the one batched inference call that answers its rows.
+
+The service plans a request into rows (an element, and for ``cls`` a tested POI value), the
+scheduler batches rows of any requests with equal operation and options, and the device
+thread calls :meth:`Operation.run` once per batch with the rows as tensors on the model's
+device. Adding an operation is one such object (registered in ``operations/__init__.py``),
+one route (generated from the registry) and one client method.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar, Generic, TypeVar
+
+import pydantic
+from pydantic import BaseModel
+from torch import Tensor
+
+from pyhf_gpu_server.engine import HistFactoryModel
+from pyhf_gpu_server.inference.mle import FitOptions
+
+from ..schemas import ModelSelection, PatchError
+
+OptionsT = TypeVar("OptionsT", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class RowStatus:
+    """How a row's fits went, for its ``meta``: all converged, start points per fit, and
+    whether the starts agreed (None where the operation runs no such fits)."""
+
+    converged: bool | None = None
+    starts: int | None = None
+    starts_agreed: bool | None = None
+
+    @classmethod
+    def of(cls, result: Any, rows: int) -> list[RowStatus]:
+        """Per row, the ``converged``/``starts``/``starts_agreed`` tensors of an inference
+        result (copied to the host once per result, not once per row)."""
+        columns = []
+        for name in ("converged", "starts", "starts_agreed"):
+            value = getattr(result, name, None)
+            columns.append([None] * rows if value is None else value.tolist())
+        return [cls(*values) for values in zip(*columns, strict=True)]
+
+
+@dataclass(frozen=True)
+class RowResult:
+    """One row's answer: its JSON payload (the operation's result model, without ``meta``)
+    and how its fits went."""
+
+    payload: dict[str, Any]
+    status: RowStatus
+
+
+@dataclass(frozen=True)
+class EngineRows:
+    """The rows of one engine call, on the model's device: each row's element (index into
+    the stacked model), tested POI value (operations with ``pois``) and the element's own
+    parameter columns; and how the fits run (memory bound, solver, stop predicate)."""
+
+    element: Tensor
+    poi: Tensor | None
+    columns: list[list[int]]
+    fit: FitOptions
+
+    def __len__(self) -> int:
+        return self.element.shape[0]
+
+
+class Operation(ABC, Generic[OptionsT]):
+    """One kind of question the service answers.
+
+    Class attributes: ``name`` (route ``POST /<name>``, job ``operation``), ``summary``,
+    ``options_model`` (its pydantic options; the request is the model selection plus these),
+    ``result_model`` (one row's JSON, ``meta`` included) and ``pois_field`` (the option
+    whose values multiply the rows, answered as a list when it is one; None: a row per
+    element).
+    """
+
+    name: ClassVar[str]
+    summary: ClassVar[str]
+    options_model: ClassVar[type[BaseModel]]
+    result_model: ClassVar[type[BaseModel]]
+    pois_field: ClassVar[str | None] = None
+
+    def __init__(self) -> None:
+        title = "".join(part.title() for part in self.name.split("-"))
+        self.request_model: type[ModelSelection] = pydantic.create_model(
+            f"{title}Request",
+            __base__=(ModelSelection, self.options_model),
+            __doc__=f"POST /{self.name} envelope: a model selection and the options.",
+        )
+        self.answer_model: Any = self._answer_model()
+
+    def _answer_model(self) -> Any:
+        """One result, or ``{patch_name: result | error}`` for a patchset."""
+        result = self.result_model
+        return result | dict[str, result | PatchError]
+
+    def options_of(self, request: BaseModel) -> OptionsT:
+        """The options part of a validated request."""
+        fields = set(self.options_model.model_fields)
+        return self.options_model.model_validate(request.model_dump(include=fields))
+
+    def tested_values(self, options: OptionsT) -> tuple[str, list[float]] | None:
+        """The option naming POI values to test and its values, which must lie within the
+        POI's bounds (pyhf refuses to start a fit outside them); None when there are none."""
+        return None
+
+    def floors_poi(self, options: OptionsT) -> bool:
+        """Whether the fits raise the POI's lower bound to 0 (``q~``)."""
+        return False
+
+    def toys(self, options: OptionsT) -> int:
+        """Toys per hypothesis (0: asymptotic formulae, no toys)."""
+        return 0
+
+    def row_cost(self, options: OptionsT) -> float:
+        """About how many fits a row runs (sizes the chunks of jobs by time)."""
+        return 4.0 + 3.0 * self.toys(options)
+
+    @abstractmethod
+    def run(self, model: HistFactoryModel, rows: EngineRows, options: OptionsT) -> list[RowResult]:
+        """ONE batched inference call answering ``rows`` (on the device thread)."""

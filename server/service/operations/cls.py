@@ -1,0 +1,51 @@
+"""``POST /cls``: CLs of hypothesis tests, as ``pyhf cls`` prints them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pyhf_gpu_server import inference
+from pyhf_gpu_server.engine import HistFactoryModel
+
+from ..schemas import ClsOptions, ClsResult, PatchError
+from .base import EngineRows, Operation, RowResult, RowStatus
+
+
+class Cls(Operation[ClsOptions]):
+    """One row per (element, ``test_poi`` value); ``q~`` floors the POI at 0."""
+
+    name = "cls"
+    summary = "CLs of a hypothesis test, as `pyhf cls` prints it"
+    options_model = ClsOptions
+    result_model = ClsResult
+    pois_field = "test_poi"
+
+    def _answer_model(self) -> Any:
+        result = ClsResult
+        return result | list[result] | dict[str, result | list[result] | PatchError]
+
+    def tested_values(self, options: ClsOptions) -> tuple[str, list[float]]:
+        values = options.test_poi if isinstance(options.test_poi, list) else [options.test_poi]
+        return "test_poi", values
+
+    def floors_poi(self, options: ClsOptions) -> bool:
+        return options.test_stat == "qtilde"
+
+    def toys(self, options: ClsOptions) -> int:
+        return options.ntoys if options.calctype == "toybased" else 0
+
+    def run(
+        self, model: HistFactoryModel, rows: EngineRows, options: ClsOptions
+    ) -> list[RowResult]:
+        result = inference.hypotest(
+            model,
+            rows.poi,
+            element=rows.element,
+            options=rows.fit,
+            test_stat=options.test_stat,
+            calctype=options.calctype,
+            ntoys=options.ntoys,
+            seed=options.seed,
+        )
+        statuses = RowStatus.of(result, len(rows))
+        return [RowResult(result.to_pyhf_json(i), s) for i, s in enumerate(statuses)]

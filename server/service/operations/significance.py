@@ -1,0 +1,35 @@
+"""``POST /significance``: discovery p-values and significances (``q0``)."""
+
+from __future__ import annotations
+
+from pyhf_gpu_server import inference
+from pyhf_gpu_server.engine import HistFactoryModel
+
+from ..schemas import SignificanceOptions, SignificanceResult
+from .base import EngineRows, Operation, RowResult, RowStatus
+
+
+class Significance(Operation[SignificanceOptions]):
+    """One row per element; asymptotic or toy-based."""
+
+    name = "significance"
+    summary = "Discovery significance (p0 and Z), observed and expected; asymptotic or toy-based"
+    options_model = SignificanceOptions
+    result_model = SignificanceResult
+
+    def toys(self, options: SignificanceOptions) -> int:
+        return options.ntoys if options.calctype == "toybased" else 0
+
+    def run(
+        self, model: HistFactoryModel, rows: EngineRows, options: SignificanceOptions
+    ) -> list[RowResult]:
+        result = inference.significance(
+            model,
+            element=rows.element,
+            options=rows.fit,
+            calctype=options.calctype,
+            ntoys=options.ntoys,
+            seed=options.seed,
+        )
+        statuses = RowStatus.of(result, len(rows))
+        return [RowResult(result.to_json(i), s) for i, s in enumerate(statuses)]

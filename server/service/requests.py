@@ -1,0 +1,353 @@
+"""From a request body to a validated plan: parse, validate, resolve the model inputs.
+
+* :func:`parse_json` reads a body safely (no NaN/Infinity, bounded nesting).
+* :func:`envelope_from` turns a bare workspace + query options, or an envelope, into one dict.
+* :func:`plan_request` validates it against the operation's request model and resolves the
+  model inputs into a :class:`Plan`: one row per (element, tested POI) hypothesis.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import pydantic
+import pyhf
+from pydantic import BaseModel
+
+from pyhf_gpu_server.engine import schema
+from pyhf_gpu_server.engine.errors import UnrepresentableValueError
+from pyhf_gpu_server.engine.layout import ElementLayout
+
+from .elements import Background, Element, PatchSpec
+from .errors import BadRequest, Unprocessable, pydantic_detail, translate
+from .operations import Operation
+from .schemas import ModelSelection
+from .workspace_store import WorkspaceStore
+
+
+# ---------------------------------------------------------------------------------------- parsing
+def _reject_constant(name: str) -> Any:
+    """json hook: NaN / Infinity are not numbers a likelihood can use."""
+    raise ValueError(f"{name} is not allowed in the body: every number must be finite")
+
+
+def _finite_float(text: str) -> float:
+    """json hook: floats that overflow to infinity are rejected."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:40]} is out of range: every number must be finite")
+    return value
+
+
+_SCALARS = frozenset({int, float, str, bool, type(None)})
+
+
+def _exceeds_depth(document: Any, limit: int) -> bool:
+    """Whether ``document`` nests lists/objects deeper than ``limit``."""
+    stack: list[tuple[Any, int]] = [(document, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = node.values() if isinstance(node, dict) else node
+        if set(map(type, children)) <= _SCALARS:  # numbers and names only (bin contents)
+            continue
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
+
+
+def parse_json(body: bytes, max_depth: int) -> Any:
+    """The JSON document in ``body``: 400 if malformed, 422 if non-finite or nested too deep.
+
+    orjson reads it (a published workspace in milliseconds); when it refuses the body, the
+    standard library's parser reads it again to say what is wrong, and where.
+    """
+    if not body.strip():
+        raise BadRequest("the request body is empty; send a JSON workspace or request envelope")
+    try:
+        document = schema.loads(body)
+    except UnrepresentableValueError as exc:  # a lone surrogate, a number out of float range
+        raise Unprocessable(f"{type(exc).__name__}: {exc}") from None
+    except ValueError:
+        document = _parse_to_explain(body, max_depth)
+    if isinstance(document, (dict, list)) and _exceeds_depth(document, max_depth):
+        raise Unprocessable(f"the JSON is nested deeper than {max_depth} levels")
+    return document
+
+
+def _parse_to_explain(body: bytes, max_depth: int) -> Any:
+    """The standard library's reading of a body orjson refused: its error as a 400 or 422."""
+    try:
+        return json.loads(body, parse_constant=_reject_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise Unprocessable(f"the JSON is nested deeper than {max_depth} levels") from None
+    except json.JSONDecodeError as exc:
+        raise BadRequest(f"malformed JSON: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise BadRequest(f"the body is not UTF-8 text: {exc}") from None
+    except ValueError as exc:
+        raise Unprocessable(str(exc)) from None
+
+
+def envelope_from(
+    document: Any, query: Mapping[str, list[str]], operation: Operation
+) -> dict[str, Any]:
+    """One request envelope from a body (bare workspace or envelope) and query options.
+
+    Query options (``test_poi``, ``test_stat``, ``calctype``, ``ntoys``, ``measurement``, ...,
+    named like pyhf's CLI options) fill in what the body does not give.
+    """
+    if not isinstance(document, dict):
+        raise Unprocessable(
+            f"the body is a JSON {type(document).__name__}; expected an object: a HistFactory "
+            "workspace or a request envelope with 'workspace' or 'workspace_id'"
+        )
+    if "workspace" in document or "workspace_id" in document:
+        envelope = dict(document)
+    elif "channels" in document:
+        envelope = {"workspace": document}
+    else:
+        raise Unprocessable(
+            "the body is neither a HistFactory workspace (it has no 'channels') nor a request "
+            f"envelope (it has no 'workspace' or 'workspace_id'); its keys: {sorted(document)[:10]}"
+        )
+    fields = operation.options_model.model_fields
+    allowed = set(fields) | {"measurement"}
+    for raw_name, values in query.items():
+        name = raw_name.replace("-", "_")
+        if name not in allowed:
+            raise Unprocessable(
+                f"unknown query parameter {raw_name!r} for {operation.name}; known: "
+                f"{sorted(allowed)}"
+            )
+        listed = len(values) > 1 or (name in fields and _list_only(fields[name], values))
+        value: Any = values if listed else values[-1]
+        envelope.setdefault(name, value)
+    return envelope
+
+
+def _list_only(field: pydantic.fields.FieldInfo, values: list[str]) -> bool:
+    """Whether an option takes the query's one value only as a list (an upper-limit
+    ``scan``), not as itself (a ``test_poi`` number, a ``test_stat`` name)."""
+    adapter = pydantic.TypeAdapter(field.annotation)
+    for candidate, verdict in ((values[-1], False), (values, True)):
+        try:
+            adapter.validate_python(candidate)
+        except pydantic.ValidationError:
+            continue
+        return verdict
+    return False
+
+
+# ----------------------------------------------------------------------------------------- plans
+@dataclass(frozen=True)
+class Row:
+    """One hypothesis: an element (by its patch digest) and, for CLs, the tested POI."""
+
+    element: str
+    poi: float | None = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A validated request: its operation and options, its background, one patch per element,
+    the tested POI values (operations with ``pois_field``) and how to shape the answer
+    (``named``: ``{patch_name: result}``; ``poi_list``: a list over the POI values)."""
+
+    operation: Operation
+    options: BaseModel
+    background: Background
+    patches: tuple[PatchSpec, ...]
+    named: bool
+    pois: tuple[float, ...] | None
+    poi_list: bool
+
+    def rows(self, patches: Sequence[PatchSpec]) -> list[Row]:
+        """Elements x POIs, element-major."""
+        if self.pois is None:
+            return [Row(p.digest) for p in patches]
+        return [Row(p.digest, poi) for p in patches for poi in self.pois]
+
+    @property
+    def n_rows(self) -> int:
+        """Hypotheses in the whole request."""
+        return len(self.patches) * len(self.pois or (None,))
+
+    @property
+    def row_cost(self) -> float:
+        """About how many fits one row takes (sizes the chunks of jobs by time)."""
+        return self.operation.row_cost(self.options)
+
+    @property
+    def toys(self) -> int:
+        """Toys in the whole request (both hypotheses counted once, as pyhf's ``ntoys``)."""
+        return self.operation.toys(self.options) * self.n_rows
+
+    def tested_outside_bounds(self, layout: ElementLayout) -> str | None:
+        """Why this plan's POI values (``test_poi``, an upper-limit ``scan``) cannot be tested
+        on ``layout``: a value outside the POI's bounds (raised to 0 by ``q~``), where pyhf
+        refuses to start a fit; None if all are inside."""
+        tested = self.operation.tested_values(self.options)
+        if tested is None or layout.poi_index is None:
+            return None
+        field, values = tested
+        lo, hi = (float(v) for v in layout.bounds[layout.poi_index])
+        floored = self.operation.floors_poi(self.options) and lo < 0.0
+        if floored:
+            lo = 0.0
+        outside = [v for v in values if not lo <= v <= hi]
+        if not outside:
+            return None
+        why = " (q~, test_stat 'qtilde', bounds the POI below at 0)" if floored else ""
+        return (
+            f"{field} value {outside[0]!r} lies outside the bounds [{lo!r}, {hi!r}] of the POI "
+            f"{layout.poi_name!r}{why}; pyhf refuses to start a fit there: test values inside "
+            "the bounds, or widen them in the measurement's parameters"
+        )
+
+    def checked(self, element: Element) -> Element:
+        """``element``, or its error if this plan's POI values cannot be tested on it."""
+        problem = None if element.layout is None else self.tested_outside_bounds(element.layout)
+        if problem is None:
+            return element
+        return replace(element, layout=None, error=Unprocessable(problem))
+
+    def batch_key(self, stack_key: str) -> tuple[Any, ...]:
+        """Rows with equal keys may share an engine call: the same background, stackable
+        elements (channels, bins, POI, interpolation codes), operation and options (the
+        tested POI values aside: they are the rows'), whatever their patches and requests.
+
+        Toy-based tests batch only within one request: their toys are drawn per call, so a
+        request gives the same numbers alone or in company.
+        """
+        pois = {self.operation.pois_field} if self.operation.pois_field else set()
+        options = self.options.model_dump_json(exclude=pois)
+        private = uuid.uuid4().hex if self.operation.toys(self.options) else None
+        return (self.background.key, stack_key, self.operation.name, options, private)
+
+
+def plan_request(
+    operation: Operation, envelope: dict[str, Any], store: WorkspaceStore, persist: bool = False
+) -> Plan:
+    """Validate ``envelope`` for ``operation`` and resolve its model inputs (4xx on bad input).
+
+    With ``persist``, an inline workspace is also stored on disk (jobs refer to it by id).
+    """
+    try:
+        request = operation.request_model.model_validate(envelope)
+    except pydantic.ValidationError as exc:
+        raise Unprocessable(pydantic_detail(exc)) from None
+    background, patches, named = resolve_source(request, store, persist)
+    options = operation.options_of(request)
+    if operation.pois_field is None:
+        return Plan(operation, options, background, patches, named, None, False)
+    tested = getattr(options, operation.pois_field)
+    is_list = isinstance(tested, list)
+    pois = tuple(float(v) for v in tested) if is_list else (float(tested),)
+    return Plan(operation, options, background, patches, named, pois, is_list)
+
+
+def resolve_source(
+    request: ModelSelection, store: WorkspaceStore, persist: bool
+) -> tuple[Background, tuple[PatchSpec, ...], bool]:
+    """The background of a request, its elements' patches, and whether they are named (a
+    patchset). Inline ``patches`` are applied together: one element."""
+    if request.workspace is not None:
+        digest = store.admit(request.workspace, persist)
+        spec = request.workspace
+    else:
+        digest = request.workspace_id or ""
+        spec = store.get(digest)
+    background = Background(
+        spec, digest, _measurement(spec, request.measurement), request.modifier_settings
+    )
+    if request.patchset is not None:
+        patchset = _load_patchset(request.patchset, digest)
+        names = _patch_names(patchset, request.patch_names)
+        patches = tuple(
+            PatchSpec(name, pyhf.utils.digest(patchset[name]), tuple(patchset[name]))
+            for name in names
+        )
+        return background, patches, True
+    operations = [
+        op for i, p in enumerate(request.patches) for op in _patch_operations(p, f"patches[{i}]")
+    ]
+    name = "patch" if operations else "nominal"
+    digest = pyhf.utils.digest(operations) if operations else ""
+    return background, (PatchSpec(name, digest, tuple(operations)),), False
+
+
+def _measurement(spec: dict[str, Any], name: str | None) -> str:
+    """The measurement's name (default: the first); 422 naming the choices if unknown."""
+    names = [m["name"] for m in spec["measurements"]]
+    if name is None:
+        return names[0]
+    if name not in names:
+        raise Unprocessable(f"measurement {name!r} is not in the workspace; it has {names}")
+    return name
+
+
+def _patch_operations(patch: list[dict[str, Any]] | dict[str, Any], where: str) -> list:
+    """The JSON-patch operations of a patch (a list, or a pyhf Patch ``{metadata, patch}``)."""
+    operations = patch.get("patch") if isinstance(patch, dict) else patch
+    if not isinstance(operations, list):
+        raise Unprocessable(f"{where} is neither a JSON patch (a list) nor {{'patch': [...]}}")
+    try:
+        schema.validate(operations, "jsonpatch.json")
+    except pyhf.exceptions.InvalidSpecification as exc:
+        raise translate(exc, where) from None
+    return operations
+
+
+def _load_patchset(spec: dict[str, Any], workspace_digest: str) -> dict[str, list]:
+    """The operations of each patch of a validated patchset made for this workspace
+    (pyhf's schema and digest checks, as ``pyhf.PatchSet`` and its ``verify``)."""
+    try:
+        schema.validate(spec, "patchset.json")
+    except pyhf.exceptions.InvalidSpecification as exc:
+        raise translate(exc, "patchset") from None
+    expected = spec["metadata"]["digests"].get("sha256")
+    if expected is not None and expected != workspace_digest:
+        raise Unprocessable(
+            f"the patchset was made for workspace sha256 {expected}, not this one "
+            f"({workspace_digest}); pyhf's PatchSet.verify would refuse it"
+        )
+    patches: dict[str, list] = {}
+    values: set[tuple] = set()
+    labels = spec["metadata"]["labels"]
+    for patch in spec["patches"]:  # pyhf.PatchSet's checks, in its words
+        name, value = patch["metadata"]["name"], tuple(patch["metadata"]["values"])
+        if name in patches:
+            raise Unprocessable(f"InvalidPatchSet: Multiple patches were defined by name {name!r}.")
+        if value in values:
+            raise Unprocessable(
+                f"InvalidPatchSet: Multiple patches were defined by values {list(value)}."
+            )
+        if len(value) != len(labels):
+            raise Unprocessable(
+                f"InvalidPatchSet: Incompatible number of values ({len(value)}) for patch "
+                f"{name!r} in patchset. Expected {len(labels)}."
+            )
+        patches[name] = patch["patch"]
+        values.add(value)
+    return patches
+
+
+def _patch_names(patchset: dict[str, list], wanted: list[str] | None) -> tuple[str, ...]:
+    """The selected patch names (default: all), each checked to exist."""
+    available = list(patchset)
+    if wanted is None:
+        return tuple(available)
+    unknown = [name for name in wanted if name not in available]
+    if unknown:
+        raise Unprocessable(
+            f"patch names {unknown[:10]} are not in the patchset; it has {available[:30]}"
+        )
+    if not wanted:
+        raise Unprocessable("'patch_names' is empty")
+    return tuple(wanted)
