@@ -98,7 +98,73 @@ class ClsOptions(CalculatorOptions):
 
 
 class FitOptions(_Strict):
-    """A maximum-likelihood fit (`pyhf fit --value`) has no options beyond the model."""
+    """A maximum-likelihood fit (`pyhf fit --value`), optionally with its goodness of fit."""
+
+    goodness_of_fit: bool = Field(
+        False, description="add the saturated-model goodness of fit (as cabinetry's)"
+    )
+
+
+class RankingOptions(_Strict):
+    """Which nuisance parameters to rank by their impact on the POI."""
+
+    parameters: Annotated[list[str], Field(min_length=1, max_length=10_000)] | None = Field(
+        None,
+        description="parameter labels to rank, e.g. 'lumi' or 'staterror_SR[0]' (default: "
+        "every free parameter but the POI)",
+    )
+    top: int | None = Field(None, ge=1, description="answer only the largest N impacts")
+
+
+Grid = Annotated[list[FiniteFloat], Field(min_length=2, max_length=1000)]
+
+
+class ScanAxis(_Strict):
+    """One axis of a profile-likelihood scan: a parameter and its grid (``values``, or
+    ``steps`` points over ``range``)."""
+
+    parameter: str | None = Field(None, description="parameter label (default: the POI)")
+    values: Grid | None = Field(None, description="grid values, increasing")
+    range: tuple[FiniteFloat, FiniteFloat] | None = Field(
+        None, description="[low, high] of an evenly spaced grid"
+    )
+    steps: int = Field(11, ge=2, le=1000, description="grid points over range")
+
+    @model_validator(mode="after")
+    def _one_grid(self) -> ScanAxis:
+        """Exactly one of values and range, increasing."""
+        if (self.values is None) == (self.range is None):
+            raise ValueError("give exactly one of 'values' and 'range'")
+        grid = self.values or list(self.range or ())
+        if any(b <= a for a, b in itertools.pairwise(grid)):
+            raise ValueError("grid values must increase")
+        return self
+
+    def grid(self) -> list[float]:
+        """The grid's values."""
+        if self.values is not None:
+            return list(self.values)
+        low, high = self.range
+        return [low + (high - low) * i / (self.steps - 1) for i in range(self.steps)]
+
+
+class ScanOptions(_Strict):
+    """A profile-likelihood scan (``-2 delta ln L``) over one axis, or two (``y``)."""
+
+    x: ScanAxis = Field(description="the scanned parameter and its grid")
+    y: ScanAxis | None = Field(None, description="a second axis: a 2D scan over the grid x * y")
+
+    @model_validator(mode="after")
+    def _points(self) -> ScanOptions:
+        """At most 10^5 grid points in all."""
+        points = len(self.x.grid()) * (1 if self.y is None else len(self.y.grid()))
+        if points > 100_000:
+            raise ValueError(f"the scan has {points} grid points; at most 100000")
+        return self
+
+
+class YieldsOptions(_Strict):
+    """Pre- and post-fit yields have no options beyond the model."""
 
 
 class UpperLimitOptions(_Strict):
@@ -205,6 +271,46 @@ class ClsResult(_Declared):
     meta: ResultMeta
 
 
+class SampleYields(_Declared):
+    """Yields per bin and in the channel, with their uncertainties (cabinetry's
+    ``yield_stdev``: parameter variations combined with the correlation matrix)."""
+
+    yields: list[float | None]
+    stdev: list[float | None]
+    channel_yield: float | None
+    channel_stdev: float | None
+
+
+class ChannelYields(_Declared):
+    """One channel: each sample, their total, and the observed data."""
+
+    bins: int
+    samples: dict[str, SampleYields]
+    total: SampleYields
+    data: list[float]
+    channel_data: float
+
+
+class YieldsResult(_Declared):
+    """Pre-fit (cabinetry's Asimov parameters, pre-fit uncertainties) and post-fit (best
+    fit, Hessian covariance) yields per channel, sample and bin, as cabinetry's
+    ``model_utils.prediction``."""
+
+    prefit: dict[str, ChannelYields]
+    postfit: dict[str, ChannelYields]
+    meta: ResultMeta
+
+
+class GoodnessOfFit(_Declared):
+    """Saturated-model goodness of fit (cabinetry's ``goodness_of_fit``)."""
+
+    p_value: float | None = Field(description="P(chi2_ndof >= delta_twice_nll); null if ndof <= 0")
+    delta_twice_nll: float | None = Field(
+        description="-2 ln L of the fit minus the saturated model's"
+    )
+    ndof: int = Field(description="main bins minus free unconstrained parameters")
+
+
 class FitResult(_Declared):
     """`pyhf fit --value` output plus uncertainties, correlations and meta."""
 
@@ -212,6 +318,60 @@ class FitResult(_Declared):
     twice_nll: float | None
     uncertainties: dict[str, list[float | None]]
     corr_mat: list[list[float | None]]
+    goodness_of_fit: GoodnessOfFit | None = Field(
+        None, description="with the goodness_of_fit option"
+    )
+    meta: ResultMeta
+
+
+class PoiEstimate(_Declared):
+    """The POI's best fit and Hessian uncertainty."""
+
+    name: str
+    bestfit: float | None
+    uncertainty: float | None
+
+
+class RankingResult(_Declared):
+    """cabinetry's ``RankingResults`` fields, per ranked parameter, largest impact first:
+    impacts are the POI refit with the parameter fixed at its best fit plus/minus its pre-fit
+    and post-fit uncertainty, minus the POI's best fit."""
+
+    labels: list[str]
+    bestfit: list[float | None]
+    uncertainty: list[float | None]
+    prefit_uncertainty: list[float | None]
+    prefit_up: list[float | None]
+    prefit_down: list[float | None]
+    postfit_up: list[float | None]
+    postfit_down: list[float | None]
+    pull: list[float | None]
+    constraint: list[float | None]
+    fits_converged: list[bool]
+    poi: PoiEstimate
+    meta: ResultMeta
+
+
+class ScanResult(_Declared):
+    """cabinetry's ``ScanResults``: ``-2 delta ln L`` of a parameter over its grid."""
+
+    name: str
+    bestfit: float | None
+    uncertainty: float | None
+    parameter_values: list[float]
+    delta_nlls: list[float | None]
+    meta: ResultMeta
+
+
+class Scan2DResult(_Declared):
+    """A 2D scan: ``delta_nlls[i][j]`` at ``(parameter_values[0][i], parameter_values[1][j])``."""
+
+    names: list[str]
+    bestfit: list[float | None]
+    uncertainty: list[float | None]
+    correlation: float | None
+    parameter_values: list[list[float]]
+    delta_nlls: list[list[float | None]]
     meta: ResultMeta
 
 

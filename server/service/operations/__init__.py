@@ -2,7 +2,7 @@
 
 Example:
     >>> sorted(OPERATIONS)
-    ['cls', 'fit', 'significance', 'upper-limit']
+    ['cls', 'fit', 'ranking', 'scan', 'significance', 'upper-limit', 'yields']
     >>> OPERATIONS["cls"].request_model.__name__, OPERATIONS["cls"].pois_field
     ('ClsRequest', 'test_poi')
 """
@@ -19,8 +19,11 @@ from ..schemas import JobViewBase, _Declared
 from .base import EngineRows, Operation, RowResult, RowStatus
 from .cls import Cls
 from .fit import Fit
+from .ranking import Ranking
+from .scan import Scan
 from .significance import Significance
 from .upper_limit import UpperLimit
+from .yields import Yields
 
 __all__ = [
     "OPERATIONS",
@@ -34,7 +37,7 @@ __all__ = [
 ]
 
 OPERATIONS: dict[str, Operation] = {
-    op.name: op for op in (Cls(), Fit(), UpperLimit(), Significance())
+    op.name: op for op in (Cls(), Fit(), UpperLimit(), Significance(), Ranking(), Scan(), Yields())
 }
 
 

@@ -1,5 +1,5 @@
 """``POST /fit``: maximum-likelihood fits, as ``pyhf fit --value`` prints them, with
-uncertainties and correlations."""
+uncertainties and correlations, and optionally the goodness of fit."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from pyhf_gpu_server.engine import HistFactoryModel
 
 from ..schemas import FitOptions, FitResult
 from .base import EngineRows, Operation, RowResult, RowStatus
+
+GOODNESS_OF_FIT_KEYS = ("p_value", "delta_twice_nll", "ndof")
 
 
 class Fit(Operation[FitOptions]):
@@ -28,7 +30,13 @@ class Fit(Operation[FitOptions]):
     ) -> list[RowResult]:
         fitted = inference.fit(model, element=rows.element, options=rows.fit)
         statuses = RowStatus.of(fitted, len(rows))
-        return [
-            RowResult(fitted.select(slice(i, i + 1)).restrict(rows.columns[i]).to_json(0), s)
-            for i, s in enumerate(statuses)
+        payloads = [
+            fitted.select(slice(i, i + 1)).restrict(rows.columns[i]).to_json(0)
+            for i in range(len(rows))
         ]
+        if options.goodness_of_fit:
+            gof = inference.goodness_of_fit(model, fitted, element=rows.element)
+            for i, payload in enumerate(payloads):
+                found = gof.to_json(i)
+                payload["goodness_of_fit"] = {k: found[k] for k in GOODNESS_OF_FIT_KEYS}
+        return [RowResult(p, s) for p, s in zip(payloads, statuses, strict=True)]
