@@ -121,6 +121,7 @@ for _operation in OPERATIONS.values():
         summary=_operation.summary,
         description=_SHAPES,
         response_model=_operation.answer_model,
+        response_model_exclude_unset=True,  # keys a result does not have stay absent
         responses=_ERRORS,
         openapi_extra=_openapi(_operation),
     )
