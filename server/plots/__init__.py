@@ -1,0 +1,46 @@
+"""Figures of the service's results, drawn with matplotlib's object API (no ``pyplot``, no
+rcParams or style changes), as SVG or PNG bytes.
+
+>>> from pyhf_gpu_server import plots
+>>> png = plots.render("scan", {"name": "mu", "parameter_values": [0, 1, 2],
+...                             "delta_nlls": [1.0, 0.0, 1.2]}, "png", dpi=50)
+>>> png[:8] == b"\\x89PNG\\r\\n\\x1a\\n"
+True
+
+Kinds (:data:`KINDS`; options in each function's docstring):
+
+* ``brazil`` (:func:`~.limits.brazil`): CLs versus the POI, from a ``POST /cls`` list answer
+  (or an upper-limit answer).
+* ``exclusion`` (:func:`~.limits.exclusion`): CLs = 0.05 contours over a patchset's
+  signal-parameter plane, from a patchset ``POST /cls`` answer.
+* ``pulls`` (:func:`~.fit.pulls`), ``correlation`` (:func:`~.fit.correlation`): from a
+  ``POST /fit`` answer.
+* ``ranking`` (:func:`~.fit.ranking`): impacts on the POI (cabinetry-like ranking JSON).
+* ``yields`` (:func:`~.yields.yields`): stacked yields, data and ratio per channel.
+* ``scan`` (:func:`~.scan.scan`): -2ΔlnL scans in one or two parameters.
+"""
+
+from __future__ import annotations
+
+from . import fit, limits, scan, yields  # noqa: F401  (each registers its kinds)
+from ._base import (
+    COMMON_OPTIONS,
+    FORMATS,
+    KINDS,
+    Kind,
+    PlotInputError,
+    figure,
+    kinds,
+    render,
+)
+
+__all__ = [
+    "COMMON_OPTIONS",
+    "FORMATS",
+    "KINDS",
+    "Kind",
+    "PlotInputError",
+    "figure",
+    "kinds",
+    "render",
+]

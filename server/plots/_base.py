@@ -1,0 +1,323 @@
+"""The registry of plot kinds, the JSON checks they share, and rendering to SVG or PNG.
+
+A kind is a function ``draw(result, **options) -> Figure`` registered under its name with
+:func:`register`; :func:`render` looks it up (one registry, as pyhf's ``get_test_stat``),
+checks the options against its signature, builds the figure and writes it out.
+
+Thread safety: matplotlib shares a few things process-wide that drawing mutates (the mathtext
+parser keeps its parse state on one shared instance; contour labels and layout measure text
+with it), so each figure is built and drawn under one lock. Figures are never registered with
+``pyplot`` and no rcParams are set, so nothing outlives a call. The work is bound by the GIL
+anyway, so the lock costs little parallelism.
+"""
+
+from __future__ import annotations
+
+import inspect
+import io
+import math
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.backends.backend_svg import FigureCanvasSVG
+from matplotlib.figure import Figure
+
+from . import _style
+
+__all__ = [
+    "FORMATS",
+    "KINDS",
+    "Kind",
+    "PlotInputError",
+    "figure",
+    "kinds",
+    "one_patch",
+    "register",
+    "render",
+]
+
+Format = Literal["svg", "png"]
+FORMATS: tuple[str, ...] = ("svg", "png")
+DEFAULT_DPI = 150.0
+MAX_PIXELS = 40_000_000  # a PNG larger than this (e.g. 20 x 20 in at 300 dpi is 36 M) is refused
+#: options every kind takes (applied by :func:`figure` and :func:`render`)
+COMMON_OPTIONS: dict[str, str] = {
+    "dpi": "PNG resolution in dots per inch (default 150; SVG is resolution-free)",
+    "figsize": "[width, height] in inches, replacing the kind's own size",
+    "title": "a title above the figure",
+    "label": 'experiment label top left inside the first axes, e.g. "ATLAS Internal"',
+    "rlabel": 'label above the first axes on the right, e.g. "13 TeV, 139 fb⁻¹"',
+}
+
+_LOCK = threading.RLock()
+
+
+class PlotInputError(ValueError):
+    """A result that does not fit its plot kind, or an unknown kind, format or option."""
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A registered plot kind: its name, drawing function and one-line description."""
+
+    name: str
+    draw: Callable[..., Figure]
+    description: str
+
+    @property
+    def options(self) -> list[str]:
+        """The kind's own keyword options (besides :data:`COMMON_OPTIONS`)."""
+        params = list(inspect.signature(self.draw).parameters.values())[1:]
+        return [p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
+
+
+#: kind name -> :class:`Kind`
+KINDS: dict[str, Kind] = {}
+
+
+def register(
+    name: str, description: str
+) -> Callable[[Callable[..., Figure]], Callable[..., Figure]]:
+    """Register ``draw(result, **options) -> Figure`` as the plot kind ``name``."""
+
+    def decorate(draw: Callable[..., Figure]) -> Callable[..., Figure]:
+        if name in KINDS:
+            raise RuntimeError(f"plot kind {name!r} is registered twice")
+        KINDS[name] = Kind(name, draw, description)
+        return draw
+
+    return decorate
+
+
+def kinds() -> dict[str, str]:
+    """``{kind: description}`` of every registered kind."""
+    return {name: kind.description for name, kind in sorted(KINDS.items())}
+
+
+def get_kind(name: str) -> Kind:
+    """The registered kind ``name``; PlotInputError naming the known kinds otherwise."""
+    try:
+        return KINDS[name]
+    except (KeyError, TypeError):
+        raise PlotInputError(
+            f"unknown plot kind {name!r}; one of {', '.join(sorted(KINDS))}"
+        ) from None
+
+
+def figure(
+    kind: str,
+    result: Any,
+    *,
+    figsize: Sequence[float] | None = None,
+    title: str | None = None,
+    label: str | None = None,
+    rlabel: str | None = None,
+    **options: Any,
+) -> Figure:
+    """The figure of ``kind`` for ``result`` (a matplotlib Figure with an Agg canvas).
+
+    Raises:
+        PlotInputError (a ValueError): unknown kind or option, or a result that does not fit.
+    """
+    spec = get_kind(kind)
+    unknown = sorted(set(options) - set(spec.options))
+    if unknown:
+        accepted = ", ".join([*spec.options, *COMMON_OPTIONS])
+        raise PlotInputError(
+            f"{kind} plot: unknown option {', '.join(map(repr, unknown))}; accepted: {accepted}"
+        )
+    with _LOCK:
+        fig = spec.draw(result, **options)
+        if figsize is not None:
+            fig.set_size_inches(_figsize(kind, figsize))
+        if title:
+            fig.suptitle(title, **_style.text_kw(_style.TITLE_SIZE))
+        if (label or rlabel) and fig.axes:
+            _style.experiment_label(fig.axes[0], label, rlabel)
+    return fig
+
+
+def render(
+    kind: str,
+    result: Any,
+    fmt: Format = "png",
+    *,
+    dpi: float | None = None,
+    **options: Any,
+) -> bytes:
+    """The figure of ``kind`` for ``result`` as SVG or PNG bytes.
+
+    Args:
+        kind: one of :data:`KINDS` (``brazil``, ``exclusion``, ``pulls``, ``ranking``,
+            ``correlation``, ``yields``, ``scan``).
+        result: the service's result JSON for that kind (parsed: dicts, lists, numbers).
+        fmt: ``"svg"`` or ``"png"``.
+        dpi: PNG resolution (default 150); the PNG is ``figsize * dpi`` pixels.
+        options: the kind's options, and ``figsize``, ``title``, ``label``, ``rlabel``.
+
+    Raises:
+        PlotInputError (a ValueError): unknown kind, format or option, or a result that does
+            not fit the kind (the message names the kind and the missing or wrong field).
+    """
+    if fmt not in FORMATS:
+        raise PlotInputError(f"unknown format {fmt!r}; one of {', '.join(FORMATS)}")
+    resolution = DEFAULT_DPI if dpi is None else _number(kind, "dpi", dpi)
+    if not 10 <= resolution <= 1200:
+        raise PlotInputError(f"{kind} plot: dpi must be within 10..1200, not {dpi!r}")
+    with _LOCK:
+        fig = figure(kind, result, **options)
+        width, height = fig.get_size_inches()
+        if fmt == "png" and width * height * resolution**2 > MAX_PIXELS:
+            raise PlotInputError(
+                f"{kind} plot: {width:g} x {height:g} in at {resolution:g} dpi is more than "
+                f"{MAX_PIXELS} pixels; lower dpi or figsize"
+            )
+        return _save(fig, fmt, resolution, options.get("title") or f"{kind} plot")
+
+
+def _save(fig: Figure, fmt: str, dpi: float, title: str) -> bytes:
+    buffer = io.BytesIO()
+    if fmt == "png":
+        fig.set_dpi(dpi)
+        FigureCanvasAgg(fig).print_png(buffer)
+    else:
+        FigureCanvasSVG(fig).print_svg(buffer, metadata={"Date": None, "Title": title})
+    return buffer.getvalue()
+
+
+def _figsize(kind: str, figsize: Any) -> tuple[float, float]:
+    if (
+        not isinstance(figsize, Sequence)
+        or isinstance(figsize, str)
+        or len(figsize) != 2
+        or not all(isinstance(v, (int, float)) and 0.5 <= v <= 100 for v in figsize)
+    ):
+        raise PlotInputError(
+            f"{kind} plot: figsize must be [width, height] in inches (0.5..100), not {figsize!r}"
+        )
+    return float(figsize[0]), float(figsize[1])
+
+
+# --------------------------------------------------------------------- JSON checks
+def fail(kind: str, message: str) -> PlotInputError:
+    """The error for a result that does not fit ``kind``."""
+    return PlotInputError(f"{kind} plot: {message}")
+
+
+def need(kind: str, data: Any, key: str, where: str = "the result") -> Any:
+    """``data[key]``, or a PlotInputError naming the kind and the missing field."""
+    if not isinstance(data, Mapping):
+        raise fail(kind, f"{where} must be a JSON object with {key!r}, not {_type(data)}")
+    if key not in data:
+        raise fail(kind, f"{where} has no {key!r} field")
+    return data[key]
+
+
+def one_patch(kind: str, result: Any, patch: str | None, key: str) -> Any:
+    """``result[patch]`` of a patchset answer ``{patch_name: result}`` when ``patch`` is given
+    (an error entry is refused), else ``result``; a patchset answer without ``patch`` is
+    refused with the patch names, unless it is a single result (it has ``key``)."""
+    if patch is None:
+        if isinstance(result, Mapping) and key not in result and result:
+            entries = [v for k, v in result.items() if k != "meta"]
+            if entries and all(_patch_like(v) for v in entries):
+                names = ", ".join(sorted(k for k in result if k != "meta")[:5])
+                raise fail(
+                    kind,
+                    f"the result has no {key!r} field; for a patchset answer name the patch "
+                    f"with the 'patch' option (one of {names}, ...)",
+                )
+        return result
+    entry = need(kind, result, patch, "the patchset answer")
+    if isinstance(entry, Mapping) and "error" in entry:
+        raise fail(kind, f"patch {patch!r} answered an error: {entry['error']!r:.200}")
+    return entry
+
+
+def _patch_like(value: Any) -> bool:
+    """A patch's entry in a patchset answer: a result object, or a list of them."""
+    if isinstance(value, list):
+        return bool(value) and all(isinstance(v, Mapping) for v in value)
+    return isinstance(value, Mapping)
+
+
+def first_key(kind: str, data: Mapping[str, Any], keys: Sequence[str], where: str) -> Any:
+    """The value of the first of ``keys`` present in ``data`` (error naming them all)."""
+    for key in keys:
+        if key in data:
+            return data[key]
+    raise fail(kind, f"{where} has no {' / '.join(map(repr, keys))} field")
+
+
+def to_float(value: Any) -> float:
+    """A JSON number (``null`` for a non-finite one: NaN) as a float."""
+    if value is None:
+        return math.nan
+    if isinstance(value, bool):
+        raise TypeError("a boolean is not a number")
+    return float(value)
+
+
+def _number(kind: str, field: str, value: Any) -> float:
+    try:
+        return to_float(value)
+    except (TypeError, ValueError):
+        raise fail(kind, f"{field} must be a number, not {_type(value)}") from None
+
+
+def number(kind: str, field: str, value: Any) -> float:
+    """``value`` as a float (``null``: NaN), or an error naming ``field``."""
+    return _number(kind, field, value)
+
+
+def numbers(kind: str, field: str, values: Any, length: int | None = None) -> list[float]:
+    """A JSON list of numbers (``null``: NaN), of ``length`` when given."""
+    if not isinstance(values, Sequence) or isinstance(values, (str, bytes)):
+        raise fail(kind, f"{field} must be a list of numbers, not {_type(values)}")
+    if length is not None and len(values) != length:
+        raise fail(kind, f"{field} must have {length} values, not {len(values)}")
+    try:
+        return [to_float(v) for v in values]
+    except (TypeError, ValueError):
+        raise fail(kind, f"{field} must be a list of numbers") from None
+
+
+def strings(kind: str, field: str, values: Any) -> list[str]:
+    """A JSON list of strings."""
+    if not isinstance(values, Sequence) or isinstance(values, (str, bytes)):
+        raise fail(kind, f"{field} must be a list of strings, not {_type(values)}")
+    return [str(v) for v in values]
+
+
+def matrix(kind: str, field: str, values: Any, rows: int, columns: int) -> list[list[float]]:
+    """A ``rows x columns`` JSON list of lists of numbers."""
+    if not isinstance(values, Sequence) or len(values) != rows:
+        size = len(values) if isinstance(values, Sequence) else _type(values)
+        raise fail(kind, f"{field} must have {rows} rows, not {size}")
+    return [numbers(kind, f"{field}[{i}]", row, columns) for i, row in enumerate(values)]
+
+
+def count_option(kind: str, field: str, value: Any, default: int | None) -> int | None:
+    """A positive integer option (``None``: no cap unless ``default``)."""
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise fail(kind, f"{field} must be a positive integer, not {value!r}")
+    return value
+
+
+def level_option(kind: str, value: Any) -> float:
+    """A CLs level in (0, 1)."""
+    level = _number(kind, "level", value)
+    if not 0.0 < level < 1.0:
+        raise fail(kind, f"level must be within (0, 1), not {value!r}")
+    return level
+
+
+def _type(value: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", type(None): "null"}.get(
+        type(value), type(value).__name__
+    )

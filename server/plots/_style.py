@@ -1,0 +1,260 @@
+"""The HEP look, applied per figure and per artist: no ``pyplot``, no rcParams, no style sheet.
+
+The values follow mplhep's ATLAS style (TeX Gyre Heros text, ticks inside on all four sides
+with minor ticks, axis labels at the axes' ends, frameless legends, the ATLAS colour
+sequence), but they are passed as arguments to each figure, axes and text, so rendering never
+changes what another figure in the process looks like. The only process-wide step is making
+mplhep's fonts known to matplotlib's font manager once, at import (additive: it changes no
+setting and no other figure's fonts).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from matplotlib import font_manager
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.font_manager import FontProperties
+
+#: text font, with fallbacks for glyphs it lacks (and for installs without mplhep's fonts)
+FONT_FAMILY: list[str] = ["TeX Gyre Heros", "DejaVu Sans"]
+#: the mathtext font set of every text (a per-text property; rcParams are not read for it)
+MATH_FONT = "stixsans"
+
+LABEL_SIZE = 14.0
+TICK_SIZE = 12.0
+LEGEND_SIZE = 11.0
+NOTE_SIZE = 9.0
+TITLE_SIZE = 15.0
+
+#: ATLAS colour sequence (arXiv:2107.02270, table 1), as mplhep's ``ATLAS1`` style
+COLORS: list[str] = [
+    "#3f90da",
+    "#ffa90e",
+    "#bd1f01",
+    "#94a4a2",
+    "#832db6",
+    "#a96b59",
+    "#e76300",
+    "#b9ac70",
+    "#717581",
+    "#92dadd",
+]
+#: further colours after :data:`COLORS` (mplhep's ATLAS2 sequence, then Tableau's)
+MORE_COLORS: list[str] = [
+    "#56b4e9",
+    "#009e73",
+    "#f0e442",
+    "#cc79a7",
+    "#0072b2",
+    "#d55e00",
+    "#e69f00",
+    "#17becf",
+    "#bcbd22",
+    "#7f7f7f",
+]
+
+
+def palette(n: int) -> list[str]:
+    """``n`` colours: the ATLAS ones first, then more; repeated beyond 20."""
+    colors = COLORS + MORE_COLORS
+    return [colors[i % len(colors)] for i in range(n)]
+
+
+#: the expected bands of limit plots ("Brazil" green and yellow) and pull plots
+BAND_1SIGMA = "#00e000"
+BAND_2SIGMA = "#ffee00"
+OBSERVED = "black"
+EXPECTED = "black"
+LEVEL_LINE = "#d00000"
+
+_FONTS_LOCK = threading.Lock()
+_fonts_registered = False
+
+
+def _font_files() -> list[Path]:
+    """mplhep's TeX Gyre Heros files (in ``mplhep_data`` or, for older mplhep, in mplhep)."""
+    roots: list[Path] = []
+    try:
+        import mplhep_data
+
+        roots.append(Path(mplhep_data.__file__).parent / "fonts")
+    except ImportError:
+        pass
+    try:  # older mplhep ship their fonts themselves; find the package without importing it
+        import importlib.util
+
+        spec = importlib.util.find_spec("mplhep")
+        if spec is not None and spec.origin is not None:
+            roots.append(Path(spec.origin).parent / "fonts")
+    except (ImportError, ValueError):
+        pass
+    files: list[Path] = []
+    for root in roots:
+        files.extend(sorted(root.glob("texgyreheros/texgyreheros-*.otf")))
+        if files:
+            break
+    return files
+
+
+def register_fonts() -> None:
+    """Make mplhep's TeX Gyre Heros known to matplotlib's font manager (once per process).
+
+    Without the files, text falls back to DejaVu Sans (matplotlib's own font)."""
+    global _fonts_registered
+    with _FONTS_LOCK:
+        if _fonts_registered:
+            return
+        known = {f.name for f in font_manager.fontManager.ttflist}
+        if "TeX Gyre Heros" not in known:
+            for path in _font_files():
+                if "heroscn" not in path.name:  # the condensed cut is another family
+                    font_manager.fontManager.addfont(str(path))
+            cached = getattr(font_manager.fontManager, "_findfont_cached", None)
+            clear = getattr(cached, "cache_clear", None)
+            if clear is not None:  # fonts looked up before now were cached without these
+                clear()
+        _fonts_registered = True
+
+
+def text_kw(size: float = LABEL_SIZE, **extra: Any) -> dict[str, Any]:
+    """Keyword arguments that give a text the HEP look."""
+    return {"fontfamily": FONT_FAMILY, "fontsize": size, "math_fontfamily": MATH_FONT, **extra}
+
+
+def font(size: float = LEGEND_SIZE, **extra: Any) -> FontProperties:
+    """A FontProperties of the HEP look (for legends)."""
+    return FontProperties(family=FONT_FAMILY, size=size, math_fontfamily=MATH_FONT, **extra)
+
+
+def new_figure(width: float, height: float, *, layout: str | None = "constrained") -> Figure:
+    """A white figure with its own Agg canvas (``pyplot`` keeps no reference to it)."""
+    fig = Figure(figsize=(width, height), dpi=100, facecolor="white", layout=layout)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def style_axes(
+    ax: Axes,
+    *,
+    minor_x: bool = True,
+    minor_y: bool = True,
+    tick_size: float = TICK_SIZE,
+    top: bool = True,
+    right: bool = True,
+) -> None:
+    """Ticks inside on all four sides, with minor ticks; tick labels in the HEP font."""
+    ax.tick_params(
+        which="both",
+        direction="in",
+        top=top,
+        right=right,
+        bottom=True,
+        left=True,
+        labelsize=tick_size,
+        labelfontfamily=FONT_FAMILY,
+    )
+    ax.tick_params(which="major", length=7, width=1.0)
+    ax.tick_params(which="minor", length=3.5, width=0.8)
+    if minor_x:
+        ax.xaxis.set_minor_locator(_auto_minor(ax, "x"))
+    if minor_y:
+        ax.yaxis.set_minor_locator(_auto_minor(ax, "y"))
+    for spine in ax.spines.values():
+        spine.set_linewidth(1.0)
+    for offset in (ax.xaxis.get_offset_text(), ax.yaxis.get_offset_text()):
+        offset.set_fontfamily(FONT_FAMILY)
+        offset.set_fontsize(tick_size * 0.9)
+
+
+def _auto_minor(ax: Axes, which: str):
+    from matplotlib.ticker import AutoMinorLocator, LogLocator
+
+    scale = ax.get_xscale() if which == "x" else ax.get_yscale()
+    if scale == "log":
+        return LogLocator(base=10.0, subs=tuple(range(2, 10)), numticks=12)
+    return AutoMinorLocator()
+
+
+def set_xlabel(ax: Axes, text: str, size: float = LABEL_SIZE) -> None:
+    """The x label, right-aligned at the axis end (HEP convention)."""
+    ax.set_xlabel(text, loc="right", **text_kw(size))
+
+
+def set_ylabel(ax: Axes, text: str, size: float = LABEL_SIZE) -> None:
+    """The y label, at the top of the axis (HEP convention)."""
+    ax.set_ylabel(text, loc="top", **text_kw(size))
+
+
+def legend(ax: Axes, *args: Any, size: float = LEGEND_SIZE, **kwargs: Any):
+    """A frameless legend in the HEP font."""
+    kwargs.setdefault("frameon", False)
+    kwargs.setdefault("loc", "best")
+    return ax.legend(*args, prop=font(size), **kwargs)
+
+
+def note(fig: Figure, lines: Sequence[str]) -> None:
+    """Small grey notes (what was skipped or capped) in the figure's lower left corner."""
+    lines = [line for line in lines if line]
+    if lines:
+        fig.text(
+            0.005,
+            0.005,
+            "\n".join(lines),
+            ha="left",
+            va="bottom",
+            color="0.35",
+            gid="plot-notes",
+            **text_kw(NOTE_SIZE),
+        )
+
+
+def experiment_label(ax: Axes, label: str | None, rlabel: str | None) -> None:
+    """mplhep-like labels drawn on ``ax`` itself: ``label`` top left inside the frame (its
+    first word bold italic, as "ATLAS Internal"), ``rlabel`` above the frame on the right
+    (e.g. "13 TeV, 139 fb⁻¹")."""
+    if label:
+        head, _, tail = label.partition(" ")
+        t = ax.text(
+            0.04,
+            0.96,
+            head,
+            transform=ax.transAxes,
+            ha="left",
+            va="top",
+            fontweight="bold",
+            fontstyle="italic",
+            **text_kw(LABEL_SIZE + 2),
+        )
+        if tail:
+            ax.annotate(
+                " " + tail,
+                xy=(1.0, 0.0),
+                xycoords=t,
+                ha="left",
+                va="bottom",
+                **text_kw(LABEL_SIZE + 2),
+            )
+    if rlabel:
+        ax.text(
+            1.0,
+            1.01,
+            rlabel,
+            transform=ax.transAxes,
+            ha="right",
+            va="bottom",
+            **text_kw(LABEL_SIZE - 1),
+        )
+
+
+def clamp(value: float, low: float, high: float) -> float:
+    """``value`` limited to ``[low, high]``."""
+    return max(low, min(high, value))
+
+
+register_fonts()

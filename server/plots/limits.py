@@ -1,0 +1,624 @@
+"""CLs limit plots: ``brazil`` (CLs versus the POI) and ``exclusion`` (CLs over a plane of
+signal-model parameters, from a patchset's answer)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from matplotlib.colors import LogNorm
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
+from matplotlib.tri import TriAnalyzer, Triangulation
+
+from . import _style
+from ._base import (
+    fail,
+    first_key,
+    level_option,
+    need,
+    number,
+    numbers,
+    one_patch,
+    register,
+    strings,
+)
+
+CLS_LABEL = "CL$_s$"
+_LOG_FLOOR = 1e-12
+
+
+@dataclass
+class ClsCurve:
+    """CLs tests of one signal hypothesis at several POI values (sorted by POI)."""
+
+    poi: np.ndarray  # [n]
+    obs: np.ndarray  # [n]
+    exp: np.ndarray  # [5, n]: -2, -1, 0, +1, +2 sigma (pyhf's order)
+
+    def limit(self, values: np.ndarray, level: float) -> float:
+        """The POI where ``values`` first fall to ``level`` (linear interpolation), or NaN."""
+        return crossing(self.poi, values, level)
+
+
+def crossing(x: np.ndarray, y: np.ndarray, level: float) -> float:
+    """First ``x`` where ``y`` falls from above ``level`` to at or below it, interpolated
+    linearly between the two points around it (NaN when it never does)."""
+    finite = np.isfinite(x) & np.isfinite(y)
+    x, y = x[finite], y[finite]
+    for i in range(1, len(x)):
+        if y[i - 1] > level >= y[i]:
+            t = (y[i - 1] - level) / (y[i - 1] - y[i])
+            return float(x[i - 1] + t * (x[i] - x[i - 1]))
+    return math.nan
+
+
+def crossings(x: np.ndarray, y: np.ndarray, level: float) -> list[float]:
+    """Every ``x`` where ``y`` crosses ``level`` (either way), interpolated linearly."""
+    out = []
+    for i in range(1, len(x)):
+        a, b = y[i - 1] - level, y[i] - level
+        if np.isfinite(a) and np.isfinite(b) and a * b < 0:
+            out.append(float(x[i - 1] + a / (a - b) * (x[i] - x[i - 1])))
+    return out
+
+
+def cls_entry(kind: str, entry: Any, where: str) -> tuple[float, list[float]]:
+    """``(CLs_obs, CLs_exp)`` of one CLs answer."""
+    obs = number(kind, f"{where}.CLs_obs", need(kind, entry, "CLs_obs", where))
+    exp = numbers(kind, f"{where}.CLs_exp", need(kind, entry, "CLs_exp", where), 5)
+    return obs, exp
+
+
+def _entry_poi(entry: Mapping[str, Any]) -> Any:
+    if "test_poi" in entry:
+        return entry["test_poi"]
+    meta = entry.get("meta")
+    return meta.get("test_poi") if isinstance(meta, Mapping) else None
+
+
+def _curve(kind: str, entries: Any, test_poi: Any, where: str) -> ClsCurve:
+    """A :class:`ClsCurve` from a list of CLs answers and their POI values."""
+    if not isinstance(entries, Sequence) or isinstance(entries, (str, bytes)) or not entries:
+        raise fail(kind, f"{where} must be a non-empty list of CLs results")
+    pairs = [cls_entry(kind, e, f"{where}[{i}]") for i, e in enumerate(entries)]
+    if test_poi is None:
+        found = [_entry_poi(e) for e in entries]
+        if any(p is None for p in found):
+            raise fail(
+                kind,
+                "the tested POI values are unknown: give the 'test_poi' option (the list "
+                "sent to POST /cls), or results whose meta has 'test_poi'",
+            )
+        test_poi = found
+    pois = numbers(kind, "test_poi", test_poi, len(pairs))
+    order = np.argsort(pois, kind="stable")
+    poi = np.asarray(pois)[order]
+    obs = np.asarray([p[0] for p in pairs])[order]
+    exp = np.asarray([p[1] for p in pairs]).T[:, order]
+    return ClsCurve(poi, obs, exp)
+
+
+_SCAN_KEYS = ("scan", "test_poi", "tested_pois", "poi_values")
+
+
+def _upper_limit_parts(kind: str, result: Mapping[str, Any]) -> tuple[float, list[float], Any]:
+    """(observed limit, expected limits, the scan's CLs curve or None) of an upper-limit
+    answer; the scan's CLs values are read when the answer carries them (``scan`` with
+    ``results``, or ``CLs_obs``/``CLs_exp`` lists)."""
+    obs = number(kind, "upper_limit_obs", result["upper_limit_obs"])
+    exp = numbers(kind, "upper_limit_exp", need(kind, result, "upper_limit_exp"), 5)
+    scan = next((result[k] for k in _SCAN_KEYS if k in result), None)
+    curve = None
+    if scan is not None:
+        if "results" in result:
+            curve = _curve(kind, result["results"], scan, "results")
+        else:
+            cls_obs = first_key(kind, result, ("CLs_obs", "cls_obs"), "the upper-limit result")
+            cls_exp = first_key(kind, result, ("CLs_exp", "cls_exp"), "the upper-limit result")
+            lengths = {len(v) if isinstance(v, Sequence) else -1 for v in (scan, cls_obs, cls_exp)}
+            if len(lengths) != 1:
+                raise fail(kind, "the scan, CLs_obs and CLs_exp of the result differ in length")
+            entries = [{"CLs_obs": o, "CLs_exp": e} for o, e in zip(cls_obs, cls_exp, strict=True)]
+            curve = _curve(kind, entries, scan, "the scan")
+    return obs, exp, curve
+
+
+@register(
+    "brazil",
+    "observed and expected CLs with 1σ/2σ bands versus the POI, the CLs level and the "
+    "upper limits (from a CLs list answer, or an upper-limit answer)",
+)
+def brazil(
+    result: Any,
+    *,
+    test_poi: Sequence[float] | None = None,
+    level: float | None = None,
+    upper_limit: Mapping[str, Any] | None = None,
+    xlabel: str = "μ",
+    log_y: bool = False,
+    patch: str | None = None,
+) -> Figure:
+    """CLs versus the tested POI, as pyhf's ``brazil`` plot, with the upper limits marked.
+
+    ``result``: a ``POST /cls`` answer for a list of ``test_poi`` (a list of
+    ``{CLs_obs, CLs_exp, meta}``; the POI values from the ``test_poi`` option or each
+    ``meta.test_poi``), or a ``POST /upper-limit`` answer (its limits drawn alone, or on its
+    scan's CLs values when it carries them). ``upper_limit``: an upper-limit answer whose
+    limits to mark on a CLs list (else they are interpolated from the curves). ``patch``:
+    the patch of a patchset answer ``{patch_name: [...]}`` to draw.
+    """
+    kind = "brazil"
+    if patch is not None or (isinstance(result, Mapping) and "results" not in result):
+        result = one_patch(kind, result, patch, "upper_limit_obs")
+    limits: tuple[float, list[float]] | None = None
+    if isinstance(result, Mapping) and "upper_limit_obs" in result:
+        obs_limit, exp_limits, curve = _upper_limit_parts(kind, result)
+        limits = (obs_limit, exp_limits)
+        if level is None and "level" in result:
+            level = number(kind, "level", result["level"])
+        if curve is None:
+            return _limits_only(obs_limit, exp_limits, level_option(kind, level or 0.05), xlabel)
+    else:
+        entries = result
+        if isinstance(result, Mapping):  # {"test_poi": [...], "results": [...]}
+            entries = need(kind, result, "results")
+            test_poi = result.get("test_poi", test_poi)
+        curve = _curve(kind, entries, test_poi, "the result")
+    level = level_option(kind, 0.05 if level is None else level)
+    if upper_limit is not None:
+        obs_limit, exp_limits, _ = _upper_limit_parts(kind, upper_limit)
+        limits = (obs_limit, exp_limits)
+    interpolated = limits is None
+    if limits is None:
+        limits = (curve.limit(curve.obs, level), [curve.limit(e, level) for e in curve.exp])
+    return _brazil_figure(curve, level, limits, interpolated, xlabel, log_y)
+
+
+def _brazil_figure(
+    curve: ClsCurve,
+    level: float,
+    limits: tuple[float, list[float]],
+    interpolated: bool,
+    xlabel: str,
+    log_y: bool,
+) -> Figure:
+    fig = _style.new_figure(7.5, 5.5)
+    ax = fig.add_subplot()
+    x, exp = curve.poi, curve.exp
+    if log_y:
+        ax.set_yscale("log")
+    ax.fill_between(x, exp[0], exp[4], color=_style.BAND_2SIGMA, lw=0, label="Expected ±2σ")
+    ax.fill_between(x, exp[1], exp[3], color=_style.BAND_1SIGMA, lw=0, label="Expected ±1σ")
+    ax.plot(x, exp[2], color=_style.EXPECTED, ls="--", lw=2, label=f"Expected {CLS_LABEL}")
+    ax.plot(
+        x,
+        curve.obs,
+        color=_style.OBSERVED,
+        lw=2,
+        marker="o",
+        ms=4,
+        label=f"Observed {CLS_LABEL}",
+    )
+    ax.axhline(level, color=_style.LEVEL_LINE, lw=1.5, label=f"{CLS_LABEL} = {level:g}")
+    obs_limit, exp_limits = limits
+    how = " (interpolated)" if interpolated else ""
+    cl = f"{100 * (1 - level):g}% CL"
+    if math.isfinite(obs_limit):
+        ax.axvline(obs_limit, color=_style.OBSERVED, lw=1.2, ls=":", zorder=1)
+        ax.plot(
+            [obs_limit],
+            [level],
+            ls="none",
+            marker="v",
+            ms=9,
+            color=_style.LEVEL_LINE,
+            mec="black",
+            label=f"Observed {cl} limit{how}: {obs_limit:.3g}",
+        )
+    if len(exp_limits) == 5 and math.isfinite(exp_limits[2]):
+        median, lo, hi = exp_limits[2], exp_limits[1], exp_limits[3]
+        spread = (
+            f" (+{hi - median:#.2g} −{median - lo:#.2g})"
+            if math.isfinite(lo) and math.isfinite(hi)
+            else ""
+        )
+        ax.plot(
+            [median],
+            [level],
+            ls="none",
+            marker="v",
+            ms=9,
+            color="white",
+            mec="black",
+            label=f"Expected {cl} limit{how}: {median:.3g}{spread}",
+        )
+    ax.set_xlim(float(x[0]), float(x[-1]))
+    if not log_y:
+        ax.set_ylim(0.0, 1.05 * max(1.0, float(np.nanmax(exp[4]))) if exp.size else 1.05)
+    else:
+        floor = float(np.nanmin(np.where(exp[0] > 0, exp[0], np.nan), initial=level))
+        ax.set_ylim(max(min(floor, level) / 3, level * 1e-3), 1.5)
+    _style.style_axes(ax)
+    _style.set_xlabel(ax, xlabel)
+    _style.set_ylabel(ax, CLS_LABEL)
+    _legend_in_order(ax, "lower left" if log_y else "upper right")
+    return fig
+
+
+def _legend_in_order(ax, loc: str) -> None:
+    """Observed, expected, the bands, the level, then the limits: the usual order."""
+    handles, labels = ax.get_legend_handles_labels()
+    prefixes = (
+        "Observed CL",
+        "Expected CL",
+        "Expected ±1",
+        "Expected ±2",
+        "CL",
+        "Observed",
+        "Expected",
+    )
+    rank = [next((k for k, p in enumerate(prefixes) if lab.startswith(p)), 99) for lab in labels]
+    order = sorted(range(len(labels)), key=lambda i: rank[i])
+    _style.legend(ax, [handles[i] for i in order], [labels[i] for i in order], loc=loc)
+
+
+def _limits_only(obs: float, exp: list[float], level: float, xlabel: str) -> Figure:
+    """An upper-limit answer without the scan: its limits on the POI axis, with bands."""
+    fig = _style.new_figure(7.5, 3.0)
+    ax = fig.add_subplot()
+    ax.plot(
+        [obs],
+        [0.45],
+        marker="o",
+        ms=9,
+        color=_style.OBSERVED,
+        ls="none",
+        label=f"Observed: {obs:.3g}",
+    )
+    ax.plot(
+        [exp[2]] * 2,
+        [0.2, 0.7],
+        color=_style.EXPECTED,
+        ls="--",
+        lw=2,
+        label=f"Expected: {exp[2]:.3g}",
+    )
+    ax.barh(
+        0.45,
+        exp[3] - exp[1],
+        left=exp[1],
+        height=0.5,
+        color=_style.BAND_1SIGMA,
+        label="Expected ±1σ",
+        zorder=0.6,
+    )
+    ax.barh(
+        0.45,
+        exp[4] - exp[0],
+        left=exp[0],
+        height=0.5,
+        color=_style.BAND_2SIGMA,
+        label="Expected ±2σ",
+        zorder=0.5,
+    )
+    values = [v for v in [obs, *exp] if math.isfinite(v)]
+    if values:
+        lo, hi = min(values), max(values)
+        pad = 0.15 * (hi - lo or max(abs(hi), 1.0))
+        ax.set_xlim(max(0.0, lo - pad) if lo >= 0 else lo - pad, hi + pad)
+    ax.set_ylim(0, 1.15)
+    ax.set_yticks([])
+    _style.style_axes(ax, minor_y=False, right=False)
+    ax.tick_params(axis="y", left=False, right=False)
+    _style.set_xlabel(ax, f"{100 * (1 - level):g}% CL upper limit on {xlabel}")
+    _style.legend(ax, loc="upper center", ncols=4, size=_style.LEGEND_SIZE - 1)
+    return fig
+
+
+# ---------------------------------------------------------------------------- exclusion
+@dataclass
+class _Points:
+    names: list[str]
+    coords: np.ndarray  # [n, d]
+    obs: np.ndarray  # [n]
+    exp: np.ndarray  # [n, 5]
+
+
+def _patch_values(kind: str, values: Any, patchset: Any) -> tuple[dict[str, list[float]], Any]:
+    """``{patch: [values]}`` and the patchset's axis labels (None without a patchset)."""
+    if values is None and patchset is None:
+        raise fail(
+            kind,
+            "give the patches' coordinates: the 'values' option ({patch_name: [v1, v2]}, the "
+            "patchset's metadata values) or the 'patchset' option",
+        )
+    labels = None
+    if values is None:
+        patches = need(kind, patchset, "patches", "the patchset option")
+        values = {}
+        for i, patch in enumerate(patches):
+            meta = need(kind, patch, "metadata", f"patchset.patches[{i}]")
+            values[str(need(kind, meta, "name", f"patchset.patches[{i}].metadata"))] = need(
+                kind, meta, "values", f"patchset.patches[{i}].metadata"
+            )
+        meta = patchset.get("metadata")
+        if isinstance(meta, Mapping) and isinstance(meta.get("labels"), Sequence):
+            labels = [str(v) for v in meta["labels"]]
+    if not isinstance(values, Mapping):
+        raise fail(kind, "the values option must be an object {patch_name: [v1, v2]}")
+    out = {}
+    for name, vals in values.items():
+        vals = [vals] if isinstance(vals, (int, float)) else vals
+        out[str(name)] = numbers(kind, f"values[{name!r}]", vals)
+    return out, labels
+
+
+def _pick_entry(kind: str, name: str, entry: Any, test_poi: float) -> Any:
+    """A patch's CLs answer (for a list of test_poi, the one at ``test_poi``)."""
+    if isinstance(entry, Sequence) and not isinstance(entry, (str, bytes)):
+        for item in entry:
+            if isinstance(item, Mapping) and _entry_poi(item) == test_poi:
+                return item
+        raise fail(
+            kind,
+            f"patch {name!r} answered a list of test_poi without one at {test_poi:g} "
+            "(the test_poi option picks the tested value)",
+        )
+    return entry
+
+
+@register(
+    "exclusion",
+    "observed and expected CLs = level contours (1σ band) over the signal-parameter plane "
+    "from a patchset CLs answer, or CLs versus one parameter",
+)
+def exclusion(
+    result: Any,
+    *,
+    values: Mapping[str, Sequence[float]] | None = None,
+    patchset: Mapping[str, Any] | None = None,
+    labels: Sequence[str] | None = None,
+    axes: Sequence[int] | None = None,
+    level: float = 0.05,
+    test_poi: float = 1.0,
+    show_points: bool = True,
+) -> Figure:
+    """CLs of each patch of a patchset answer over the patches' coordinates.
+
+    ``values``: ``{patch_name: [v1, v2, ...]}`` (the patchset's metadata ``values``; or give
+    ``patchset`` itself); ``axes``: which two of them span the plane (default the first two;
+    one index, or one value per patch: CLs versus that value); ``labels``: the axis labels
+    (default the patchset's metadata ``labels``). Patches answered with an error, without
+    coordinates or with a non-finite CLs are skipped and counted in a note.
+    """
+    kind = "exclusion"
+    if not isinstance(result, Mapping) or not result:
+        raise fail(kind, "the result must be a patchset answer {patch_name: CLs result}")
+    level = level_option(kind, level)
+    coords, meta_labels = _patch_values(kind, values, patchset)
+    errors = missing = nonfinite = 0
+    names, points, obs, exp = [], [], [], []
+    for name, entry in result.items():
+        if name == "meta":
+            continue
+        if isinstance(entry, Mapping) and "error" in entry:
+            errors += 1
+            continue
+        entry = _pick_entry(kind, name, entry, float(test_poi))
+        o, e = cls_entry(kind, entry, f"result[{name!r}]")
+        if name not in coords:
+            missing += 1
+            continue
+        if not (math.isfinite(o) and all(math.isfinite(v) for v in e)):
+            nonfinite += 1
+            continue
+        names.append(name)
+        points.append(coords[name])
+        obs.append(o)
+        exp.append(e)
+    if not names:
+        raise fail(
+            kind,
+            f"no patch to draw: {errors} answered an error, {missing} have no values, "
+            f"{nonfinite} a non-finite CLs",
+        )
+    dims = {len(p) for p in points}
+    if len(dims) != 1:
+        raise fail(kind, "the patches' values differ in length")
+    (dim,) = dims
+    if axes is None:
+        axes = [0] if dim == 1 else [0, 1]
+    axes = [int(a) for a in (axes if isinstance(axes, Sequence) else [axes])]
+    if not 1 <= len(axes) <= 2 or any(not 0 <= a < dim for a in axes):
+        raise fail(kind, f"axes must be one or two indices into the {dim} values of a patch")
+    data = _Points(
+        names, np.asarray(points)[:, axes], np.clip(obs, _LOG_FLOOR, None), np.asarray(exp)
+    )
+    data.exp = np.clip(data.exp, _LOG_FLOOR, None)
+    if labels is None:
+        labels = [meta_labels[a] for a in axes] if meta_labels else [f"value {a}" for a in axes]
+    labels = strings(kind, "labels", labels)
+    if len(labels) < len(axes):
+        raise fail(kind, f"labels must name the {len(axes)} axes")
+    notes = []
+    if errors:
+        notes.append(f"{errors} patch{'es' if errors > 1 else ''} answered an error (skipped)")
+    if missing:
+        notes.append(f"{missing} patch{'es' if missing > 1 else ''} without values (skipped)")
+    if nonfinite:
+        notes.append(
+            f"{nonfinite} patch{'es' if nonfinite > 1 else ''} with non-finite CLs (skipped)"
+        )
+    if len(axes) == 1:
+        return _exclusion_1d(data, level, labels[0], notes)
+    return _exclusion_2d(data, level, labels, notes, show_points)
+
+
+def _exclusion_1d(data: _Points, level: float, xlabel: str, notes: list[str]) -> Figure:
+    order = np.argsort(data.coords[:, 0], kind="stable")
+    x = data.coords[order, 0]
+    obs, exp = data.obs[order], data.exp[order].T
+    shared = len(x) - len(np.unique(x))
+    line = "-" if shared == 0 else "none"  # points sharing a value: no curve through them
+    if shared:
+        notes.append(f"{shared} patches share a value with another: pick one slice")
+    fig = _style.new_figure(7.5, 5.5)
+    ax = fig.add_subplot()
+    ax.set_yscale("log")
+    if shared == 0:
+        ax.fill_between(x, exp[1], exp[3], color=_style.BAND_1SIGMA, lw=0, label="Expected ±1σ")
+    else:
+        ax.errorbar(
+            x,
+            exp[2],
+            yerr=[exp[2] - exp[1], exp[3] - exp[2]],
+            fmt="none",
+            ecolor=_style.BAND_1SIGMA,
+            lw=4,
+            label="Expected ±1σ",
+        )
+    ax.plot(
+        x,
+        exp[2],
+        color=_style.EXPECTED,
+        ls="--" if shared == 0 else "none",
+        marker="_" if shared else "none",
+        ms=10,
+        lw=2,
+        label=f"Expected {CLS_LABEL}",
+    )
+    ax.plot(
+        x,
+        obs,
+        color=_style.OBSERVED,
+        ls=line,
+        lw=2,
+        marker="o",
+        ms=4,
+        label=f"Observed {CLS_LABEL}",
+    )
+    ax.axhline(level, color=_style.LEVEL_LINE, lw=1.5, label=f"{CLS_LABEL} = {level:g}")
+    if shared == 0:
+        for values, marker, face in ((obs, "v", _style.LEVEL_LINE), (exp[2], "v", "white")):
+            where = crossings(x, values, level)
+            if where:
+                ax.plot(
+                    where,
+                    [level] * len(where),
+                    ls="none",
+                    marker=marker,
+                    ms=9,
+                    color=face,
+                    mec="black",
+                )
+    low = float(min(np.min(exp[1]), np.min(obs), level))
+    ax.set_ylim(max(low / 3, level * 1e-3), 2.0)
+    if len(x) > 1 and x[-1] > x[0]:
+        ax.set_xlim(float(x[0]), float(x[-1]))
+    _style.style_axes(ax)
+    _style.set_xlabel(ax, xlabel)
+    _style.set_ylabel(ax, CLS_LABEL)
+    _style.legend(ax, loc="best")
+    _style.note(fig, notes)
+    return fig
+
+
+def _triangulation(x: np.ndarray, y: np.ndarray) -> Triangulation | None:
+    """Delaunay triangles of the points in coordinates scaled to the unit square (masses of
+    very different ranges would otherwise give slivers), less the flat ones at the border."""
+    if len(x) < 3:
+        return None
+    span = [np.ptp(x) or 1.0, np.ptp(y) or 1.0]
+    try:
+        unit = Triangulation((x - x.min()) / span[0], (y - y.min()) / span[1])
+    except (ValueError, RuntimeError):  # collinear or too few distinct points
+        return None
+    unit.set_mask(TriAnalyzer(unit).get_flat_tri_mask(min_circle_ratio=0.02))
+    triangles = unit.get_masked_triangles()
+    if len(triangles) == 0:
+        return None
+    return Triangulation(x, y, triangles)
+
+
+def _exclusion_2d(
+    data: _Points, level: float, labels: list[str], notes: list[str], show_points: bool
+) -> Figure:
+    x, y = data.coords[:, 0].astype(float), data.coords[:, 1].astype(float)
+    fig = _style.new_figure(8.0, 6.5)
+    ax = fig.add_subplot()
+    log_level = math.log10(level)
+    log_obs = np.log10(data.obs)
+    log_exp = np.log10(data.exp).T  # [5, n]
+    tri = _triangulation(x, y)
+    handles: list[Any] = []
+    if tri is None:
+        notes.append("too few points (or all on a line) for contours")
+    else:
+        # inside the expected ±1σ band: CLs(-1σ) <= level <= CLs(+1σ)
+        band = np.maximum(log_exp[1] - log_level, log_level - log_exp[3])
+        if band.min() < 0:
+            ax.tricontourf(
+                tri, band, levels=[band.min() - 1.0, 0.0], colors=[_style.BAND_2SIGMA], zorder=1
+            ).set_gid("expected-band")
+            handles.append(Patch(color=_style.BAND_2SIGMA, label="Expected ±1σ"))
+        for values, style, gid, text in (
+            (
+                log_exp[2],
+                {"colors": "#1f3b99", "linestyles": "--", "linewidths": 2.5},
+                "expected-contour",
+                "Expected",
+            ),
+            (
+                log_obs,
+                {"colors": "#d00000", "linestyles": "-", "linewidths": 3},
+                "observed-contour",
+                "Observed",
+            ),
+        ):
+            if values.min() < log_level < values.max():
+                ax.tricontour(tri, values, levels=[log_level], zorder=3, **style).set_gid(gid)
+            else:
+                notes.append(f"{text} {CLS_LABEL} never crosses {level:g}: no contour")
+            handles.append(
+                Line2D(
+                    [],
+                    [],
+                    color=style["colors"],
+                    ls=style["linestyles"],
+                    lw=style["linewidths"],
+                    label=f"{text} limit ({CLS_LABEL} = {level:g})",
+                )
+            )
+    if show_points:
+        low = max(float(data.obs.min()), 1e-6)
+        points = ax.scatter(
+            x,
+            y,
+            c=data.obs,
+            cmap="viridis",
+            norm=LogNorm(vmin=min(low, level / 10), vmax=1.0),
+            s=36,
+            edgecolors="black",
+            linewidths=0.6,
+            zorder=4,
+            label="Tested points",
+        )
+        colorbar = fig.colorbar(points, ax=ax, pad=0.02)
+        colorbar.set_label(f"Observed {CLS_LABEL}", loc="top", **_style.text_kw())
+        _style.style_axes(colorbar.ax, minor_x=False, minor_y=False, top=False)
+        colorbar.ax.tick_params(which="both", direction="out", left=False, right=True)
+        handles.append(points)
+    pad_x, pad_y = 0.04 * (np.ptp(x) or 1.0), 0.04 * (np.ptp(y) or 1.0)
+    ax.set_xlim(x.min() - pad_x, x.max() + pad_x)
+    ax.set_ylim(y.min() - pad_y, y.max() + pad_y + 0.25 * (np.ptp(y) or 1.0))
+    _style.style_axes(ax)
+    _style.set_xlabel(ax, labels[0])
+    _style.set_ylabel(ax, labels[1])
+    _style.legend(ax, handles=handles, loc="upper left")
+    _style.note(fig, notes)
+    return fig

@@ -1,0 +1,409 @@
+"""The plot kinds of ``pyhf_gpu_server.plots``, drawn from real results of the shared ATLAS
+workspaces (fits, CLs scans, a patchset of published signal points, computed in-process) and
+from small hand-made JSON for the kinds whose operations are still being built (ranking,
+yields, scan): valid SVG and PNG with the expected text, sizes and content, contours where
+there should be, thread safety without global state, and errors naming the kind and field."""
+
+from __future__ import annotations
+
+import copy
+import io
+import threading
+import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
+
+import matplotlib
+import numpy as np
+import pytest
+import torch
+from conftest import WORKSPACES_DIR, load_json, load_patchset
+from matplotlib import _pylab_helpers
+from matplotlib.contour import ContourSet
+from matplotlib.image import imread
+
+from pyhf_gpu_server import inference, plots
+from pyhf_gpu_server.engine import HistFactoryModel
+
+pytestmark = pytest.mark.timeout(300)
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+SVG_NS = "{http://www.w3.org/2000/svg}"
+
+
+# ------------------------------------------------------------------------- real results
+@pytest.fixture(scope="module")
+def real() -> dict:
+    """Results computed in-process as the service computes them."""
+    out = {}
+    onshell = WORKSPACES_DIR / "atlas-susy-2019-09-3l-onshell"
+    workspace = load_json(onshell / "BkgOnly.json")
+    model = HistFactoryModel.from_patchset(
+        workspace, load_json(onshell / "patchset.json"), patch_names=["sig_s1_x1"]
+    )
+    out["fit"] = inference.fit(model).to_json(0)  # what POST /fit answers (less meta)
+    out["fit_workspace"] = workspace
+
+    sbottom = WORKSPACES_DIR / "atlas-susy-2018-31-sbottom-A"
+    background = load_json(sbottom / "BkgOnly.json")
+    model = HistFactoryModel.from_patchset(
+        background, load_json(sbottom / "patchset.json"), patch_names=["sig_s1_x8"]
+    )
+    pois = [0.1 * i for i in range(1, 16)]
+    tests = inference.hypotest(model, pois)
+    out["test_poi"] = pois
+    out["cls"] = [  # POST /cls with a list of test_poi: one result per value, meta.test_poi
+        {**tests.to_pyhf_json(i), "meta": {"test_poi": p}} for i, p in enumerate(pois)
+    ]
+    scan = torch.tensor(pois, dtype=model.dtype)  # the same shapes as the tests: quicker
+    out["upper_limit"] = inference.upper_limit(model, scan=scan).to_json(0)
+
+    published = load_patchset(sbottom / "patchset.hepdata.json.gz")
+    values = {p["metadata"]["name"]: p["metadata"]["values"] for p in published["patches"]}
+    names = [
+        n
+        for n, (m_sb, m_n2, m_n1) in values.items()
+        if m_n1 == 60 and m_sb in (1200, 1300, 1400, 1500) and m_n2 in (250, 450, 650, 850, 1050)
+    ]
+    assert len(names) == 20
+    model = HistFactoryModel.from_patchset(background, published, patch_names=names)
+    tests = inference.hypotest(model, 1.0)
+    patchset_answer = {n: tests.to_pyhf_json(i) for i, n in enumerate(names)}
+    patchset_answer["sbottom_1500_1495_60"] = {  # a patch the service could not test
+        "error": {"status": 422, "detail": "InvalidModel: no POI"}
+    }
+    out["patchset"] = patchset_answer
+    out["values"] = {n: values[n][:2] for n in names}
+    out["published"] = published
+    return out
+
+
+def ranking_json(fit: dict) -> dict:
+    """cabinetry-like ranking JSON over the fit's parameters (impacts made up)."""
+    labels, best, unc = [], [], []
+    for name, vals in fit["mle_parameters"].items():
+        for i, v in enumerate(vals):
+            labels.append(name if len(vals) == 1 else f"{name}[{i}]")
+            best.append(v)
+            unc.append(fit["uncertainties"][name][i])
+    impact = np.random.default_rng(7).lognormal(-3, 1, len(labels))
+    return {
+        "labels": labels,
+        "bestfit": best,
+        "uncertainty": unc,
+        "prefit_up": (1.2 * impact).tolist(),
+        "prefit_down": (-1.1 * impact).tolist(),
+        "postfit_up": impact.tolist(),
+        "postfit_down": (-0.9 * impact).tolist(),
+    }
+
+
+def yields_json(channels: int = 3, bins: int = 4) -> dict:
+    """Yields JSON of the documented shape: {prefit/postfit: {channel: {...}}}."""
+    rng = np.random.default_rng(3)
+    stage = {}
+    for c in range(channels):
+        samples = {
+            name: {"yields": (scale * rng.uniform(0.5, 1.5, bins)).tolist(), "stdev": [1.0] * bins}
+            for name, scale in (("ttbar", 40.0), ("W+jets", 15.0), ("diboson", 4.0))
+        }
+        total = np.sum([s["yields"] for s in samples.values()], axis=0)
+        stage[f"SR_{c}"] = {
+            "bins": [100.0 * i for i in range(bins + 1)],
+            "samples": samples,
+            "total": {"yields": total.tolist(), "stdev": (0.1 * total).tolist()},
+            "data": rng.poisson(total).tolist(),
+        }
+    return {"prefit": stage, "postfit": stage}
+
+
+SCAN_1D = {
+    "name": "mu_SIG",
+    "bestfit": 0.9,
+    "uncertainty": 0.4,
+    "parameter_values": np.linspace(-0.5, 2.5, 13).tolist(),
+    "delta_nlls": ((np.linspace(-0.5, 2.5, 13) - 0.9) ** 2 / 0.16).tolist(),
+}
+
+
+def scan_2d() -> dict:
+    x, y = np.linspace(0, 2, 21), np.linspace(0.5, 1.5, 17)
+    gx, gy = np.meshgrid(x, y, indexing="ij")
+    z = ((gx - 1) / 0.3) ** 2 + ((gy - 1) / 0.15) ** 2
+    return {
+        "parameters": ["mu_SIG", "mu_ttbar"],
+        "values_x": x.tolist(),
+        "values_y": y.tolist(),
+        "delta_nlls": z.tolist(),
+    }
+
+
+def cases(real: dict) -> dict[str, tuple[str, object, dict, list[str]]]:
+    """name -> (kind, result, options, texts the SVG must contain)."""
+    fit = real["fit"]
+    return {
+        "brazil": (
+            "brazil",
+            real["cls"],
+            {"upper_limit": real["upper_limit"], "xlabel": "μ_SIG"},
+            ["μ_SIG", "Observed CL$_s$", "Expected ±2σ", "Observed 95% CL limit"],
+        ),
+        "brazil-upper-limit": (
+            "brazil",
+            real["upper_limit"],
+            {},
+            ["95% CL upper limit on μ", "Observed:"],
+        ),
+        "exclusion": (
+            "exclusion",
+            real["patchset"],
+            {"values": real["values"], "labels": ["m(b̃₁) [GeV]", "m(χ̃⁰₂) [GeV]"]},
+            ["m(b̃₁) [GeV]", "m(χ̃⁰₂) [GeV]", "Observed CL$_s$", "1 patch answered an error"],
+        ),
+        "pulls": (
+            "pulls",
+            fit,
+            {"workspace": real["fit_workspace"]},
+            ["COMB_MUON_MS", "lumi", "ON_staterror_SR1_WZ_cuts", r"\hat{\theta}"],
+        ),
+        "correlation": ("correlation", fit, {}, ["correlation", "max |ρ| ≥ 0.2"]),
+        "ranking": ("ranking", ranking_json(fit), {"poi_label": "μ_SIG"}, ["Δμ_SIG", "Pull"]),
+        "yields": (
+            "yields",
+            yields_json(),
+            {},
+            ["SR_0", "SR_2", "ttbar", "Data / Model", "Post-fit"],
+        ),
+        "scan": ("scan", SCAN_1D, {}, ["mu_SIG", "1σ", "2σ", r"-2\,\Delta\ln L"]),
+        "scan-2d": ("scan", scan_2d(), {}, ["mu_SIG", "mu_ttbar", "68% CL", "95% CL"]),
+    }
+
+
+CASE_NAMES = [
+    "brazil",
+    "brazil-upper-limit",
+    "exclusion",
+    "pulls",
+    "correlation",
+    "ranking",
+    "yields",
+    "scan",
+    "scan-2d",
+]
+
+
+def svg_texts(svg: bytes) -> tuple[ET.Element, str]:
+    """The parsed SVG and the text of its comments (matplotlib writes each text as a comment
+    above its glyph paths)."""
+    parser = ET.XMLParser(target=ET.TreeBuilder(insert_comments=True))
+    root = ET.fromstring(svg, parser=parser)
+    comments = [e.text or "" for e in root.iter() if e.tag is ET.Comment]
+    return root, "\n".join(comments)
+
+
+def decode_png(png: bytes) -> np.ndarray:
+    assert png.startswith(PNG_SIGNATURE)
+    return imread(io.BytesIO(png), format="png")
+
+
+# ----------------------------------------------------------------------------- the kinds
+@pytest.mark.parametrize("name", CASE_NAMES)
+def test_kind_renders_svg_and_png(real, name):
+    kind, result, options, texts = cases(real)[name]
+    svg = plots.render(kind, result, "svg", **options)
+    root, comments = svg_texts(svg)
+    assert root.tag == f"{SVG_NS}svg"
+    assert b"<svg" in svg
+    for text in texts:
+        assert text in comments, f"{text!r} not drawn in the {name} plot"
+
+    dpi = 40
+    png = plots.render(kind, result, "png", dpi=dpi, **options)
+    image = decode_png(png)
+    width, height = (float(root.get(k).removesuffix("pt")) / 72 for k in ("width", "height"))
+    assert abs(image.shape[0] - height * dpi) <= 1 and abs(image.shape[1] - width * dpi) <= 1
+    pixels = image[..., :3].reshape(-1, 3)
+    assert np.ptp(pixels, axis=0).max() > 0.5, "a single colour"
+    assert len(np.unique((pixels * 255).astype(np.uint8), axis=0)) > 20
+
+
+def test_png_size_follows_dpi_and_figsize(real):
+    png = plots.render("scan", SCAN_1D, "png", dpi=80, figsize=[5, 4])
+    assert decode_png(png).shape[:2] == (320, 400)
+    png = plots.render("brazil", real["cls"], "png", dpi=55.5)
+    image = decode_png(png)
+    assert abs(image.shape[1] - 7.5 * 55.5) <= 1 and abs(image.shape[0] - 5.5 * 55.5) <= 1
+
+
+def _contour_paths(fig) -> dict[str, int]:
+    """gid -> vertices of the figure's contour sets."""
+    out = {}
+    for ax in fig.axes:
+        for artist in ax.collections:
+            if isinstance(artist, ContourSet):
+                out[artist.get_gid()] = sum(len(p.vertices) for p in artist.get_paths())
+    return out
+
+
+def test_exclusion_draws_contours_from_real_cls(real):
+    kind, result, options, _ = cases(real)["exclusion"]
+    contours = _contour_paths(plots.figure(kind, result, **options))
+    for gid in ("observed-contour", "expected-contour", "expected-band"):
+        assert contours.get(gid, 0) > 4, (gid, contours)
+    root, _ = svg_texts(plots.render(kind, result, "svg", **options))
+    group = next(e for e in root.iter() if e.get("id") == "observed-contour")
+    assert any(e.tag == f"{SVG_NS}path" for e in group.iter())
+
+
+def test_exclusion_from_patchset_metadata_and_one_value(real):
+    # values and labels straight from the published patchset's metadata (three masses)
+    fig = plots.figure("exclusion", real["patchset"], patchset=real["published"])
+    ax = fig.axes[0]
+    assert (ax.get_xlabel(), ax.get_ylabel()) == ("m_sbottom", "m_neutralino2")
+    assert "1 patch answered an error (skipped)" in [t.get_text() for t in fig.texts]
+    # one value per patch: CLs versus it (a slice at m_sbottom = 1400)
+    values = {n: [v[1]] for n, v in real["values"].items() if v[0] == 1400}
+    answer = {n: real["patchset"][n] for n in values}
+    svg = plots.render("exclusion", answer, "svg", values=values, labels=["m(χ̃⁰₂)"])
+    assert "Observed CL$_s$" in svg_texts(svg)[1]
+
+
+def test_brazil_inputs(real):
+    # an upper-limit answer that carries its scan's CLs values draws the curves on it
+    answer = {
+        **real["upper_limit"],
+        "scan": real["test_poi"],
+        "CLs_obs": [r["CLs_obs"] for r in real["cls"]],
+        "CLs_exp": [r["CLs_exp"] for r in real["cls"]],
+    }
+    labels = plots.figure("brazil", answer).axes[0].get_legend_handles_labels()[1]
+    assert "Observed CL$_s$" in labels
+    assert any(lab.startswith("Observed 95% CL limit: ") for lab in labels)
+    # a patchset answer {patch: [results]}: the patch option picks one
+    patchset = {"sig": real["cls"], "bad": {"error": {"status": 422, "detail": "no POI"}}}
+    plots.figure("brazil", patchset, patch="sig")
+    with pytest.raises(ValueError, match=r"brazil plot: .*'patch' option \(one of bad, sig"):
+        plots.figure("brazil", patchset)
+    with pytest.raises(ValueError, match=r"brazil plot: patch 'bad' answered an error"):
+        plots.figure("brazil", patchset, patch="bad")
+    # without limits, they are interpolated from the curves
+    labels = plots.figure("brazil", real["cls"]).axes[0].get_legend_handles_labels()[1]
+    assert any("(interpolated)" in lab for lab in labels)
+
+
+def test_scan_2d_contours():
+    contours = _contour_paths(plots.figure("scan", scan_2d()))
+    assert contours["contour-68"] > 4 and contours["contour-95"] > 4
+
+
+def test_pulls_choose_constrained_parameters(real):
+    fit = real["fit"]
+    ticks = lambda fig: [t.get_text() for t in fig.axes[0].get_yticklabels()]  # noqa: E731
+    exact = ticks(plots.figure("pulls", fit, workspace=real["fit_workspace"]))
+    assert "mu_SIG" not in exact and "mu_ON_WZSF_0j" not in exact  # POI and normfactor
+    assert "lumi" in exact and "ON_staterror_SR1_WZ_cuts" in exact
+    guessed = plots.figure("pulls", fit)
+    assert "mu_SIG" not in ticks(guessed) and "lumi" not in ticks(guessed)
+    assert any("guessed" in t.get_text() for t in guessed.texts)
+    capped = plots.figure("pulls", fit, workspace=real["fit_workspace"], top=25)
+    assert len(ticks(capped)) == 25
+    assert capped.get_size_inches()[1] < plots.figure("pulls", fit).get_size_inches()[1]
+    subset = ticks(plots.figure("pulls", fit, parameters=["COMB_MUON_MS", "TL_WZ_muR"]))
+    assert subset == ["COMB_MUON_MS", "TL_WZ_muR"]
+    assert plots.figure("pulls", fit).get_size_inches()[1] <= 24.0  # capped height
+
+
+def test_correlation_threshold_and_annotations(real):
+    fit = real["fit"]
+    labels = lambda fig: [t.get_text() for t in fig.axes[0].get_yticklabels()]  # noqa: E731
+    n = len(fit["corr_mat"])
+    default = plots.figure("correlation", fit)  # > 50 parameters: threshold 0.2
+    shown = len(labels(default))
+    assert 1 < shown < n
+    notes = [t.get_text() for t in default.texts]
+    assert f"{shown} of {n} parameters with max |ρ| ≥ 0.2" in notes
+    everything = plots.figure("correlation", fit, threshold=0)  # capped at the 80 most correlated
+    assert len(labels(everything)) == 80
+    assert not everything.axes[0].texts  # too many to write the values
+    few = plots.figure("correlation", fit, parameters=list(fit["mle_parameters"])[:8], threshold=0)
+    assert len(labels(few)) == 8
+    assert sum(t.get_text() == "1.00" for t in few.axes[0].texts) == 8  # annotated diagonal
+
+
+def test_ranking_top_and_yields_channels(real):
+    ranking = plots.figure("ranking", ranking_json(real["fit"]), top=7)
+    assert len(ranking.axes[0].get_yticklabels()) == 7
+    many = yields_json(channels=15, bins=2)
+    fig = plots.figure("yields", many, stage="prefit", max_channels=4)
+    assert len(fig.axes) == 8  # 4 channels x (main + ratio)
+    assert any("4 of 15 channels" in t.get_text() for t in fig.texts)
+    fig = plots.figure("yields", many, channels=["SR_3"])
+    assert len(fig.axes) == 2
+
+
+# ------------------------------------------------------------------- threads, no state
+def test_concurrent_rendering_is_identical_and_leaves_no_state(real):
+    kind, result, options, _ = cases(real)["exclusion"]
+    before = copy.deepcopy(dict(matplotlib.rcParams))
+    serial = plots.render(kind, result, "png", dpi=50, **options)
+    start = threading.Barrier(4)
+
+    def draw(_):
+        start.wait()
+        return plots.render(kind, result, "png", dpi=50, **options)
+
+    with ThreadPoolExecutor(4) as pool:
+        pngs = list(pool.map(draw, range(4)))
+    assert all(png == serial for png in pngs)
+
+    # different kinds at once match their serial renders (mathtext, contours, log axes)
+    jobs = [cases(real)[n] for n in ("brazil", "scan-2d", "pulls", "yields")]
+    alone = [plots.render(k, r, "png", dpi=40, **o) for k, r, o, _ in jobs]
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(lambda j: plots.render(j[0], j[1], "png", dpi=40, **j[2]), jobs))
+    assert together == alone
+
+    assert dict(matplotlib.rcParams) == before
+    assert _pylab_helpers.Gcf.get_num_fig_managers() == 0  # nothing registered with pyplot
+
+
+# -------------------------------------------------------------------------------- errors
+def test_unknown_kind_format_and_option():
+    with pytest.raises(ValueError, match=r"unknown plot kind 'histogram'.*brazil"):
+        plots.render("histogram", {}, "png")
+    with pytest.raises(ValueError, match=r"unknown format 'pdf'"):
+        plots.render("scan", SCAN_1D, "pdf")
+    with pytest.raises(ValueError, match=r"scan plot: unknown option 'colour'"):
+        plots.render("scan", SCAN_1D, "svg", colour="red")
+
+
+@pytest.mark.parametrize(
+    ("kind", "result", "options", "message"),
+    [
+        ("pulls", {"twice_nll": 1.0}, {}, r"pulls plot: .*'mle_parameters'"),
+        ("correlation", {"mle_parameters": {"a": [1.0]}}, {}, r"correlation plot: .*'corr_mat'"),
+        ("brazil", [{"CLs_obs": 0.1}], {"test_poi": [1.0]}, r"brazil plot: .*'CLs_exp'"),
+        ("brazil", [{"CLs_obs": 0.1, "CLs_exp": [0.1] * 5}], {}, r"brazil plot: .*test_poi"),
+        ("brazil", {"upper_limit_obs": 1.0}, {}, r"brazil plot: .*'upper_limit_exp'"),
+        (
+            "exclusion",
+            {"a": {"CLs_obs": 0.1, "CLs_exp": [0.1] * 5}},
+            {},
+            r"exclusion plot: .*values",
+        ),
+        ("exclusion", [1, 2], {"values": {}}, r"exclusion plot: .*patchset answer"),
+        (
+            "ranking",
+            {"labels": ["a"], "bestfit": [0.0], "uncertainty": [1.0]},
+            {},
+            r"ranking plot: .*'prefit_up'",
+        ),
+        ("yields", {"prefit": {"SR": {"data": [1]}}}, {}, r"yields plot: .*'samples'"),
+        ("scan", {"name": "mu", "parameter_values": [0, 1]}, {}, r"scan plot: .*'delta_nlls'"),
+        ("scan", {"parameters": ["a", "b"], "values_x": [0, 1]}, {}, r"scan plot: .*'values_y'"),
+        ("pulls", [1, 2], {}, r"pulls plot: .*fit answer"),
+        ("brazil", [{"CLs_obs": 0.1, "CLs_exp": [0.1] * 4}], {"test_poi": [1]}, r"5 values"),
+    ],
+)
+def test_wrong_results_name_kind_and_field(kind, result, options, message):
+    with pytest.raises(ValueError, match=message):
+        plots.render(kind, result, "png", **options)
