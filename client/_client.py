@@ -160,6 +160,7 @@ class _ClientBase:
         self,
         workspace: JSONSource,
         *,
+        goodness_of_fit: bool = False,
         measurement: str | None = None,
         patches: Sequence[Any] | None = None,
         patchset: JSONSource | None = None,
@@ -169,9 +170,11 @@ class _ClientBase:
         """Maximum-likelihood fit, as ``pyhf fit --value`` plus uncertainties (``POST /fit``).
 
         Returns a :class:`FitResult` (``{patch_name: FitResult}`` with a ``patchset``).
+        ``goodness_of_fit=True`` adds its saturated-model :class:`GoodnessOfFit` (cabinetry's).
         """
         body = p.build_options(
             "fit",
+            goodness_of_fit=goodness_of_fit or None,  # not sent unless asked for
             measurement=measurement,
             patches=patches,
             patchset=patchset,
@@ -246,6 +249,109 @@ class _ClientBase:
         return p.operation_flow("significance", workspace, body, self.config, self.state)
 
     @_api
+    def ranking(
+        self,
+        workspace: JSONSource,
+        *,
+        parameters: str | Sequence[str] | None = None,
+        top: int | None = None,
+        measurement: str | None = None,
+        patches: Sequence[Any] | None = None,
+        patchset: JSONSource | None = None,
+        patch_names: Sequence[str] | None = None,
+        **options: Any,
+    ) -> p.Flow[Result]:
+        """Impacts of nuisance parameters on the POI, with pulls and constraints
+        (``POST /ranking``, cabinetry's ``fit.ranking``).
+
+        Returns a :class:`RankingResult`, largest impact first (``{patch_name: ...}`` with a
+        ``patchset``). ``parameters``: labels to rank (``"lumi"``, ``"staterror_SR[0]"``;
+        default every free parameter but the POI); ``top``: only the largest ``top`` impacts.
+        """
+        body = p.build_options(
+            "ranking",
+            parameters=[parameters] if isinstance(parameters, str) else parameters,
+            top=top,
+            measurement=measurement,
+            patches=patches,
+            patchset=patchset,
+            patch_names=patch_names,
+            **options,
+        )
+        return p.operation_flow("ranking", workspace, body, self.config, self.state)
+
+    @_api
+    def scan(
+        self,
+        workspace: JSONSource,
+        parameter: str | None = None,
+        values: Sequence[float] | None = None,
+        range: Sequence[float] | None = None,
+        steps: int = 11,
+        *,
+        parameter_y: str | None = None,
+        values_y: Sequence[float] | None = None,
+        range_y: Sequence[float] | None = None,
+        steps_y: int = 11,
+        measurement: str | None = None,
+        patches: Sequence[Any] | None = None,
+        patchset: JSONSource | None = None,
+        patch_names: Sequence[str] | None = None,
+        **options: Any,
+    ) -> p.Flow[Result]:
+        """Profile-likelihood scan, ``-2 delta ln L`` over a grid (``POST /scan``,
+        cabinetry's ``fit.scan``).
+
+        ``parameter`` (default the POI) is scanned over ``values``, or ``steps`` evenly
+        spaced points of ``range = (low, high)``. With ``parameter_y`` / ``values_y`` /
+        ``range_y`` / ``steps_y`` a 2D scan over both grids. Returns a :class:`ScanResult` or
+        :class:`Scan2DResult` (``{patch_name: ...}`` with a ``patchset``).
+        """
+        body = p.build_options(
+            "scan",
+            parameter=parameter,
+            values=values,
+            range=range,
+            steps=steps,
+            parameter_y=parameter_y,
+            values_y=values_y,
+            range_y=range_y,
+            steps_y=steps_y,
+            measurement=measurement,
+            patches=patches,
+            patchset=patchset,
+            patch_names=patch_names,
+            **options,
+        )
+        return p.operation_flow("scan", workspace, body, self.config, self.state)
+
+    @_api
+    def yields(
+        self,
+        workspace: JSONSource,
+        *,
+        measurement: str | None = None,
+        patches: Sequence[Any] | None = None,
+        patchset: JSONSource | None = None,
+        patch_names: Sequence[str] | None = None,
+        **options: Any,
+    ) -> p.Flow[Result]:
+        """Pre- and post-fit yields per channel, sample and bin with uncertainties, and the
+        data (``POST /yields``, cabinetry's ``model_utils.prediction``).
+
+        Returns a :class:`YieldsResult` (``{patch_name: ...}`` with a ``patchset``).
+        """
+        body = p.build_options(
+            "yields",
+            measurement=measurement,
+            patches=patches,
+            patchset=patchset,
+            patch_names=patch_names,
+            **options,
+        )
+        return p.operation_flow("yields", workspace, body, self.config, self.state)
+
+    @_api
     def run_patchset(
         self,
         workspace: JSONSource,
@@ -276,7 +382,8 @@ class _ClientBase:
     ) -> p.Flow[Job]:
         """Queue ``operation`` as an asynchronous job (``POST /jobs``); returns the :class:`Job`.
 
-        ``options`` as for the blocking methods (``test_poi``, ``test_stat``, ``level``, ...).
+        ``options`` as for the blocking methods (``test_poi``, ``test_stat``, ``level``,
+        ``parameters``, ``top``, a scan's ``parameter``/``values``/``range``/``steps``, ...).
         """
         body = p.build_options(
             operation,

@@ -3,7 +3,9 @@
 ``pyhf-gpu-client cls WORKSPACE`` takes the options of ``pyhf cls`` and prints the same JSON
 (``indent=4, sort_keys=True``); ``--backend``, ``--optimizer`` and ``--optconf`` are accepted
 and ignored so that existing scripts run unchanged. Beyond pyhf: ``--patchset``, several
-``--test-poi`` values, ``upper-limit``, ``significance``, ``jobs``, ``health`` and ``info``.
+``--test-poi`` values, ``upper-limit``, ``significance``, cabinetry's ``ranking``, ``scan`` and
+``yields`` (``--format table|json|csv``), ``fit --goodness-of-fit``, ``jobs``, ``health`` and
+``info``.
 
 Exit codes: 0 success; 1 the server rejected or failed the request, a job failed, or the
 input could not be read; 2 usage error; 3 the server could not be reached or timed out.
@@ -11,6 +13,8 @@ input could not be read; 2 usage error; 3 the server could not be reached or tim
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -30,9 +34,9 @@ from .exceptions import (
     format_detail,
 )
 from .protocol import DEFAULT_SERVER, ENV_SERVER, ENV_TOKEN, MAX_SEED
-from .results import Job, patch_errors, result_to_json
+from .results import Job, YieldsResult, patch_errors, result_to_json
 
-__all__ = ["main", "parse_test_poi"]
+__all__ = ["format_yields_csv", "format_yields_table", "main", "parse_test_poi"]
 
 EXIT_FAILED = 1
 EXIT_UNREACHABLE = 3
@@ -185,6 +189,75 @@ def emit(obj: Any, output_file: str | None) -> None:
             json.dump(obj, out, indent=4, sort_keys=True)
 
 
+def emit_text(text: str, output_file: str | None) -> None:
+    """Print ``text`` as it is (a table, CSV), or write it to a file."""
+    if output_file is None:
+        click.echo(text, nl=False)
+    else:
+        with open(output_file, "w", encoding="utf-8", newline="") as out:
+            out.write(text)
+
+
+def _by_patch(result: Any) -> list[tuple[str | None, YieldsResult]]:
+    """``[(None, result)]`` for one result, ``[(patch, result), ...]`` for a patchset's."""
+    if isinstance(result, YieldsResult):
+        return [(None, result)]
+    return list(result.items())
+
+
+def text_table(rows: Sequence[dict[str, str]]) -> str:
+    """Aligned columns under a header line (the first column left, the others right)."""
+    headers = list(rows[0])
+    cells = [headers, *([row[h] for h in headers] for row in rows)]
+    widths = [max(len(line[c]) for line in cells) for c in range(len(headers))]
+
+    def line(values: Sequence[str]) -> str:
+        first, *rest = (
+            v.ljust(w) if c == 0 else v.rjust(w)
+            for c, (v, w) in enumerate(zip(values, widths, strict=True))
+        )
+        return "  ".join([first, *rest]).rstrip()
+
+    rule = ["-" * w for w in widths]
+    return "\n".join([line(headers), line(rule), *(line(c) for c in cells[1:])])
+
+
+def format_yields_table(result: Any, precision: int = 2) -> str:
+    """Yields as text tables, cabinetry's ``tabulate.yields`` layout: per fit (pre-, then
+    post-fit) and channel, one row per sample, ``total`` and ``data``, one column per bin and
+    the channel sum, ``value ± stdev``; a patchset's results one patch after the other."""
+    blocks = []
+    for patch, yields in _by_patch(result):
+        if patch is not None:
+            blocks.append(f"=== patch {patch} ===")
+        for fit in YieldsResult.FITS:
+            for channel, rows in yields.table(fit, precision).items():
+                blocks.append(f"{fit} yields, channel {channel}:\n{text_table(rows)}")
+    return "\n\n".join(blocks) + "\n"
+
+
+def format_yields_csv(result: Any) -> str:
+    """Yields as CSV: a header, then one row per (fit, channel, sample, bin) of
+    :meth:`YieldsResult.rows` (a first ``patch`` column for a patchset's results)."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    parts = _by_patch(result)
+    patched = not isinstance(result, YieldsResult)
+    writer.writerow((("patch",) if patched else ()) + YieldsResult.COLUMNS)
+    for patch, yields in parts:
+        for row in yields.rows():
+            values = ["" if v is None else v for v in row.values()]
+            writer.writerow(([patch] if patched else []) + values)
+    return out.getvalue()
+
+
+#: ``--format`` of yields: text formatters (``json`` is :func:`emit`'s)
+_FORMATS: dict[str, Callable[[Any], str]] = {
+    "table": format_yields_table,
+    "csv": format_yields_csv,
+}
+
+
 class Progress:
     """Job progress on stderr: a redrawn bar on a terminal, plain lines otherwise."""
 
@@ -228,7 +301,8 @@ class Progress:
 @click.version_option(version=__version__, prog_name="pyhf-gpu-client")
 @connection_options
 def main() -> None:
-    """pyhf's cls and fit, computed by a pyhf-gpu service.
+    """pyhf's cls and fit, and cabinetry's ranking, scan and yields, computed by a pyhf-gpu
+    service.
 
     A drop-in for `pyhf cls` / `pyhf fit`: same options, same JSON output. The server is
     --server or $PYHF_GPU_SERVER (default http://127.0.0.1:8000), the token --token or
@@ -349,6 +423,32 @@ def _common(kwargs: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _scan_axis(kwargs: dict[str, Any], suffix: str = "") -> dict[str, Any]:
+    """The client keywords of one scan axis (``suffix`` ``""``: x, ``"_y"``: y)."""
+
+    def flag(name: str) -> str:
+        return f"--{name}{suffix.replace('_', '-')}"
+
+    parameter, values = kwargs.get("parameter" + suffix), kwargs.get("values" + suffix)
+    bounds, steps = kwargs.get("range" + suffix), kwargs.get("steps" + suffix)
+    if values and bounds:
+        raise click.UsageError(f"give {flag('values')} or {flag('range')}, not both")
+    if steps is not None and not bounds:
+        raise click.UsageError(f"{flag('steps')} needs {flag('range')}")
+    if not values and not bounds:
+        if suffix and not parameter:
+            return {}  # a 1D scan
+        raise click.UsageError(f"give the grid: {flag('values')} or {flag('range')} LO HI")
+    out: dict[str, Any] = {"parameter" + suffix: parameter}
+    if values:
+        grid = parse_test_poi(values, flag("values"))
+        out["values" + suffix] = grid if isinstance(grid, list) else [grid]
+    else:
+        out["range" + suffix] = list(bounds)
+        out["steps" + suffix] = steps
+    return out
+
+
 def _operation_kwargs(operation: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     """All client keyword arguments for ``operation`` from the parsed CLI options."""
     out = _common(kwargs)
@@ -356,11 +456,17 @@ def _operation_kwargs(operation: str, kwargs: dict[str, Any]) -> dict[str, Any]:
         out.update(calctype=kwargs["calctype"], ntoys=kwargs.get("ntoys"), seed=kwargs.get("seed"))
     if operation == "cls":
         out.update(test_poi=parse_test_poi(kwargs["test_poi"]), test_stat=kwargs["test_stat"])
+    elif operation == "fit":
+        out["goodness_of_fit"] = True if kwargs.get("goodness_of_fit") else None
     elif operation == "upper-limit":
         out["level"] = kwargs.get("level")
         if kwargs.get("scan"):
             scan = parse_test_poi(kwargs["scan"], "--scan")
             out["scan"] = scan if isinstance(scan, list) else [scan]
+    elif operation == "ranking":
+        out.update(parameters=list(kwargs["parameter"]) or None, top=kwargs.get("top"))
+    elif operation == "scan":
+        out.update(_scan_axis(kwargs), **_scan_axis(kwargs, "_y"))
     return out
 
 
@@ -370,14 +476,18 @@ def _output(result: Any, kwargs: dict[str, Any]) -> None:
     failed = patch_errors(result)
     if failed:
         result = {name: r for name, r in result.items() if name not in failed}
-    emit(
-        result_to_json(
-            result,
-            value=bool(kwargs.get("value", True)),
-            uncertainties=bool(kwargs.get("uncertainties", False)),
-        ),
-        kwargs.get("output_file"),
-    )
+    text_format = _FORMATS.get(kwargs.get("format") or "json")
+    if text_format is not None:
+        emit_text(text_format(result), kwargs.get("output_file"))
+    else:
+        emit(
+            result_to_json(
+                result,
+                value=bool(kwargs.get("value", True)),
+                uncertainties=bool(kwargs.get("uncertainties", False)),
+            ),
+            kwargs.get("output_file"),
+        )
     for name, error in failed.items():
         click.echo(
             f"Warning: patch {name!r} was not tested ({error.status}): {error.detail}", err=True
@@ -391,6 +501,9 @@ _METHODS = {
     "fit": "fit",
     "upper-limit": "upper_limit",
     "significance": "significance",
+    "ranking": "ranking",
+    "scan": "scan",
+    "yields": "yields",
 }
 
 
@@ -436,7 +549,49 @@ _HELP = {
     "fit": "Perform a maximum likelihood fit for a given pyhf workspace (as `pyhf fit`).",
     "upper-limit": "Observed and expected upper limits on the POI (upper_limit_obs, upper_limit_exp, level).",
     "significance": "Discovery p-value and significance (p0, Z), observed and expected.",
+    "ranking": "Impacts of the nuisance parameters on the POI, pre- and post-fit, with pulls "
+    "and constraints (as cabinetry's ranking); largest impact first.",
+    "scan": "Profile-likelihood scan (-2 delta ln L) of a parameter over a grid, or of two "
+    "(--parameter-y ...) over a 2D grid (as cabinetry's scan).",
+    "yields": "Pre- and post-fit yields per channel, sample and bin with uncertainties, and "
+    "the data (as cabinetry's yield tables).",
 }
+
+
+def _scan_axis_options(f: Callable[..., Any], suffix: str = "") -> Callable[..., Any]:
+    """--parameter, --values, --range, --steps (``suffix`` "-y": the second axis)."""
+    axis = "the second axis (a 2D scan)" if suffix else "the scanned parameter"
+    decorators = [
+        click.option(
+            f"--parameter{suffix}",
+            default=None,
+            metavar="NAME",
+            help=f"Label of {axis}, e.g. lumi or staterror_SR[0] [default: the POI].",
+        ),
+        click.option(
+            f"--values{suffix}",
+            multiple=True,
+            metavar="VALUES",
+            help="Grid values, increasing: a comma list or start:stop:num (repeatable).",
+        ),
+        click.option(
+            f"--range{suffix}",
+            nargs=2,
+            type=float,
+            default=None,
+            metavar="LO HI",
+            help=f"An evenly spaced grid from LO to HI (with --steps{suffix}).",
+        ),
+        click.option(
+            f"--steps{suffix}",
+            type=click.IntRange(min=2),
+            default=None,
+            help=f"Grid points over --range{suffix} [server default 11].",
+        ),
+    ]
+    for decorator in reversed(decorators):
+        f = decorator(f)
+    return f
 
 
 def make_command(operation: str, submit: bool = False) -> click.Command:
@@ -470,6 +625,39 @@ def make_command(operation: str, submit: bool = False) -> click.Command:
             multiple=True,
             metavar="VALUES",
             help="POI values to scan: start:stop:num or a comma list [server: automatic].",
+        )(callback)
+    if operation == "fit":
+        callback = click.option(
+            "--goodness-of-fit",
+            is_flag=True,
+            help="Add the saturated-model goodness of fit: goodness_of_fit {p_value, "
+            "delta_twice_nll, ndof} (as cabinetry's).",
+        )(callback)
+    if operation == "ranking":
+        callback = click.option(
+            "--parameter",
+            multiple=True,
+            metavar="NAME",
+            help="Rank only this parameter (repeatable; a label such as lumi or "
+            "staterror_SR[0]) [default: every free parameter but the POI].",
+        )(callback)
+        callback = click.option(
+            "--top",
+            type=click.IntRange(min=1),
+            default=None,
+            metavar="N",
+            help="Only the N largest impacts.",
+        )(callback)
+    if operation == "scan":
+        callback = _scan_axis_options(_scan_axis_options(callback, "-y"))
+    if operation == "yields":
+        callback = click.option(
+            "--format",
+            type=click.Choice(["json", "table", "csv"]),
+            default="json",
+            show_default=True,
+            help="json: the server's JSON; table: aligned tables per fit and channel "
+            "(value ± stdev); csv: one row per fit, channel, sample and bin.",
         )(callback)
     if operation in ("cls", "fit"):
         callback = _compat_options(callback)

@@ -364,6 +364,60 @@ def has_workspace(workspace_id: str, config: ClientConfig) -> Flow[bool]:
     return True
 
 
+SCAN_AXIS = ("parameter", "values", "range", "steps")
+
+
+def scan_axis(
+    parameter: str | None = None,
+    values: Sequence[float] | None = None,
+    range: Sequence[float] | None = None,
+    steps: int | None = None,
+) -> dict[str, Any] | None:
+    """One axis of ``POST /scan`` (``{"parameter", "values"}`` or ``{"parameter", "range",
+    "steps"}``); None when neither a parameter nor a grid is given.
+
+    ``steps`` applies to ``range`` only (the server's default is 11).
+    """
+    if parameter is None and values is None and range is None:
+        return None
+    if (values is None) == (range is None):
+        what = f"the scan of {parameter!r}" if parameter else "a scan axis"
+        raise ValueError(f"{what} needs exactly one of values and range")
+    axis: dict[str, Any] = {} if parameter is None else {"parameter": str(parameter)}
+    if values is not None:
+        axis["values"] = [float(v) for v in values]
+        return axis
+    bounds = [float(v) for v in range]  # type: ignore[union-attr]
+    if len(bounds) != 2:
+        raise ValueError(f"a scan range is [low, high], not {list(range)!r}")  # type: ignore[arg-type]
+    axis["range"] = bounds
+    if steps is not None:
+        axis["steps"] = int(steps)
+    return axis
+
+
+def scan_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``x`` (and ``y``) axes of ``POST /scan`` from the client's keywords
+    ``parameter``, ``values``, ``range``, ``steps`` and their ``_y`` twins (axes given
+    ready-made as ``x``/``y`` pass through)."""
+    out = dict(options)
+    for axis, suffix in (("x", ""), ("y", "_y")):
+        built = scan_axis(**{key: out.pop(key + suffix, None) for key in SCAN_AXIS})
+        if built is not None:
+            if out.get(axis) is not None:
+                raise ValueError(f"give the {axis} axis either as {axis}= or by its keywords")
+            out[axis] = built
+    if out.get("x") is None:
+        raise ValueError("a scan needs its grid: values or range")
+    return out
+
+
+#: operations whose client keywords are not the server's fields as they are
+OPTION_BUILDERS: dict[str, Callable[[Mapping[str, Any]], dict[str, Any]]] = {
+    "scan": scan_options,
+}
+
+
 def build_options(
     operation: str,
     *,
@@ -376,10 +430,14 @@ def build_options(
     """The envelope fields other than the workspace, ``None`` values dropped.
 
     ``options`` are operation parameters such as ``test_poi`` (a number or a list),
-    ``test_stat``, ``calctype``, ``ntoys``, ``level``; they are passed through as given.
+    ``test_stat``, ``calctype``, ``ntoys``, ``level``; they are passed through as given, but
+    for those of :data:`OPTION_BUILDERS` (a scan's ``parameter``/``values``/``range``/``steps``
+    become its ``x`` and ``y`` axes).
     """
     if operation not in OPERATIONS:
         raise ValueError(f"unknown operation {operation!r}; one of {sorted(OPERATIONS)}")
+    if operation in OPTION_BUILDERS:
+        options = OPTION_BUILDERS[operation](options)
     body: dict[str, Any] = {}
     loaded = load_patches(patches)
     if loaded:

@@ -1,4 +1,5 @@
-"""Typed results. Each converts back to the JSON that pyhf's CLI prints (``to_pyhf_json``).
+"""Typed results. Each converts back to the JSON that pyhf's CLI prints (``to_pyhf_json``);
+those pyhf has no command for (ranking, scan, yields) to the server's JSON (``to_json``).
 
 The server's answers are parsed by :func:`parse_result`, which recognises the three shapes the
 service uses: one result (a JSON object with the operation's keys), a scan over several
@@ -8,19 +9,28 @@ service uses: one result (a JSON object with the operation's keys), a scan over 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 __all__ = [
     "OPERATIONS",
     "CLsResult",
+    "ChannelYields",
     "FitResult",
+    "GoodnessOfFit",
     "Job",
+    "PoiEstimate",
+    "RankingResult",
     "Result",
+    "SampleYields",
+    "Scan2DResult",
+    "ScanResult",
     "SignificanceResult",
     "UpperLimitResult",
+    "YieldsResult",
     "parse_result",
     "result_to_json",
 ]
@@ -31,6 +41,9 @@ OPERATIONS: dict[str, str] = {
     "fit": "/fit",
     "upper-limit": "/upper-limit",
     "significance": "/significance",
+    "ranking": "/ranking",
+    "scan": "/scan",
+    "yields": "/yields",
 }
 
 _META_KEYS = ("meta",)
@@ -49,6 +62,40 @@ def _floats(values: Any) -> list[float]:
 
 def _extra(data: Mapping[str, Any], known: tuple[str, ...]) -> dict[str, Any]:
     return {k: v for k, v in data.items() if k not in known and k not in _META_KEYS}
+
+
+def _json_value(value: Any) -> Any:
+    """A parsed value back to the server's JSON: NaN -> null (as the server sends it), nested
+    records by their ``to_json``."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, _Record):
+        return value.to_json()
+    if isinstance(value, (list, tuple)):
+        return [_json_value(v) for v in value]
+    if isinstance(value, Mapping):
+        return {k: _json_value(v) for k, v in value.items()}
+    return value
+
+
+class _Record:
+    """A result that mirrors the server's JSON field for field (dataclass fields, plus the
+    optional ``meta`` and ``extra``): :meth:`to_json` gives that JSON back.
+
+    Numbers the server sent as ``null`` are NaN here and ``null`` again in :meth:`to_json`.
+    """
+
+    KEY: ClassVar[str]
+
+    def to_json(self, meta: bool = True) -> dict[str, Any]:
+        """The server's JSON of this result (``meta`` included unless ``meta=False``)."""
+        out: dict[str, Any] = dict(getattr(self, "extra", None) or {})
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            if f.name not in ("meta", "extra"):
+                out[f.name] = _json_value(getattr(self, f.name))
+        if meta and getattr(self, "meta", None):
+            out["meta"] = dict(self.meta)  # type: ignore[attr-defined]
+        return out
 
 
 @dataclass
@@ -89,6 +136,30 @@ class CLsResult:
 
 
 @dataclass
+class GoodnessOfFit(_Record):
+    """Saturated-model goodness of fit of a fit (cabinetry's ``fit.goodness_of_fit``).
+
+    Attributes:
+        p_value: ``P(chi2_ndof >= delta_twice_nll)``; NaN (``null`` on the wire) if ``ndof <= 0``.
+        delta_twice_nll: -2 ln L of the fit minus the saturated model's.
+        ndof: main bins minus free unconstrained parameters.
+    """
+
+    p_value: float
+    delta_twice_nll: float
+    ndof: int
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> GoodnessOfFit:
+        """Parse the ``goodness_of_fit`` object of a ``POST /fit`` answer."""
+        return cls(
+            p_value=_float(data.get("p_value")),
+            delta_twice_nll=_float(data.get("delta_twice_nll")),
+            ndof=int(data["ndof"]),
+        )
+
+
+@dataclass
 class FitResult:
     """A maximum-likelihood fit, as ``pyhf fit --value`` reports it, plus uncertainties.
 
@@ -99,6 +170,7 @@ class FitResult:
         corr_mat: the correlation matrix (list of rows, pyhf's parameter order), if sent.
         meta: the server's ``meta`` object.
         extra: any further keys the server sent.
+        goodness_of_fit: the :class:`GoodnessOfFit`, when asked for (``goodness_of_fit=True``).
     """
 
     mle_parameters: dict[str, list[float]]
@@ -107,13 +179,14 @@ class FitResult:
     corr_mat: list[list[float]] | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    goodness_of_fit: GoodnessOfFit | None = None
 
     KEY: ClassVar[str] = "mle_parameters"
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> FitResult:
         """Parse one server answer of ``POST /fit``."""
-        unc = data.get("uncertainties")
+        unc, gof = data.get("uncertainties"), data.get("goodness_of_fit")
         return cls(
             mle_parameters={k: _floats(v) for k, v in data["mle_parameters"].items()},
             twice_nll=None if data.get("twice_nll") is None else _float(data["twice_nll"]),
@@ -122,13 +195,18 @@ class FitResult:
             if data.get("corr_mat") is None
             else [_floats(row) for row in data["corr_mat"]],
             meta=dict(data.get("meta") or {}),
-            extra=_extra(data, ("mle_parameters", "twice_nll", "uncertainties", "corr_mat")),
+            extra=_extra(
+                data,
+                ("mle_parameters", "twice_nll", "uncertainties", "corr_mat", "goodness_of_fit"),
+            ),
+            goodness_of_fit=None if gof is None else GoodnessOfFit.from_json(gof),
         )
 
     def to_pyhf_json(self, value: bool = True, uncertainties: bool = False) -> dict[str, Any]:
         """The keys of ``pyhf fit`` (``twice_nll`` only with ``value``, as ``--value`` does).
 
-        With ``uncertainties=True`` the ``uncertainties`` and ``corr_mat`` keys are added.
+        With ``uncertainties=True`` the ``uncertainties`` and ``corr_mat`` keys are added; the
+        ``goodness_of_fit`` object is whenever the server sent one (it was asked for).
         """
         out: dict[str, Any] = {
             "mle_parameters": {k: list(v) for k, v in self.mle_parameters.items()}
@@ -140,6 +218,8 @@ class FitResult:
                 out["uncertainties"] = {k: list(v) for k, v in self.uncertainties.items()}
             if self.corr_mat is not None:
                 out["corr_mat"] = [list(r) for r in self.corr_mat]
+        if self.goodness_of_fit is not None:
+            out["goodness_of_fit"] = self.goodness_of_fit.to_json()
         return out
 
     @property
@@ -248,6 +328,368 @@ class SignificanceResult:
 
 
 @dataclass
+class PoiEstimate(_Record):
+    """The POI's best fit and Hessian uncertainty (in a :class:`RankingResult`)."""
+
+    name: str
+    bestfit: float
+    uncertainty: float
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> PoiEstimate:
+        return cls(str(data["name"]), _float(data.get("bestfit")), _float(data.get("uncertainty")))
+
+
+@dataclass
+class RankingResult(_Record):
+    """Impacts of nuisance parameters on the POI (cabinetry's ``RankingResults``), one entry
+    per parameter in every list, largest impact first as the server sends them.
+
+    Attributes:
+        labels: parameter labels (``"lumi"``, ``"staterror_SR[0]"``).
+        bestfit, uncertainty: each parameter's best fit and Hessian uncertainty.
+        prefit_uncertainty: the width of its constraint term (0 when unconstrained).
+        prefit_up, prefit_down, postfit_up, postfit_down: the POI's shift when the parameter
+            is fixed at its best fit plus/minus its pre-/post-fit uncertainty and the POI refit.
+        pull, constraint: ``(bestfit - centre) / prefit_uncertainty`` and
+            ``uncertainty / prefit_uncertainty`` (NaN for unconstrained parameters).
+        fits_converged: whether all four refits of the parameter converged.
+        poi: the POI's :class:`PoiEstimate`.
+    """
+
+    labels: list[str]
+    bestfit: list[float]
+    uncertainty: list[float]
+    prefit_uncertainty: list[float]
+    prefit_up: list[float]
+    prefit_down: list[float]
+    postfit_up: list[float]
+    postfit_down: list[float]
+    pull: list[float]
+    constraint: list[float]
+    fits_converged: list[bool]
+    poi: PoiEstimate
+    meta: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    KEY: ClassVar[str] = "labels"
+    #: the per-parameter lists of numbers
+    NUMBERS: ClassVar[tuple[str, ...]] = (
+        "bestfit",
+        "uncertainty",
+        "prefit_uncertainty",
+        "prefit_up",
+        "prefit_down",
+        "postfit_up",
+        "postfit_down",
+        "pull",
+        "constraint",
+    )
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> RankingResult:
+        """Parse one server answer of ``POST /ranking``."""
+        labels = [str(label) for label in data["labels"]]
+        converged = data.get("fits_converged")
+        return cls(
+            labels=labels,
+            **{name: _floats(data[name]) for name in cls.NUMBERS},
+            fits_converged=[True] * len(labels)
+            if converged is None
+            else [bool(v) for v in converged],
+            poi=PoiEstimate.from_json(data["poi"]),
+            meta=dict(data.get("meta") or {}),
+            extra=_extra(data, ("labels", *cls.NUMBERS, "fits_converged", "poi")),
+        )
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def impacts(self, by: str = "postfit") -> list[float]:
+        """Per parameter, ``max(|up|, |down|)`` of its ``by`` (``"postfit"``/``"prefit"``)
+        impacts, the measure the ranking is sorted by."""
+        if by not in ("postfit", "prefit"):
+            raise ValueError(f"by must be 'postfit' or 'prefit', not {by!r}")
+        ups, downs = getattr(self, f"{by}_up"), getattr(self, f"{by}_down")
+        return [max(abs(u), abs(d)) for u, d in zip(ups, downs, strict=True)]
+
+    def select(self, indices: Iterable[int]) -> RankingResult:
+        """A ranking of only the parameters at ``indices``, in that order."""
+        chosen = list(indices)
+        lists = {name: getattr(self, name) for name in ("labels", *self.NUMBERS, "fits_converged")}
+        return dataclasses.replace(
+            self, **{name: [values[i] for i in chosen] for name, values in lists.items()}
+        )
+
+    def sorted(self, by: str = "postfit") -> RankingResult:
+        """Largest ``by`` impact first (NaN impacts last; ties keep their order)."""
+        impacts = self.impacts(by)
+        order = sorted(
+            range(len(self)), key=lambda i: -impacts[i] if not math.isnan(impacts[i]) else math.inf
+        )
+        return self.select(order)
+
+    def top(self, n: int, by: str = "postfit") -> RankingResult:
+        """The ``n`` parameters of largest ``by`` impact."""
+        return self.sorted(by).select(range(min(max(n, 0), len(self))))
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One dict per parameter: ``label`` and its value of every per-parameter list."""
+        names = (*self.NUMBERS, "fits_converged")
+        return [
+            {"label": label, **{name: getattr(self, name)[i] for name in names}}
+            for i, label in enumerate(self.labels)
+        ]
+
+    def parameter(self, label: str) -> dict[str, Any]:
+        """The :meth:`rows` entry of ``label`` (``KeyError`` if it was not ranked)."""
+        if label not in self.labels:
+            raise KeyError(label)
+        return self.rows()[self.labels.index(label)]
+
+
+@dataclass
+class ScanResult(_Record):
+    """A 1D profile-likelihood scan (cabinetry's ``ScanResults``).
+
+    Attributes:
+        name: the scanned parameter's label.
+        bestfit, uncertainty: its free-fit value and Hessian uncertainty.
+        parameter_values: the grid.
+        delta_nlls: ``-2 delta ln L`` at each grid value.
+    """
+
+    name: str
+    bestfit: float
+    uncertainty: float
+    parameter_values: list[float]
+    delta_nlls: list[float]
+    meta: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    KEY: ClassVar[str] = "delta_nlls"
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ScanResult:
+        """Parse one 1D answer of ``POST /scan``."""
+        return cls(
+            name=str(data["name"]),
+            bestfit=_float(data.get("bestfit")),
+            uncertainty=_float(data.get("uncertainty")),
+            parameter_values=_floats(data["parameter_values"]),
+            delta_nlls=_floats(data["delta_nlls"]),
+            meta=dict(data.get("meta") or {}),
+            extra=_extra(data, ("name", "bestfit", "uncertainty", *_SCAN_GRID)),
+        )
+
+    def points(self) -> list[tuple[float, float]]:
+        """``(value, delta_nll)`` per grid point."""
+        return list(zip(self.parameter_values, self.delta_nlls, strict=True))
+
+    def minimum(self) -> tuple[float, float]:
+        """The grid point ``(value, delta_nll)`` of the smallest ``delta_nll`` (NaN skipped)."""
+        return min(self.points(), key=lambda p: math.inf if math.isnan(p[1]) else p[1])
+
+
+@dataclass
+class Scan2DResult(_Record):
+    """A 2D profile-likelihood scan: ``delta_nlls[i][j]`` at
+    ``(parameter_values[0][i], parameter_values[1][j])``.
+
+    Attributes:
+        names: the two parameters' labels ``[x, y]``.
+        bestfit, uncertainty: their free-fit values and uncertainties ``[x, y]``.
+        correlation: their free-fit correlation.
+    """
+
+    names: list[str]
+    bestfit: list[float]
+    uncertainty: list[float]
+    correlation: float
+    parameter_values: list[list[float]]
+    delta_nlls: list[list[float]]
+    meta: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    KEY: ClassVar[str] = "names"
+
+    @classmethod
+    def matches(cls, data: Mapping[str, Any]) -> bool:
+        """Whether ``data`` is one 2D scan answer (a 1D one has ``name``)."""
+        return cls.KEY in data and ScanResult.KEY in data
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Scan2DResult:
+        """Parse one 2D answer of ``POST /scan``."""
+        return cls(
+            names=[str(n) for n in data["names"]],
+            bestfit=_floats(data["bestfit"]),
+            uncertainty=_floats(data["uncertainty"]),
+            correlation=_float(data.get("correlation")),
+            parameter_values=[_floats(axis) for axis in data["parameter_values"]],
+            delta_nlls=[_floats(row) for row in data["delta_nlls"]],
+            meta=dict(data.get("meta") or {}),
+            extra=_extra(data, ("names", "bestfit", "uncertainty", "correlation", *_SCAN_GRID)),
+        )
+
+    def points(self) -> list[tuple[float, float, float]]:
+        """``(x, y, delta_nll)`` per grid point, x outer."""
+        xs, ys = self.parameter_values
+        return [(x, y, self.delta_nlls[i][j]) for i, x in enumerate(xs) for j, y in enumerate(ys)]
+
+    def minimum(self) -> tuple[float, float, float]:
+        """The grid point ``(x, y, delta_nll)`` of the smallest ``delta_nll`` (NaN skipped)."""
+        return min(self.points(), key=lambda p: math.inf if math.isnan(p[2]) else p[2])
+
+
+_SCAN_GRID = ("parameter_values", "delta_nlls")
+
+
+@dataclass
+class SampleYields(_Record):
+    """One sample's (or the total's) yields in a channel, with uncertainties.
+
+    Attributes:
+        yields, stdev: per bin.
+        channel_yield, channel_stdev: summed over the channel's bins.
+    """
+
+    yields: list[float]
+    stdev: list[float]
+    channel_yield: float
+    channel_stdev: float
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> SampleYields:
+        return cls(
+            yields=_floats(data["yields"]),
+            stdev=_floats(data["stdev"]),
+            channel_yield=_float(data.get("channel_yield")),
+            channel_stdev=_float(data.get("channel_stdev")),
+        )
+
+
+@dataclass
+class ChannelYields(_Record):
+    """One channel of a :class:`YieldsResult`: every sample, their total and the data.
+
+    Attributes:
+        bins: the channel's number of bins.
+        samples: ``{sample: SampleYields}`` in the model's order.
+        total: the sum of the samples, with its uncertainty (correlations included).
+        data: observed counts per bin; ``channel_data`` their sum.
+    """
+
+    bins: int
+    samples: dict[str, SampleYields]
+    total: SampleYields
+    data: list[float]
+    channel_data: float
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ChannelYields:
+        return cls(
+            bins=int(data["bins"]),
+            samples={k: SampleYields.from_json(v) for k, v in data["samples"].items()},
+            total=SampleYields.from_json(data["total"]),
+            data=_floats(data["data"]),
+            channel_data=_float(data.get("channel_data")),
+        )
+
+    def rows(self) -> list[tuple[str, list[float], list[float] | None]]:
+        """``(sample, values, stdevs)`` for every sample, then ``total``, then ``data``
+        (without stdevs); each list has the bins and, last, the channel sum."""
+        out: list[tuple[str, list[float], list[float] | None]] = [
+            (name, [*s.yields, s.channel_yield], [*s.stdev, s.channel_stdev])
+            for name, s in [*self.samples.items(), ("total", self.total)]
+        ]
+        out.append(("data", [*self.data, self.channel_data], None))
+        return out
+
+    def table(self, precision: int = 2) -> list[dict[str, str]]:
+        """Rows for display, as cabinetry's ``tabulate.yields``: ``{"sample": name,
+        "bin 1": "12.30 ± 1.10", ..., "sum": ...}`` for every sample, ``total`` and ``data``."""
+        headers = [f"bin {b + 1}" for b in range(self.bins)] + ["sum"]
+        out = []
+        for name, values, stdevs in self.rows():
+            cells = [
+                f"{v:.{precision}f}" if stdevs is None else f"{v:.{precision}f} ± {e:.{precision}f}"
+                for v, e in zip(values, stdevs or values, strict=True)
+            ]
+            out.append({"sample": name, **dict(zip(headers, cells, strict=True))})
+        return out
+
+
+@dataclass
+class YieldsResult(_Record):
+    """Pre- and post-fit yields per channel, sample and bin (cabinetry's
+    ``model_utils.prediction``), with the data.
+
+    Attributes:
+        prefit: ``{channel: ChannelYields}`` at the pre-fit parameters and uncertainties.
+        postfit: the same at the best fit, with the fit's covariance.
+    """
+
+    prefit: dict[str, ChannelYields]
+    postfit: dict[str, ChannelYields]
+    meta: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    KEY: ClassVar[str] = "postfit"
+    FITS: ClassVar[tuple[str, str]] = ("prefit", "postfit")
+    #: the columns of :meth:`rows` (and of ``pyhf-gpu-client yields --format csv``)
+    COLUMNS: ClassVar[tuple[str, ...]] = ("fit", "channel", "sample", "bin", "yield", "stdev")
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> YieldsResult:
+        """Parse one server answer of ``POST /yields``."""
+        parts = {
+            fit: {name: ChannelYields.from_json(c) for name, c in data[fit].items()}
+            for fit in cls.FITS
+        }
+        return cls(**parts, meta=dict(data.get("meta") or {}), extra=_extra(data, cls.FITS))
+
+    @property
+    def channels(self) -> list[str]:
+        """The channels' names, in the model's order."""
+        return list(self.postfit)
+
+    def channel(self, name: str, fit: str = "postfit") -> ChannelYields:
+        """One channel's yields of ``fit`` (``"prefit"`` or ``"postfit"``)."""
+        return self._part(fit)[name]
+
+    def _part(self, fit: str) -> dict[str, ChannelYields]:
+        if fit not in self.FITS:
+            raise ValueError(f"fit must be 'prefit' or 'postfit', not {fit!r}")
+        return getattr(self, fit)
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One dict per (fit, channel, sample, bin), columns :attr:`COLUMNS`; the samples,
+        then ``total``, then ``data`` (``stdev`` None); ``bin`` counts from 0 (the index
+        into ``yields``), channel sums are left out."""
+        out = []
+        for fit in self.FITS:
+            for channel, yields in self._part(fit).items():
+                for sample, values, stdevs in yields.rows():
+                    for b in range(yields.bins):
+                        stdev = None if stdevs is None else stdevs[b]
+                        out.append(
+                            dict(
+                                zip(
+                                    self.COLUMNS,
+                                    (fit, channel, sample, b, values[b], stdev),
+                                    strict=True,
+                                )
+                            )
+                        )
+        return out
+
+    def table(self, fit: str = "postfit", precision: int = 2) -> dict[str, list[dict[str, str]]]:
+        """``{channel: ChannelYields.table()}`` of ``fit``: display rows per channel."""
+        return {name: c.table(precision) for name, c in self._part(fit).items()}
+
+
+@dataclass
 class PatchError:
     """A patch of a patchset that the server could not test (the others have results).
 
@@ -281,24 +723,41 @@ def patch_errors(result: Any) -> dict[str, PatchError]:
     return {name: r for name, r in result.items() if isinstance(r, PatchError)}
 
 
-Single = CLsResult | FitResult | UpperLimitResult | SignificanceResult
+Single = (
+    CLsResult
+    | FitResult
+    | UpperLimitResult
+    | SignificanceResult
+    | RankingResult
+    | ScanResult
+    | Scan2DResult
+    | YieldsResult
+)
 #: what every operation returns: one result, a list (a ``test_poi`` scan) or ``{patch: ...}``
 Result = Single | list[Any] | dict[str, Any]
 
-_CLASSES: dict[str, type] = {
-    "cls": CLsResult,
-    "fit": FitResult,
-    "upper-limit": UpperLimitResult,
-    "significance": SignificanceResult,
+#: the result classes of each operation, tried in order on one answer
+_CLASSES: dict[str, tuple[type, ...]] = {
+    "cls": (CLsResult,),
+    "fit": (FitResult,),
+    "upper-limit": (UpperLimitResult,),
+    "significance": (SignificanceResult,),
+    "ranking": (RankingResult,),
+    "scan": (Scan2DResult, ScanResult),
+    "yields": (YieldsResult,),
 }
 
 
-def _is_single(operation: str, data: Any) -> bool:
+def _single_class(operation: str, data: Any) -> type | None:
+    """The class of ``data`` when it is one result of ``operation`` (its ``matches``, else
+    its ``KEY`` in the object); None for a list or a patchset's ``{patch: ...}``."""
     if not isinstance(data, Mapping):
-        return False
-    if operation == "significance":
-        return SignificanceResult.matches(data)
-    return _CLASSES[operation].KEY in data
+        return None
+    for cls in _CLASSES[operation]:
+        matches = getattr(cls, "matches", None)
+        if matches(data) if matches is not None else cls.KEY in data:
+            return cls
+    return None
 
 
 def parse_result(operation: str, data: Any) -> Result:
@@ -309,8 +768,9 @@ def parse_result(operation: str, data: Any) -> Result:
     """
     if operation not in _CLASSES:
         raise ValueError(f"unknown operation {operation!r}; one of {sorted(_CLASSES)}")
-    if _is_single(operation, data):
-        return _CLASSES[operation].from_json(data)
+    single = _single_class(operation, data)
+    if single is not None:
+        return single.from_json(data)  # type: ignore[attr-defined]
     if isinstance(data, list):
         return [parse_result(operation, item) for item in data]
     if isinstance(data, Mapping):
@@ -329,13 +789,16 @@ def parse_result(operation: str, data: Any) -> Result:
 def result_to_json(result: Any, *, value: bool = True, uncertainties: bool = False) -> Any:
     """Convert a parsed result (one, a list or a ``{patch: ...}`` dict) back to pyhf's JSON.
 
-    In a scan (a list of :class:`CLsResult`) each entry also carries ``test_poi`` when known,
+    Results pyhf has no command for (ranking, scan, yields) are the server's JSON without
+    ``meta``. In a scan (a list of :class:`CLsResult`) each entry also carries ``test_poi`` when known,
     since pyhf has no output format for several hypotheses.
     """
     if isinstance(result, FitResult):
         return result.to_pyhf_json(value=value, uncertainties=uncertainties)
     if isinstance(result, (CLsResult, UpperLimitResult, SignificanceResult)):
         return result.to_pyhf_json()
+    if isinstance(result, _Record):
+        return result.to_json(meta=False)
     if isinstance(result, list):
         out = []
         for item in result:
@@ -361,7 +824,8 @@ class Job:
     Attributes:
         id: the job id.
         status: ``queued``, ``running``, ``succeeded``, ``failed`` or ``cancelled``.
-        operation: ``cls``, ``fit``, ``upper-limit`` or ``significance`` (when reported).
+        operation: ``cls``, ``fit``, ``upper-limit``, ``significance``, ``ranking``, ``scan``
+            or ``yields`` (when reported).
         progress: fraction done in [0, 1] when the server reports one, else ``None``.
         result: the parsed result once ``succeeded`` (see :func:`parse_result`).
         error: the server's reason once ``failed``.

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import csv
 import gzip
 import io
 import json
+import math
 from pathlib import Path
 
 import click
@@ -522,3 +524,354 @@ def test_dropped_connection_retried_only_when_idempotent():
     with make_client(service) as client, pytest.raises(pgc.TransportError):
         client.submit("cls", simple_workspace())
     assert len(service.requests) == 1
+
+
+# ------------------------------------------------------- ranking, scan, yields, goodness of fit
+
+META = {"device": "cpu", "converged": True}
+RANKING_ANSWER = {
+    "labels": ["lumi", "bkg_norm", "mu_bkg"],
+    "bestfit": [1.01, 0.2, 0.96],
+    "uncertainty": [0.02, 0.9, 0.13],
+    "prefit_uncertainty": [0.017, 1.0, 0.0],
+    "prefit_up": [0.05, -0.3, 0.0],
+    "prefit_down": [-0.04, 0.25, 0.0],
+    "postfit_up": [0.06, -0.2, None],
+    "postfit_down": [-0.05, 0.1, None],
+    "pull": [0.6, 0.2, None],
+    "constraint": [1.2, 0.9, None],
+    "fits_converged": [True, True, False],
+    "poi": {"name": "mu", "bestfit": 0.8, "uncertainty": 0.3},
+    "meta": META,
+}
+SCAN_ANSWER = {
+    "name": "mu",
+    "bestfit": 1.0,
+    "uncertainty": 0.5,
+    "parameter_values": [0.0, 1.0, 2.0],
+    "delta_nlls": [4.0, 0.0, 4.1],
+    "meta": META,
+}
+SCAN2D_ANSWER = {
+    "names": ["mu", "lumi"],
+    "bestfit": [1.0, 1.0],
+    "uncertainty": [0.5, 0.02],
+    "correlation": -0.1,
+    "parameter_values": [[0.0, 1.0], [0.98, 1.0, 1.02]],
+    "delta_nlls": [[5.0, 4.0, 5.1], [1.0, 0.0, None]],
+    "meta": META,
+}
+
+
+def _sample(yields, stdev):
+    return {
+        "yields": yields,
+        "stdev": stdev,
+        "channel_yield": sum(yields),
+        "channel_stdev": sum(stdev),
+    }
+
+
+def _channel(scale):
+    return {
+        "bins": 2,
+        "samples": {
+            "signal": _sample([1.0 * scale, 2.0 * scale], [0.1, 0.2]),
+            "background": _sample([10.0, 20.0], [1.0, 2.0]),
+        },
+        "total": _sample([10.0 + scale, 20.0 + 2 * scale], [1.1, 2.2]),
+        "data": [12.0, 21.0],
+        "channel_data": 33.0,
+    }
+
+
+YIELDS_ANSWER = {
+    "prefit": {"SR": _channel(1.0), "CR": _channel(0.0)},
+    "postfit": {"SR": _channel(0.5), "CR": _channel(0.0)},
+    "meta": META,
+}
+GOF = {"p_value": 0.25, "delta_twice_nll": 1.3, "ndof": 1}
+
+
+def _answering(**answers):
+    """A FakeService answering ``POST /<name>`` with ``answers[name]``."""
+    return FakeService(
+        script={f"POST /{name}": [httpx.Response(200, json=a)] for name, a in answers.items()}
+    )
+
+
+def test_ranking_scan_yields_request_bodies():
+    fit_answer = {"mle_parameters": {"mu": [0.5]}, "twice_nll": 3.0, "goodness_of_fit": GOF}
+    service = _answering(
+        ranking=RANKING_ANSWER, scan=SCAN_ANSWER, yields=YIELDS_ANSWER, fit=fit_answer
+    )
+    ws = simple_workspace()
+    with make_client(service) as client:
+        ranking = client.ranking(ws, parameters="lumi", top=2, measurement="m")
+        client.ranking(ws)
+        scan = client.scan(ws, range=(0, 2), steps=3)
+        client.scan(ws, "mu", values=[0, 1], parameter_y="lumi", range_y=[0.9, 1.1])
+        yields = client.yields(ws, patches=[[]])
+        fit = client.fit(ws, goodness_of_fit=True)
+        client.fit(ws)
+    bodies = [body_of(r) for r in service.requests]
+    assert service.paths() == ["POST /ranking"] * 2 + ["POST /scan"] * 2 + [
+        "POST /yields",
+        "POST /fit",
+        "POST /fit",
+    ]
+    assert {k: v for k, v in bodies[0].items() if k != "workspace"} == {
+        "parameters": ["lumi"],
+        "top": 2,
+        "measurement": "m",
+    }
+    assert set(bodies[1]) == {"workspace"}
+    assert bodies[2]["x"] == {"range": [0.0, 2.0], "steps": 3} and "y" not in bodies[2]
+    assert bodies[3]["x"] == {"parameter": "mu", "values": [0.0, 1.0]}  # no steps with values
+    assert bodies[3]["y"] == {"parameter": "lumi", "range": [0.9, 1.1], "steps": 11}
+    assert set(bodies[4]) == {"workspace", "patches"}
+    assert bodies[5]["goodness_of_fit"] is True
+    assert "goodness_of_fit" not in bodies[6]  # not sent unless asked for
+    assert isinstance(ranking, pgc.RankingResult) and ranking.to_json() == RANKING_ANSWER
+    assert isinstance(scan, pgc.ScanResult) and scan.to_json() == SCAN_ANSWER
+    assert isinstance(yields, pgc.YieldsResult) and yields.to_json() == YIELDS_ANSWER
+    assert fit.goodness_of_fit == pgc.GoodnessOfFit(p_value=0.25, delta_twice_nll=1.3, ndof=1)
+    assert fit.to_pyhf_json(value=False) == {
+        "mle_parameters": {"mu": [0.5]},
+        "goodness_of_fit": GOF,
+    }
+
+
+def test_scan_axes_are_checked_before_sending():
+    assert protocol.scan_options({"values": [0, 1], "steps": 11}) == {"x": {"values": [0.0, 1.0]}}
+    assert protocol.scan_options({"x": {"values": [0, 1]}, "steps_y": 11}) == {
+        "x": {"values": [0, 1]}
+    }
+    bad = [
+        {},
+        {"steps": 5},
+        {"parameter": "mu"},
+        {"values": [0, 1], "range": [0, 1]},
+        {"range": [0, 1, 2]},
+        {"values": [0, 1], "parameter_y": "lumi"},
+        {"x": {"values": [0, 1]}, "values": [0, 1]},
+    ]
+    service = FakeService()
+    with make_client(service) as client:
+        for options in bad:
+            with pytest.raises(ValueError):
+                client.scan(simple_workspace(), **options)
+    assert service.requests == []
+
+
+def test_ranking_accessors():
+    ranking = parse_result("ranking", RANKING_ANSWER)
+    assert ranking.poi == pgc.PoiEstimate("mu", 0.8, 0.3) and len(ranking) == 3
+    assert ranking.impacts()[:2] == [0.06, 0.2] and math.isnan(ranking.impacts()[2])
+    assert ranking.impacts("prefit") == [0.05, 0.3, 0.0]
+    assert ranking.sorted().labels == ["bkg_norm", "lumi", "mu_bkg"]  # NaN impacts last
+    top = ranking.top(1, by="prefit")
+    assert top.labels == ["bkg_norm"] and top.postfit_down == [0.1] and top.poi == ranking.poi
+    assert ranking.top(10).labels == ranking.sorted().labels
+    assert ranking.parameter("lumi")["pull"] == 0.6 and ranking.rows()[2]["fits_converged"] is False
+    with pytest.raises(KeyError):
+        ranking.parameter("nope")
+    # NaN back to null; no meta where pyhf-like output is wanted
+    assert result_to_json(ranking) == {k: v for k, v in RANKING_ANSWER.items() if k != "meta"}
+
+
+def test_scan_results_1d_and_2d():
+    one = parse_result("scan", SCAN_ANSWER)
+    assert one.minimum() == (1.0, 0.0) and one.points()[0] == (0.0, 4.0)
+    two = parse_result("scan", SCAN2D_ANSWER)
+    assert isinstance(two, pgc.Scan2DResult) and two.to_json() == SCAN2D_ANSWER
+    assert two.minimum() == (1.0, 1.0, 0.0) and len(two.points()) == 6
+    assert two.points()[2] == (0.0, 1.02, 5.1) and math.isnan(two.points()[5][2])
+    batch = parse_result(
+        "scan",
+        {"a": SCAN_ANSWER, "b": SCAN2D_ANSWER, "c": {"error": {"status": 422, "detail": "x"}}},
+    )
+    assert isinstance(batch["a"], pgc.ScanResult) and isinstance(batch["b"], pgc.Scan2DResult)
+    assert batch["c"] == pgc.PatchError(422, "x")
+
+
+def test_yields_result_rows_and_table():
+    yields = parse_result("yields", YIELDS_ANSWER)
+    assert yields.channels == ["SR", "CR"]
+    assert yields.channel("SR", "prefit").samples["signal"].yields == [1.0, 2.0]
+    rows = yields.rows()
+    # 2 fits x 2 channels x (2 samples + total + data) x 2 bins
+    assert len(rows) == 2 * 2 * 4 * 2
+    assert rows[0] == {
+        "fit": "prefit",
+        "channel": "SR",
+        "sample": "signal",
+        "bin": 0,
+        "yield": 1.0,
+        "stdev": 0.1,
+    }
+    assert rows[7] == {
+        "fit": "prefit",
+        "channel": "SR",
+        "sample": "data",
+        "bin": 1,
+        "yield": 21.0,
+        "stdev": None,
+    }
+    table = yields.table("postfit")
+    assert list(table) == ["SR", "CR"]
+    assert table["SR"][0] == {
+        "sample": "signal",
+        "bin 1": "0.50 ± 0.10",
+        "bin 2": "1.00 ± 0.20",
+        "sum": "1.50 ± 0.30",
+    }
+    assert table["SR"][-1] == {"sample": "data", "bin 1": "12.00", "bin 2": "21.00", "sum": "33.00"}
+    assert [r["sample"] for r in table["CR"]] == ["signal", "background", "total", "data"]
+    with pytest.raises(ValueError):
+        yields.table("fitted")
+
+
+def test_yields_csv_and_table_formatting():
+    yields = parse_result("yields", YIELDS_ANSWER)
+    text = cli.format_yields_csv(yields)
+    parsed = list(csv.DictReader(io.StringIO(text)))
+    assert len(parsed) == 32 and list(parsed[0]) == list(pgc.YieldsResult.COLUMNS)
+    assert parsed[7]["sample"] == "data" and parsed[7]["stdev"] == ""
+    assert float(parsed[0]["yield"]) == 1.0
+    batch = parse_result("yields", {"p1": YIELDS_ANSWER, "p2": YIELDS_ANSWER})
+    parsed = list(csv.DictReader(io.StringIO(cli.format_yields_csv(batch))))
+    assert len(parsed) == 64 and {r["patch"] for r in parsed} == {"p1", "p2"}
+    table = cli.format_yields_table(yields)
+    assert table.count("yields, channel") == 4
+    assert "prefit yields, channel SR:" in table and "postfit yields, channel CR:" in table
+    block = table.split("\n\n")[0].splitlines()
+    assert block[1].split() == ["sample", "bin", "1", "bin", "2", "sum"]
+    assert set(block[2]) == {"-", " "}
+    assert block[3].split() == [
+        "signal",
+        "1.00",
+        "±",
+        "0.10",
+        "2.00",
+        "±",
+        "0.20",
+        "3.00",
+        "±",
+        "0.30",
+    ]
+    assert len({len(line) for line in block[1:4]}) == 1  # aligned
+    assert "=== patch p2 ===" in cli.format_yields_table(batch)
+
+
+def test_new_jobs_parse_their_results():
+    job = Job.from_json(
+        {"id": "j", "status": "succeeded", "operation": "ranking", "result": RANKING_ANSWER}
+    )
+    assert isinstance(job.result, pgc.RankingResult)
+    job = Job.from_json(
+        {"id": "j", "status": "succeeded", "operation": "yields", "result": {"p": YIELDS_ANSWER}}
+    )
+    assert isinstance(job.result["p"], pgc.YieldsResult)
+    service = FakeService(
+        script={
+            "POST /jobs": [httpx.Response(202, json={"id": "j1", "status": "queued", "url": "/j"})]
+        }
+    )
+    with make_client(service) as client:
+        client.submit("scan", simple_workspace(), parameter="mu", range=[0, 2], steps=5)
+        client.submit("ranking", simple_workspace(), top=3)
+        client.submit("fit", simple_workspace(), goodness_of_fit=True)
+    bodies = [body_of(r) for r in service.requests]
+    assert bodies[0]["operation"] == "scan"
+    assert bodies[0]["x"] == {"parameter": "mu", "range": [0.0, 2.0], "steps": 5}
+    assert bodies[1]["top"] == 3 and bodies[2]["goodness_of_fit"] is True
+
+
+def test_async_client_has_the_new_operations():
+    service = _answering(ranking=RANKING_ANSWER, scan=SCAN2D_ANSWER, yields=YIELDS_ANSWER)
+
+    async def main():
+        async with pgc.AsyncClient("http://fake", transport=httpx.MockTransport(service)) as c:
+            return (
+                await c.ranking(simple_workspace(), parameters=["lumi", "bkg_norm"]),
+                await c.scan(simple_workspace(), values=[0, 1], values_y=[0, 1]),
+                await c.yields(simple_workspace()),
+            )
+
+    ranking, scan, yields = asyncio.run(main())
+    assert ranking.labels == RANKING_ANSWER["labels"] and scan.names == ["mu", "lumi"]
+    assert yields.to_json(meta=False) == {k: YIELDS_ANSWER[k] for k in ("prefit", "postfit")}
+    assert body_of(service.requests[1])["y"] == {"values": [0.0, 1.0]}
+    for name in ("ranking", "scan", "yields", "fit"):
+        assert getattr(pgc.AsyncClient, name).__doc__ == getattr(pgc.Client, name).__doc__
+    signature = pgc.AsyncClient.scan.signature  # the public one: no self, steps default 11
+    assert list(signature.parameters)[:5] == ["workspace", "parameter", "values", "range", "steps"]
+    assert signature.parameters["steps_y"].default == 11
+
+
+def test_cli_ranking_scan_yields_fit(monkeypatch, tmp_path):
+    fit_answer = {"mle_parameters": {"mu": [0.5]}, "twice_nll": 3.0, "goodness_of_fit": GOF}
+    service = _answering(
+        ranking=RANKING_ANSWER, scan=SCAN_ANSWER, yields=YIELDS_ANSWER, fit=fit_answer
+    )
+    monkeypatch.setattr(cli, "_client", mock_client_factory(service))
+    ws = tmp_path / "ws.json"
+    ws.write_text(json.dumps(simple_workspace()))
+    runner = CliRunner()
+
+    def run(*args):
+        res = runner.invoke(cli.main, [*args[:1], str(ws), *args[1:]])
+        assert res.exit_code == 0, res.output
+        return res.stdout
+
+    out = json.loads(run("ranking", "--parameter", "lumi", "--parameter", "bkg_norm", "--top", "2"))
+    assert out == {k: v for k, v in RANKING_ANSWER.items() if k != "meta"}
+    body = body_of(service.requests[-1])
+    assert body["parameters"] == ["lumi", "bkg_norm"] and body["top"] == 2
+    assert json.loads(run("scan", "--range", "0", "2", "--steps", "3"))["name"] == "mu"
+    assert body_of(service.requests[-1])["x"] == {"range": [0.0, 2.0], "steps": 3}
+    run(
+        "scan",
+        "--parameter",
+        "mu",
+        "--values",
+        "0:1:3",
+        "--parameter-y",
+        "lumi",
+        "--values-y",
+        "0.9,1.1",
+    )
+    body = body_of(service.requests[-1])
+    assert body["x"] == {"parameter": "mu", "values": [0.0, 0.5, 1.0]}
+    assert body["y"] == {"parameter": "lumi", "values": [0.9, 1.1]}
+    assert json.loads(run("yields")) == {k: YIELDS_ANSWER[k] for k in ("prefit", "postfit")}
+    assert run("yields", "--format", "table") == cli.format_yields_table(
+        parse_result("yields", YIELDS_ANSWER)
+    )
+    out = tmp_path / "yields.csv"
+    assert run("yields", "--format", "csv", "--output-file", str(out)) == ""
+    assert len(list(csv.DictReader(out.open(newline="")))) == 32
+    fit = json.loads(run("fit", "--goodness-of-fit"))
+    assert fit["goodness_of_fit"] == GOF and body_of(service.requests[-1])["goodness_of_fit"]
+    for args, message in [
+        (["scan"], "--values or --range"),
+        (["scan", "--values", "0,1", "--range", "0", "1"], "not both"),
+        (["scan", "--values", "0,1", "--steps", "3"], "--steps needs --range"),
+        (["scan", "--values", "0,1", "--parameter-y", "lumi"], "--values-y or --range-y"),
+        (["ranking", "--top", "0"], "--top"),
+        (["yields", "--format", "xml"], "--format"),
+    ]:
+        res = runner.invoke(cli.main, [args[0], str(ws), *args[1:]])
+        assert res.exit_code == 2 and message in res.output, res.output
+    submitted = {
+        "POST /jobs": [httpx.Response(202, json={"id": "j1", "status": "queued", "url": "/j"})]
+    }
+    service.script.update(submitted)
+    res = runner.invoke(cli.main, ["jobs", "submit", "scan", str(ws), "--values", "0,1"])
+    assert res.exit_code == 0 and res.output == "j1\n"
+    assert body_of(service.requests[-1]) == {
+        "operation": "scan",
+        "workspace": simple_workspace(),
+        "x": {"values": [0.0, 1.0]},
+    }
