@@ -205,6 +205,7 @@ def test_each_operation_runs_as_a_job_with_progress(client, operation, options):
         ("/scan", {"x": {"parameter": "nope", "range": [0, 1]}}, "'nope' is not in the model"),
         ("/scan", {"x": {"values": [0, 1], "range": [0, 1]}}, "exactly one of 'values'"),
         ("/scan", {"x": {"values": [1, 0]}}, "must increase"),
+        ("/scan", {"x": {"values": [0, 1], "steps": 3}}, "'steps' goes with 'range'"),
         ("/ranking", {"parameters": ["nope"]}, "'nope' is not in the model"),
         ("/ranking", {"parameters": ["mu_SIG"]}, "cannot be ranked against itself"),
     ],

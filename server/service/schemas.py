@@ -135,6 +135,8 @@ class ScanAxis(_Strict):
         """Exactly one of values and range, increasing."""
         if (self.values is None) == (self.range is None):
             raise ValueError("give exactly one of 'values' and 'range'")
+        if self.values is not None and "steps" in self.model_fields_set:
+            raise ValueError("'steps' goes with 'range', not with 'values'")
         grid = self.values or list(self.range or ())
         if any(b <= a for a, b in itertools.pairwise(grid)):
             raise ValueError("grid values must increase")
