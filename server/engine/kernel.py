@@ -188,6 +188,25 @@ def expected_main(
     return expected
 
 
+def variant_rates(
+    pars: torch.Tensor,
+    element: torch.Tensor,
+    main: MainTensors,
+    histosys_code: str,
+    normsys_code: str,
+) -> torch.Tensor:
+    """Rates ``[B, U + S, N]`` of every sample variant a row can see, unsummed: the ``U``
+    common variants (without their membership counts), then the row's element's ``S`` own
+    slots (zeros in empty slots). :func:`expected_main` is their weighted sum."""
+    rows, n_main = pars.shape[0], main.bins.shape[0]
+    parts = [torch.zeros(rows, 0, n_main, dtype=pars.dtype, device=pars.device)]
+    for block in _blocks(element, main):
+        if block.nominal.shape[1]:
+            f = _rate_factors(pars, block, histosys_code, normsys_code)
+            parts.append((f.base * f.normsys * f.multipliers).reshape(rows, -1, n_main))
+    return torch.cat(parts, dim=1)
+
+
 def expected_main_jacobian(
     pars: torch.Tensor,
     element: torch.Tensor,

@@ -48,9 +48,10 @@ from .kernel import (
     poisson_deviance,
     poisson_logpdf,
     poisson_saturated,
+    variant_rates,
 )
 from .layout import ElementLayout
-from .stacking import StackLayout
+from .stacking import StackLayout, _fingerprint
 from .translate import WorkspaceTranslator
 
 if TYPE_CHECKING:
@@ -319,6 +320,68 @@ class HistFactoryModel:
         return expected_main_jacobian(
             pars, element, self.main, self.histosys_code, self.normsys_code
         )
+
+    # ------------------------------------------------------------------ per sample
+    @property
+    def n_samples(self) -> int:
+        """The most samples any element has: the sample axis of :meth:`sample_rates`."""
+        return max(len(e.samples) for e in self.elements)
+
+    def sample_names(self, element: int) -> list[str]:
+        """``element``'s samples in pyhf's order (``config.samples``): :meth:`sample_rates`'
+        sample axis for its rows (padded with zero rates up to :attr:`n_samples`)."""
+        return [s.name for s in self.elements[element].samples]
+
+    def sample_rates(self, pars: torch.Tensor, element: torch.Tensor | None = None) -> torch.Tensor:
+        """Expected main rates per sample ``[B, S, N]`` for parameters ``[B, P]`` (pyhf's
+        ``main_model.expected_data(pars, return_by_sample=True)`` per row): sample ``s`` of a
+        row is the ``s``-th of its element's :meth:`sample_names`, zeros past its last one.
+        Summed over ``S`` it is ``expected_data(pars, element, include_auxdata=False)``.
+        Eager (never the compiled kernels); everything stays on the device."""
+        element = self.element_index(element, pars.shape[0])
+        rates = variant_rates(pars, element, self.main, self.histosys_code, self.normsys_code)
+        padded = torch.cat([rates, torch.zeros_like(rates.narrow(1, 0, 1))], dim=1)
+        index = self._sample_variant().index_select(0, element)  # [B, S]
+        index = index.unsqueeze(2).expand(-1, -1, self.n_main)
+        return padded.gather(1, index)
+
+    def _sample_variant(self) -> torch.Tensor:
+        """``[E, S]``: per element and sample, its position on :func:`variant_rates`' variant
+        axis (the padding position ``U + S_own`` past the element's last sample). Built on
+        first use: the variants of :class:`StackLayout` found again by their fingerprints."""
+        cached = self.__dict__.get("_sample_variant_index")
+        if cached is not None:
+            return cached
+        stack = self.stack
+        variant_of: dict[bytes, int] = {}
+        members = []
+        for element, columns in zip(stack.elements, stack.columns, strict=True):
+            used = []
+            for sample in element.samples:
+                key = _fingerprint(stack._remap(sample, element, columns))
+                used.append(variant_of.setdefault(key, len(variant_of)))
+            members.append(used)
+        everywhere = set.intersection(*(set(m) for m in members))
+        common = {u: i for i, u in enumerate(sorted(everywhere))}
+        n_common = len(common)
+        padding = n_common + stack.n_slots
+        index = np.full((self.n_elements, self.n_samples), padding, dtype=np.int64)
+        for e, used in enumerate(members):
+            own = 0
+            for s, u in enumerate(used):
+                if u in common:
+                    index[e, s] = common[u]
+                else:
+                    index[e, s] = n_common + own
+                    own += 1
+        if (
+            n_common != stack.n_common
+            or max((len(m) - sum(u in common for u in m) for m in members), default=0)
+            != stack.n_slots
+        ):
+            raise RuntimeError("sample variants do not match the stack layout")
+        self._sample_variant_index = self._tensor(index, torch.long)
+        return self._sample_variant_index
 
     def enable_compile(self, kernels: KernelCache) -> None:
         """Evaluate the main model through ``kernels`` (compiled per structure and batch

@@ -60,6 +60,7 @@ __all__ = [
     "fit_requests",
     "fit_rows",
     "fixed_poi_fit",
+    "hessian_uncertainties",
     "rows_data",
 ]
 
@@ -129,7 +130,7 @@ def rows_data(model: HistFactoryModel, data: Tensor | None, element) -> tuple[Te
             if element is None
             else as_index(model, element)
         )
-        return model.observed[idx], idx
+        return model.observed.index_select(0, idx), idx
     rows = torch.atleast_2d(as_float(model, data))
     idx = (
         torch.zeros(rows.shape[0], dtype=torch.long, device=model.device)
@@ -190,15 +191,14 @@ def covariance(hessian: Tensor, fixed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     >>> unc.tolist(), corr.tolist()
     ([[0.5, 0.0]], [[[1.0, 0.0], [0.0, 0.0]]])
     """
-    m = (~fixed).to(hessian.dtype)
+    free = fixed.logical_not().to(hessian.dtype)  # (``~`` and ``[:, None]`` of a device
+    both = free.unsqueeze(2) * free.unsqueeze(1)  # tensor fail under FakeTensorMode)
     eye = torch.eye(hessian.shape[-1], dtype=hessian.dtype, device=hessian.device)
-    Hm = 0.5 * hessian * (m[:, :, None] * m[:, None, :]) + eye * (1 - m)[:, None, :]
-    inverse, info = torch.linalg.inv_ex(Hm)
-    cov = inverse * (m[:, :, None] * m[:, None, :])
+    inverse, info = torch.linalg.inv_ex(0.5 * hessian * both + eye * (1 - free).unsqueeze(1))
+    cov = inverse * both
     cov = torch.where((info == 0).view(-1, 1, 1), cov, torch.full_like(cov, torch.nan))
-    var = cov.diagonal(dim1=-2, dim2=-1)
-    unc = torch.sqrt(var)
-    denom = unc[:, :, None] * unc[:, None, :]
+    unc = torch.sqrt(cov.diagonal(dim1=-2, dim2=-1))
+    denom = unc.unsqueeze(2) * unc.unsqueeze(1)
     corr = torch.where(denom > 0, cov / denom, torch.zeros_like(cov))
     return unc, corr, cov
 
@@ -303,6 +303,30 @@ def _settle_kinks(
     return settled, K
 
 
+def hessian_uncertainties(
+    model: HistFactoryModel,
+    data: Tensor,
+    element: Tensor,
+    x: Tensor,
+    fixed: Tensor,
+    options: FitOptions,
+) -> tuple[Tensor, Tensor]:
+    """Uncertainties ``[B, P]`` and correlations ``[B, P, P]`` from the exact Hessian of
+    ``-2 log L`` at the minima ``x [B, P]`` (:func:`covariance`), in chunks of
+    ``options.max_rows`` rows."""
+    uncertainties, correlations = [], []
+    for start in range(0, x.shape[0], options.max_rows):
+        n = min(options.max_rows, x.shape[0] - start)
+        objective = TwiceNLL(
+            model, data.narrow(0, start, n), element.narrow(0, start, n), options.curvature
+        )
+        hessian = objective.hessian(x.narrow(0, start, n), torch.arange(n, device=x.device))
+        unc, corr, _ = covariance(hessian, fixed.narrow(0, start, n))
+        uncertainties.append(unc)
+        correlations.append(corr)
+    return torch.cat(uncertainties), torch.cat(correlations)
+
+
 def fit_rows(
     model: HistFactoryModel,
     data: Tensor,
@@ -331,13 +355,7 @@ def fit_rows(
     result, status = _global_minima(model, data, element, bounds, fixed, first, options)
     x = result.x
     if uncertainties:
-        hessians = []
-        for start in range(0, B, options.max_rows):
-            sl = slice(start, start + options.max_rows)
-            objective = TwiceNLL(model, data[sl], element[sl], options.curvature)
-            rows = torch.arange(x[sl].shape[0], device=x.device)
-            hessians.append(objective.hessian(x[sl], rows))
-        unc, corr, _ = covariance(torch.cat(hessians), fixed)
+        unc, corr = hessian_uncertainties(model, data, element, x, fixed, options)
     else:
         unc = torch.full_like(x, torch.nan)
         corr = torch.full((B, P, P), torch.nan, dtype=x.dtype, device=x.device)

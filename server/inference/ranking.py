@@ -1,0 +1,373 @@
+"""Nuisance-parameter ranking (cabinetry's ``fit.ranking``), batched over rows and parameters.
+
+For every row (an element of the model and its dataset) the free fit gives the best fit
+``theta_hat`` and, from the exact Hessian, the post-fit uncertainties ``sigma_post``; the
+pre-fit uncertainties ``sigma_pre`` are the widths of the constraint terms, as cabinetry's
+``model_utils.prefit_uncertainties``: a Normal constraint's sigma (1 for normsys/histosys,
+the lumi sigma, a staterror's relative uncertainty), ``1 / sqrt(tau)`` for a Poisson one
+(shapesys), and 0 for unconstrained (normfactor, shapefactor) and fixed parameters.
+
+Then, for every ranked parameter of the row (each free, non-POI parameter of the row's own
+element, or a named subset), the POI is refitted with that parameter fixed at
+``theta_hat +/- sigma_pre`` and at ``theta_hat +/- sigma_post``; the impacts are those
+refits' POI less the best-fit POI. All these conditional fits, over every row and every
+parameter, run as ONE batched :func:`~pyhf_gpu_server.inference.mle.fit_rows` call, each
+started at its row's best fit. As cabinetry, a parameter with ``sigma_pre = 0`` gets pre-fit
+impacts 0 without a fit. A fixed value outside the parameter's bounds (say, a post-fit
+``theta_hat - sigma_post`` below 0 for a poorly constrained gamma) is moved onto the bound, as
+MINUIT moves it (pyhf, and so cabinetry's ranking, refuses such a start point with a
+ValueError).
+
+Example:
+    >>> import pyhf
+    >>> from pyhf_gpu_server.engine import HistFactoryModel
+    >>> spec = pyhf.simplemodels.uncorrelated_background([12.0, 11.0], [50.0, 52.0], [3.0, 7.0]).spec
+    >>> ws = {**spec, "observations": [{"name": "singlechannel", "data": [62.0, 61.0]}],
+    ...       "measurements": [{"name": "m", "config": {"poi": "mu", "parameters": []}}],
+    ...       "version": "1.0.0"}
+    >>> res = ranking(HistFactoryModel.from_workspace(ws))
+    >>> row = res.to_json(0)
+    >>> row["labels"], [round(v, 4) for v in row["postfit_up"]]
+    (['uncorr_bkguncrt[1]', 'uncorr_bkguncrt[0]'], [-0.2464, -0.1665])
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .constraints import constraint_centres, prefit_uncertainties
+from .errors import InferenceError
+from .mle import FitOptions, fit_rows, hessian_uncertainties, rows_data
+from .rows import as_float
+from .starts import FitStatus
+
+__all__ = [
+    "RankingResults",
+    "host_elements",
+    "parameter_columns",
+    "ranking",
+]
+
+_INDEXED = re.compile(r"^(.*)\[(\d+)\]$")
+
+#: the four conditional fits of a ranked parameter, in cabinetry's order
+IMPACTS = ("prefit_up", "prefit_down", "postfit_up", "postfit_down")
+
+
+@dataclass
+class RankingResults:
+    """The ranking of ``B`` rows, over the model's ``P`` parameter columns.
+
+    Every ``[B, P]`` tensor is indexed by the model's columns (``labels``, pyhf's
+    ``par_names``); ``columns[i]`` lists the columns ranked in row ``i`` (a free, non-POI
+    parameter of its element, in pyhf's order), and the impacts of the other columns are NaN.
+    :meth:`to_json` gives one row with cabinetry's field names, sorted by impact.
+
+    Attributes:
+        labels: the model's parameter labels.
+        poi_name: the POI, whose impacts these are.
+        element: ``[B]`` element of each row.
+        columns: per row, the ranked columns.
+        bestfit: ``[B, P]`` free-fit parameters.
+        uncertainty: ``[B, P]`` post-fit uncertainties (Hessian; 0 for fixed parameters).
+        prefit_uncertainty: ``[B, P]`` pre-fit uncertainties (:func:`prefit_uncertainties`).
+        prefit_up, prefit_down, postfit_up, postfit_down: ``[B, P]`` impacts: the POI of the
+            refit with the parameter fixed at ``bestfit +/- prefit_uncertainty`` (``+/-
+            uncertainty``) less the best-fit POI; 0 where the uncertainty is 0, NaN where it
+            is not finite or the column is not ranked.
+        pull: ``[B, P]`` ``(bestfit - centre) / prefit_uncertainty``, with ``centre`` the
+            constraint term's auxiliary datum (rescaled by ``tau`` for Poisson terms); NaN
+            where the pre-fit uncertainty is 0.
+        constraint: ``[B, P]`` ``uncertainty / prefit_uncertainty``, NaN where that is 0.
+        fits_converged: ``[B, P]`` bool, every conditional fit of the column converged
+            (True where none ran).
+        converged: ``[B]`` bool, the free fit and every conditional fit of the row converged.
+        starts: ``[B]`` the most start points any fit of the row ran.
+        starts_agreed: ``[B]`` bool, in every fit of the row all converged starts agreed.
+    """
+
+    labels: list[str]
+    poi_name: str
+    element: Tensor
+    columns: list[list[int]]
+    bestfit: Tensor
+    uncertainty: Tensor
+    prefit_uncertainty: Tensor
+    prefit_up: Tensor
+    prefit_down: Tensor
+    postfit_up: Tensor
+    postfit_down: Tensor
+    pull: Tensor
+    constraint: Tensor
+    fits_converged: Tensor
+    converged: Tensor
+    starts: Tensor
+    starts_agreed: Tensor
+
+    def __len__(self) -> int:
+        return self.bestfit.shape[0]
+
+    @property
+    def status(self) -> FitStatus:
+        """Convergence, starts and agreement per row (every fit of the row combined)."""
+        return FitStatus(self.converged, self.starts, self.starts_agreed)
+
+    @property
+    def poi_index(self) -> int:
+        return self.labels.index(self.poi_name)
+
+    def order(self, i: int = 0) -> list[int]:
+        """Row ``i``'s ranked columns by decreasing ``max(|postfit_up|, |postfit_down|)``, as
+        cabinetry's ranking plot sorts them (ties and NaN impacts last, in pyhf's order)."""
+        columns = self.columns[i]
+        up, down = self.postfit_up[i].tolist(), self.postfit_down[i].tolist()
+
+        def key(c: int) -> float:
+            impact = max(abs(up[c]), abs(down[c]))
+            return -impact if impact == impact else float("inf")
+
+        return sorted(columns, key=key)  # stable: ties keep pyhf's order
+
+    def to_json(self, i: int = 0, top: int | None = None) -> dict:
+        """Row ``i`` with cabinetry's ``RankingResults`` field names (``bestfit``,
+        ``uncertainty``, ``labels``, ``prefit_up``, ``prefit_down``, ``postfit_up``,
+        ``postfit_down``), plus ``prefit_uncertainty``, ``pull``, ``constraint`` and
+        ``converged`` per parameter, sorted by :meth:`order` (cabinetry's ``ranking``
+        itself keeps pyhf's order; its plot sorts so), the ``top`` first only if given; and
+        the POI's best fit, the row's status."""
+        order = self.order(i)[:top]
+        fields = {
+            "bestfit": self.bestfit,
+            "uncertainty": self.uncertainty,
+            "prefit_uncertainty": self.prefit_uncertainty,
+            **{name: getattr(self, name) for name in IMPACTS},
+            "pull": self.pull,
+            "constraint": self.constraint,
+        }
+        out: dict = {"labels": [self.labels[c] for c in order]}
+        for name, tensor in fields.items():
+            row = tensor[i].tolist()
+            out[name] = [row[c] for c in order]
+        ok = self.fits_converged[i].tolist()
+        out["fits_converged"] = [bool(ok[c]) for c in order]
+        k = self.poi_index
+        out["poi"] = {
+            "name": self.poi_name,
+            "bestfit": float(self.bestfit[i, k]),
+            "uncertainty": float(self.uncertainty[i, k]),
+        }
+        out["converged"] = bool(self.converged[i])
+        out["starts"] = int(self.starts[i])
+        out["starts_agreed"] = bool(self.starts_agreed[i])
+        return out
+
+
+def host_elements(model, element, data: Tensor | None, rows: int) -> list[int]:
+    """The element of each of ``rows`` rows on the host, from the caller's ``element``
+    argument (as :func:`~pyhf_gpu_server.inference.mle.rows_data` reads it): which parameters a
+    row has decides the fits it runs. Known without a device copy unless ``element`` is a
+    device tensor (then one copy, before any fit)."""
+    if element is None:
+        return list(range(model.n_elements)) if data is None else [0] * rows
+    values = element.tolist() if isinstance(element, Tensor) else element
+    values = [int(v) for v in (values if isinstance(values, Sequence) else [values])]
+    return values * rows if len(values) == 1 else values
+
+
+def parameter_columns(model, names: Sequence[str]) -> list[int]:
+    """Columns of ``names``: labels of ``model.par_names`` (``"gamma[0]"``), or the names of
+    whole parameter sets (``"gamma"``: all its columns); :class:`InferenceError` naming any
+    the model does not have."""
+    columns: list[int] = []
+    for name in names:
+        found = [
+            c
+            for c, label in enumerate(model.par_names)
+            if label == name or ((m := _INDEXED.match(label)) and m.group(1) == name)
+        ]
+        if not found:
+            raise InferenceError(f"parameter {name!r} is not in the model")
+        columns.extend(c for c in found if c not in columns)
+    return columns
+
+
+def _ranked_columns(model, elements: list[int], selected: list[int] | None) -> list[list[int]]:
+    """Per row: its element's own free columns, less the POI (and within ``selected``)."""
+    stack_fixed = model.stack.fixed
+    out = []
+    for e in elements:
+        own = [
+            c
+            for c in model.element_columns(e)
+            if c != model.poi_index and not bool(stack_fixed[e, c])
+        ]
+        if selected is not None:
+            keep = set(own)
+            own = [c for c in selected if c in keep]
+        out.append(own)
+    return out
+
+
+def _has_prefit(model, elements: list[int]) -> list[set[int]]:
+    """Per row: the columns with a constraint term in its element (host-side structure)."""
+    stack = model.stack
+    out = []
+    for e in elements:
+        present = stack.aux_present[e]
+        out.append({int(c) for c, p in zip(stack.aux_param.tolist(), present, strict=True) if p})
+    return out
+
+
+def ranking(
+    model,
+    data: Tensor | None = None,
+    element=None,
+    *,
+    parameters: Sequence[str] | None = None,
+    bounds: Tensor | None = None,
+    options: FitOptions | None = None,
+) -> RankingResults:
+    """Impacts of the nuisance parameters on the POI, for ``B`` rows at once.
+
+    Args:
+        model: a :class:`~pyhf_gpu_server.engine.HistFactoryModel` with a POI.
+        data: ``[B, N + A]`` datasets; None for the observations of ``element``.
+        element: the element of each row (an int, a sequence, or a LongTensor ``[B]``); None:
+            every element (no ``data``) or element 0.
+        parameters: rank only these (labels such as ``"gamma[0]"``, or parameter-set names);
+            None: every free non-POI parameter of each row's element. A named parameter that
+            a row's element does not have free is not ranked in that row.
+        bounds: ``[P, 2]`` or ``[B, P, 2]`` parameter bounds (default: the model's).
+        options: :class:`~pyhf_gpu_server.inference.mle.FitOptions`.
+
+    Returns:
+        :class:`RankingResults`.
+
+    Raises:
+        InferenceError: (a ``ValueError``) the model has no POI, a named parameter is not in
+            the model or is the POI.
+    """
+    if model.poi_index is None:
+        raise InferenceError("the model has no POI: no impacts to rank")
+    options = options or FitOptions()
+    selected = None
+    if parameters is not None:
+        selected = parameter_columns(model, parameters)
+        if model.poi_index in selected:
+            raise InferenceError(f"the POI {model.poi_name!r} cannot be ranked against itself")
+    rows, element_rows = rows_data(model, data, element)
+    B, P, k = element_rows.shape[0], model.n_pars, model.poi_index
+    elements = host_elements(model, element, data, B)
+    element = element_rows
+    bounds = (
+        model.bounds.index_select(0, element)
+        if bounds is None
+        else as_float(model, bounds).expand(B, -1, -1)
+    )
+    free = fit_rows(model, rows, element, bounds=bounds, options=options)
+    fixed_rows = model.fixed.index_select(0, element)
+    postfit, _ = hessian_uncertainties(model, rows, element, free.bestfit, fixed_rows, options)
+    prefit = prefit_uncertainties(model).index_select(0, element)
+
+    # the conditional fits: per row, per ranked column, the pre-fit pair (where the column
+    # has a constraint term) and the post-fit pair; structure known on the host
+    columns = _ranked_columns(model, elements, selected)
+    constrained = _has_prefit(model, elements)
+    fit_row, fit_col, fit_kind = [], [], []
+    for b, (cols, has) in enumerate(zip(columns, constrained, strict=True)):
+        for c in cols:
+            for kind in (0, 1, 2, 3) if c in has else (2, 3):
+                fit_row.append(b)
+                fit_col.append(c)
+                fit_kind.append(kind)
+    impacts = torch.full((B * P * 4,), torch.nan, dtype=model.dtype, device=model.device)
+    fits_ok = torch.ones(B * P, dtype=torch.long, device=model.device)
+    status = free.status
+    if fit_row:
+        r = torch.tensor(fit_row, dtype=torch.long, device=model.device)
+        c = torch.tensor(fit_col, dtype=torch.long, device=model.device).unsqueeze(1)
+        kind = torch.tensor(fit_kind, dtype=torch.long, device=model.device)
+        sign = 1.0 - 2.0 * (kind % 2).to(model.dtype)
+        base = free.bestfit.index_select(0, r)
+        sigma = torch.where(
+            kind < 2,
+            prefit.index_select(0, r).gather(1, c).squeeze(1),
+            postfit.index_select(0, r).gather(1, c).squeeze(1),
+        )
+        theta = base.gather(1, c).squeeze(1)
+        box = bounds.index_select(0, r)
+        lo = box.select(-1, 0).gather(1, c).squeeze(1)
+        hi = box.select(-1, 1).gather(1, c).squeeze(1)
+        value = torch.minimum(torch.maximum(theta + sign * sigma, lo), hi)
+        value = torch.where(torch.isfinite(value), value, theta)
+        init = base.scatter(1, c, value.unsqueeze(1))
+        pin = torch.zeros_like(init, dtype=torch.bool).scatter(1, c, True)
+        fixed = fixed_rows.index_select(0, r) | pin
+        cond = fit_rows(
+            model,
+            rows.index_select(0, r),
+            element.index_select(0, r),
+            init=init,
+            bounds=box,
+            fixed=fixed,
+            options=options,
+        )
+        impact = cond.bestfit.select(1, k) - free.bestfit.select(1, k).index_select(0, r)
+        impact = torch.where(sigma == 0, torch.zeros_like(impact), impact)
+        impact = torch.where(torch.isfinite(sigma), impact, torch.full_like(impact, torch.nan))
+        flat = r * P + c.squeeze(1)
+        impacts = impacts.index_copy(0, flat * 4 + kind, impact)
+        fits_ok = fits_ok.scatter_reduce(0, flat, cond.converged.long(), reduce="amin")
+        status = _combine_per_row(status, cond.status, r)
+    impacts = impacts.view(B, P, 4)
+    ranked = torch.zeros(B * P, dtype=torch.bool, device=model.device)
+    ranked_flat = [b * P + c for b, cols in enumerate(columns) for c in cols]
+    if ranked_flat:
+        index = torch.tensor(ranked_flat, dtype=torch.long, device=model.device)
+        ranked = ranked.index_fill(0, index, True)
+    # ranked columns without a constraint term: pre-fit impacts 0 (cabinetry skips the fits)
+    unconstrained = ranked.view(B, P) & (prefit == 0)
+    impacts = torch.where(
+        unconstrained.unsqueeze(-1) & (torch.arange(4, device=model.device) < 2),
+        torch.zeros_like(impacts),
+        impacts,
+    )
+    centre = constraint_centres(model, rows, element)
+    defined = prefit > 0
+    safe = torch.where(defined, prefit, torch.ones_like(prefit))
+    nan = torch.full_like(prefit, torch.nan)
+    return RankingResults(
+        labels=list(model.par_names),
+        poi_name=model.poi_name,
+        element=element,
+        columns=columns,
+        bestfit=free.bestfit,
+        uncertainty=postfit,
+        prefit_uncertainty=prefit,
+        prefit_up=impacts.select(2, 0),
+        prefit_down=impacts.select(2, 1),
+        postfit_up=impacts.select(2, 2),
+        postfit_down=impacts.select(2, 3),
+        pull=torch.where(defined, (free.bestfit - centre) / safe, nan),
+        constraint=torch.where(defined, postfit / safe, nan),
+        fits_converged=fits_ok.view(B, P).bool(),
+        converged=status.converged,
+        starts=status.starts,
+        starts_agreed=status.agreed,
+    )
+
+
+def _combine_per_row(status: FitStatus, extra: FitStatus, row: Tensor) -> FitStatus:
+    """``status`` of ``B`` rows combined with that of fits ``extra`` belonging to rows
+    ``row``: all converged, the most starts, all agreed (:meth:`FitStatus.combine`)."""
+    converged = status.converged.long().scatter_reduce(
+        0, row, extra.converged.long(), reduce="amin"
+    )
+    starts = status.starts.scatter_reduce(0, row, extra.starts.to(status.starts.dtype), "amax")
+    agreed = status.agreed.long().scatter_reduce(0, row, extra.agreed.long(), reduce="amin")
+    return FitStatus(converged.bool(), starts, agreed.bool())
