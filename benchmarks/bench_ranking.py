@@ -31,6 +31,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,7 +39,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from bench_inference import THREAD_VARIABLES, WORKSPACES, load, timed
+from service_support import running_server
 
 from pyhf_gpu_server.engine import HistFactoryModel
 from pyhf_gpu_server.inference import ranking, scan2d
@@ -135,6 +138,27 @@ def nextstat_ranking(python: str, patch: str, threads: int) -> dict | None:
     except (OSError, IndexError, json.JSONDecodeError, subprocess.TimeoutExpired) as exc:
         print(f"NextStat failed: {exc}", flush=True)
         return None
+
+
+def through_the_service(workspace: dict, entry: dict, bodies: dict[str, dict]) -> dict[str, float]:
+    """Seconds of each ``POST /<route>`` with ``bodies[route]`` through a real server on
+    127.0.0.1 (the path users run: HTTP, translation, batching, JSON), the second of two calls
+    (the first builds the warm model)."""
+    seconds = {}
+    with (
+        tempfile.TemporaryDirectory() as data_dir,
+        running_server(Path(data_dir)) as server,
+        server.client(timeout_s=900) as client,
+    ):
+        uploaded = client.post("/workspaces", json=workspace).json()["workspace_id"]
+        for route, options in bodies.items():
+            body = {"workspace_id": uploaded, "patches": [entry["patch"]], **options}
+            for _ in range(2):
+                start = time.perf_counter()
+                response = client.post(route, json=body)
+                seconds[route] = time.perf_counter() - start
+                response.raise_for_status()
+    return seconds
 
 
 def main() -> None:
@@ -257,6 +281,33 @@ def main() -> None:
         )
         notes.append("NextStat has no 2D scan (its `profile_scan` scans the POI only).")
 
+    served = through_the_service(
+        workspace,
+        entry,
+        {
+            "/ranking": {},
+            "/scan": {
+                "x": {"parameter": names[0], "values": xs},
+                "y": {"parameter": names[1], "values": ys},
+            },
+        },
+    )
+    rows.append(
+        (
+            "through the service: `POST /ranking` (warm model)",
+            f"{served['/ranking']:.3f}",
+            "",
+            "HTTP on 127.0.0.1, translation, batching, JSON: the path users run",
+        )
+    )
+    rows.append(
+        (
+            f"through the service: `POST /scan` {args.grid}x{args.grid} (warm model)",
+            f"{served['/scan']:.3f}",
+            "",
+            "",
+        )
+    )
     load_avg = ", ".join(f"{v:.2f}" for v in os.getloadavg())
     head = (
         f"stau ({model.n_pars} parameters), patch `{patch}`, device `{device}`, "
