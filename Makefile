@@ -11,7 +11,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 DEVICE ?= auto
 
-.PHONY: serve test lint bench clean
+.PHONY: serve test lint bench clean browser
 
 $(VENV)/.server-installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,10 +23,23 @@ $(VENV)/.test-installed: $(VENV)/.server-installed
 	$(PY) -m pip install --quiet -e ".[server,test]"
 	touch $@
 
+# The web page's tests drive a real headless browser: Debian's chromium and chromium-driver,
+# installed from the system's package registry when either is missing (CI runs as root on
+# Debian). Elsewhere without root the browser tests skip, saying so.
+browser:
+	@if command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; then \
+	  :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium chromium-driver; \
+	else \
+	  echo "make: chromium or chromedriver is missing and cannot be installed here (needs root" \
+	       "and apt-get): the browser tests will be skipped"; \
+	fi
+
 serve: $(VENV)/.server-installed
 	$(VENV)/bin/pyhf-gpu-server --host $(HOST) --port $(PORT) --device $(DEVICE)
 
-test: $(VENV)/.test-installed
+test: $(VENV)/.test-installed browser
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest
 

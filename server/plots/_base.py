@@ -48,8 +48,8 @@ COMMON_OPTIONS: dict[str, str] = {
     "dpi": "PNG resolution in dots per inch (default 150; SVG is resolution-free)",
     "figsize": "[width, height] in inches, replacing the kind's own size",
     "title": "a title above the figure",
-    "label": 'experiment label top left inside the first axes, e.g. "ATLAS Internal"',
-    "rlabel": 'label above the first axes on the right, e.g. "13 TeV, 139 fb⁻¹"',
+    "label": 'experiment label above the main axes on the left, e.g. "ATLAS Internal"',
+    "rlabel": 'label above the main axes on the right, e.g. "13 TeV, 139 fb⁻¹"',
 }
 
 _LOCK = threading.RLock()
@@ -136,7 +136,9 @@ def figure(
         if title:
             fig.suptitle(title, **_style.text_kw(_style.TITLE_SIZE))
         if (label or rlabel) and fig.axes:
-            _style.experiment_label(fig.axes[0], label, rlabel)
+            left, right = _label_axes(fig)
+            _style.experiment_label(left, label, None)
+            _style.experiment_label(right, None, rlabel)
     return fig
 
 
@@ -176,6 +178,19 @@ def render(
                 f"{MAX_PIXELS} pixels; lower dpi or figsize"
             )
         return _save(fig, fmt, resolution, options.get("title") or f"{kind} plot")
+
+
+def _label_axes(fig: Figure) -> tuple[Any, Any]:
+    """The axes ``label`` and ``rlabel`` go above: the top row's leftmost and rightmost
+    (the same for one plot; the first channel's main panel, not its ratio panel, and the
+    last of the top row in a yields grid), never a colorbar."""
+    axes = [ax for ax in fig.axes if getattr(ax, "_colorbar", None) is None] or fig.axes
+    boxes = [(ax.get_position(), i, ax) for i, ax in enumerate(axes)]
+    top = max(round(box.y1, 3) for box, _, _ in boxes)
+    row = [b for b in boxes if round(b[0].y1, 3) == top]
+    left = min(row, key=lambda b: (round(b[0].x0, 3), b[1]))[2]
+    right = min(row, key=lambda b: (-round(b[0].x1, 3), b[1]))[2]
+    return left, right
 
 
 def _save(fig: Figure, fmt: str, dpi: float, title: str) -> bytes:

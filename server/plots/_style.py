@@ -215,41 +215,29 @@ def note(fig: Figure, lines: Sequence[str]) -> None:
 
 
 def experiment_label(ax: Axes, label: str | None, rlabel: str | None) -> None:
-    """mplhep-like labels drawn on ``ax`` itself: ``label`` top left inside the frame (its
-    first word bold italic, as "ATLAS Internal"), ``rlabel`` above the frame on the right
-    (e.g. "13 TeV, 139 fb⁻¹")."""
+    """mplhep-like labels on the line above ``ax``'s frame: ``label`` on the left (its first
+    word bold italic, as "ATLAS Internal"), ``rlabel`` on the right (e.g. "13 TeV, 139 fb⁻¹").
+
+    Both are the axes' left and right titles, so they stay clear of the legends inside the
+    frame and of a twin's top axis (matplotlib places titles above it), and the layout
+    engine makes room for them."""
     if label:
         head, _, tail = label.partition(" ")
-        t = ax.text(
-            0.04,
-            0.96,
-            head,
-            transform=ax.transAxes,
-            ha="left",
-            va="top",
-            fontweight="bold",
-            fontstyle="italic",
-            **text_kw(LABEL_SIZE + 2),
+        title = ax.set_title(
+            head, loc="left", pad=5, fontweight="bold", fontstyle="italic", **text_kw(LABEL_SIZE)
         )
         if tail:
             ax.annotate(
                 " " + tail,
                 xy=(1.0, 0.0),
-                xycoords=t,
+                xycoords=title,
                 ha="left",
                 va="bottom",
-                **text_kw(LABEL_SIZE + 2),
+                annotation_clip=False,
+                **text_kw(LABEL_SIZE),
             )
     if rlabel:
-        ax.text(
-            1.0,
-            1.01,
-            rlabel,
-            transform=ax.transAxes,
-            ha="right",
-            va="bottom",
-            **text_kw(LABEL_SIZE - 1),
-        )
+        ax.set_title(rlabel, loc="right", pad=5, **text_kw(LABEL_SIZE - 1))
 
 
 def clamp(value: float, low: float, high: float) -> float:

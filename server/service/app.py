@@ -15,7 +15,7 @@ from .dependencies import require_token, with_file_token
 from .errors import install_error_handlers
 from .metrics import Metrics
 from .middleware import BodyLimitMiddleware, RequestContextMiddleware, TokenAuthMiddleware
-from .routers import health, inference, jobs, workspaces
+from .routers import health, inference, jobs, pages, workspaces
 from .settings import Settings
 from .state import ServiceState
 
@@ -25,14 +25,20 @@ pyhf-compatible HistFactory inference, batched on one device.
 * `POST /cls`, `/fit`, `/upper-limit`, `/significance` answer synchronously (pyhf CLI JSON + `meta`).
 * `POST /workspaces` uploads a workspace once; requests then send `workspace_id` and small patches.
 * `POST /jobs` runs the same requests durably in the background (SQLite), with progress events.
+* `GET /jobs/{id}/plots/{kind}.svg|png` draws a job's result; a `plot` in a request answers
+  the image instead of JSON. The web page at `/` uploads, runs and shows jobs.
 
-With an API token set, every route except `/healthz`, `/readyz`, this page and
-`/openapi.json` needs `Authorization: Bearer <token>`: enter it with *Authorize*.
+With an API token set, every route except `/healthz`, `/readyz`, this page,
+`/openapi.json` and the web page's files needs `Authorization: Bearer <token>`: enter it with
+*Authorize*.
 """
 
 DOCS_ASSETS = "/docs/static"
-# need no token: the probes, and the API's description (no data) with the page showing it
-OPEN_PATHS = ("/healthz", "/readyz", "/openapi.json", "/docs")
+# need no token: the probes, the API's description (no data) with the page showing it, and
+# the web page (no data either: it asks for the token and sends it with every request)
+OPEN_PATHS = ("/healthz", "/readyz", "/openapi.json", "/docs", "/")
+OPEN_PREFIXES = (DOCS_ASSETS + "/", pages.STATIC_URL + "/")
+OPEN_PATTERNS = (pages.REPORT_PATTERN,)
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -71,7 +77,8 @@ def create_app(settings: Settings) -> FastAPI:
         TokenAuthMiddleware,
         callers=settings.callers,
         open_paths=OPEN_PATHS,
-        open_prefixes=(DOCS_ASSETS + "/",),
+        open_prefixes=OPEN_PREFIXES,
+        open_patterns=OPEN_PATTERNS,
     )
     app.add_middleware(RequestContextMiddleware, metrics=metrics)
     authenticated = [Depends(require_token)]
@@ -80,6 +87,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(inference.router, dependencies=authenticated)
     app.include_router(workspaces.router, dependencies=authenticated)
     app.include_router(jobs.router, dependencies=authenticated)
+    pages.add_pages(app)
     _add_docs(app)
     return app
 

@@ -84,8 +84,9 @@ class TokenAuthMiddleware:
     """401 for a request without ``Authorization: Bearer <token>``, decided on its headers alone.
 
     Sits outside :class:`BodyLimitMiddleware`, so an unauthenticated body is never read nor
-    gunzipped; the answer closes the connection (its unread body is not drained). ``open_paths``
-    and paths under ``open_prefixes`` need no token; with no token set, nothing does. An
+    gunzipped; the answer closes the connection (its unread body is not drained). ``open_paths``,
+    paths under ``open_prefixes`` and paths matching one of ``open_patterns`` (regular
+    expressions, matched whole) need no token; with no token set, nothing does. An
     admitted request carries its caller's name in ``scope["state"]["caller"]`` (``None`` with
     auth off, and on the open paths).
     """
@@ -96,6 +97,7 @@ class TokenAuthMiddleware:
         callers: Callers | None,
         open_paths: Collection[str],
         open_prefixes: tuple[str, ...] = (),
+        open_patterns: tuple[str, ...] = (),
     ) -> None:
         """Wrap ``app``; requests need one of the tokens of ``callers`` (None: auth off),
         except on the open paths."""
@@ -103,6 +105,7 @@ class TokenAuthMiddleware:
         self.callers = callers
         self.open_paths = frozenset(open_paths)
         self.open_prefixes = open_prefixes
+        self.open_patterns = tuple(re.compile(pattern) for pattern in open_patterns)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Hand on an authenticated (or open) request; answer 401 to any other."""
@@ -126,7 +129,11 @@ class TokenAuthMiddleware:
 
     def _is_open(self, path: str) -> bool:
         """Whether ``path`` needs no token."""
-        return path in self.open_paths or path.startswith(self.open_prefixes)
+        return (
+            path in self.open_paths
+            or path.startswith(self.open_prefixes)
+            or any(pattern.fullmatch(path) for pattern in self.open_patterns)
+        )
 
 
 class BodyLimitMiddleware:

@@ -4,6 +4,8 @@ response model.
 
 The body is a bare workspace (as ``pyhf cls`` reads it; options in the query string) or an
 envelope ``{"workspace" | "workspace_id", "patches", "patchset", "patch_names", ...options}``.
+A ``plot`` (envelope field, or ``?plot=<kind>&plot_format=png``) answers that plot of the
+result, an image, instead of the JSON (see ``plotting``).
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 
+from .. import plotting
 from ..dependencies import StateDep
-from ..errors import RequestTimeout
+from ..errors import RequestTimeout, Unprocessable
 from ..operations import OPERATIONS, Operation
 from ..requests import Plan, envelope_from, parse_json, plan_request
 from ..schemas import BODY_ERRORS, error_responses
@@ -37,15 +40,26 @@ _SHAPES = (
 )
 
 
-async def plan_from_http(request: Request, operation: Operation, state: ServiceState) -> Plan:
-    """Read the body and query of ``request`` into a validated :class:`Plan` (4xx if bad)."""
+async def plan_from_http(
+    request: Request, operation: Operation, state: ServiceState
+) -> tuple[Plan, plotting.PlotRequest | None, dict[str, Any]]:
+    """Read the body and query of ``request`` into a validated :class:`Plan` (4xx if bad),
+    the plot it asks for (checked to fit the operation's answer) and its envelope."""
     body = await request.body()
     query = {key: request.query_params.getlist(key) for key in request.query_params}
 
-    def plan() -> Plan:
+    def plan() -> tuple[Plan, plotting.PlotRequest | None, dict[str, Any]]:
         document = parse_json(body, state.settings.max_json_depth)
-        envelope = envelope_from(document, query, operation)
-        return plan_request(operation, envelope, state.workspaces)
+        document, plot = plotting.from_envelope(document)
+        options, from_query = plotting.from_query(query)
+        if plot is not None and from_query is not None:
+            raise Unprocessable("ask for a plot in the envelope's 'plot' or in the query, not both")
+        plot = plot or from_query
+        envelope = envelope_from(document, options, operation)
+        planned = plan_request(operation, envelope, state.workspaces)
+        if plot is not None:
+            plotting.check_fits(plot.kind, operation.name, envelope)
+        return planned, plot, envelope
 
     return await run_in_threadpool(plan)
 
@@ -75,7 +89,8 @@ def _openapi(operation: Operation) -> dict[str, Any]:
                 "schema": options.get(name, {"type": "string"}),
             }
             for name in names
-        ],
+        ]
+        + plotting.openapi_query_parameters(plotting.PLOTS[operation.name]),
     }
 
 
@@ -89,13 +104,19 @@ def _endpoint(operation: Operation):
     """The handler of POST /<operation>."""
 
     async def endpoint(request: Request, state: StateDep) -> Any:
-        plan = await plan_from_http(request, operation, state)
+        plan, plot, envelope = await plan_from_http(request, operation, state)
         timeout = state.settings.request_timeout_s
         run = asyncio.ensure_future(state.dispatcher.run(plan))
         gone = asyncio.ensure_future(_disconnected(request))
         done, _ = await asyncio.wait({run, gone}, timeout=timeout, return_when=FIRST_COMPLETED)
         gone.cancel()
         if run in done:
+            if plot is not None:  # drawn off the event loop
+                lookup = plotting.store_lookup(state.workspaces)
+                data = await run_in_threadpool(
+                    plotting.render, plot, operation.name, envelope, run.result(), lookup
+                )
+                return plotting.image(plot, data, f"{operation.name}-{plot.kind}")
             return run.result()  # validated and serialised by the operation's answer model
         # nobody will read the answer: cancelling the run drops its rows from the queue and
         # stops a batch that serves nobody else between two fit iterations
@@ -113,6 +134,14 @@ def _endpoint(operation: Operation):
     return endpoint
 
 
+def _responses(operation: Operation) -> dict[int | str, dict[str, Any]]:
+    """The error answers, and the images a ``plot`` answers instead of the JSON."""
+    if not plotting.PLOTS[operation.name]:
+        return _ERRORS
+    images = {media: {} for media in plotting.MEDIA_TYPES.values()}
+    return {200: {"content": images}, **_ERRORS}
+
+
 for _operation in OPERATIONS.values():
     router.add_api_route(
         f"/{_operation.name}",
@@ -122,6 +151,6 @@ for _operation in OPERATIONS.values():
         description=_SHAPES,
         response_model=_operation.answer_model,
         response_model_exclude_unset=True,  # keys a result does not have stay absent
-        responses=_ERRORS,
+        responses=_responses(_operation),
         openapi_extra=_openapi(_operation),
     )

@@ -1,4 +1,5 @@
-"""Asynchronous jobs: POST /jobs (202), GET /jobs, GET/DELETE /jobs/{id}, GET /jobs/{id}/events.
+"""Asynchronous jobs: POST /jobs (202), GET /jobs, GET/DELETE /jobs/{id}, GET /jobs/{id}/events,
+and the plots of a job's result: GET /jobs/{id}/plots, GET /jobs/{id}/plots/{kind}.{svg,png}.
 
 With auth on, a job belongs to the caller that submitted it: ``GET /jobs`` lists the caller's
 own, and another caller's job answers 404 as an unknown id would (see ``jobstore``).
@@ -12,10 +13,11 @@ import json
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from .. import plotting
 from ..dependencies import CallerDep, StateDep
 from ..errors import Conflict, NotFound
 from ..jobstore import FINAL_STATUSES
@@ -149,6 +151,82 @@ async def job_events(job_id: str, state: StateDep, caller: CallerDep) -> Streami
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
+
+
+@router.get(
+    "/{job_id}/plots",
+    response_model=plotting.JobPlots,
+    responses=error_responses(401, 404, 422),
+    summary="The plot kinds that fit a job, and their URLs",
+)
+async def job_plots(job_id: str, state: StateDep, caller: CallerDep) -> dict[str, Any]:
+    """Kinds by operation: cls ``brazil`` (a list of test_poi) and ``exclusion`` (a
+    patchset); upper-limit ``brazil``; fit ``pulls`` and ``correlation``; ``ranking``,
+    ``scan``, ``yields``; significance none. They can be drawn once the job succeeded."""
+    view = await _job(state, job_id, caller, with_result=False)
+    operation, stored = await _stored_request(state, job_id)
+    return {
+        "id": job_id,
+        "operation": operation,
+        "status": view["status"],
+        "plots": plotting.links(job_id, operation, stored),
+    }
+
+
+_IMAGES = {"content": {media: {} for media in plotting.MEDIA_TYPES.values()}}
+
+
+@router.get(
+    "/{job_id}/plots/{kind}.{fmt}",
+    response_class=Response,
+    responses={
+        200: {**_IMAGES, "description": "the plot (image/svg+xml or image/png)"},
+        **error_responses(401, 404, 409, 422),
+    },
+    summary="A plot of a job's result, as SVG or PNG",
+)
+async def job_plot(
+    job_id: str,
+    kind: Annotated[str, Path(description="the plot kind: " + ", ".join(plotting.KIND_NAMES))],
+    fmt: Annotated[str, Path(description="svg or png")],
+    request: Request,
+    state: StateDep,
+    caller: CallerDep,
+) -> Response:
+    """``kind`` one of brazil, exclusion, pulls, ranking, correlation, yields, scan (see
+    ``GET /jobs/{id}/plots`` for those that fit the job); ``fmt`` ``svg`` or ``png``. Query
+    options go to the renderer: ``dpi``, ``figsize`` (``w,h`` inches), ``title``, ``label``
+    (e.g. ``ATLAS Internal``), ``rlabel``; ``patch`` (of a patchset job; default the first
+    tested); ``top``, ``threshold``, ``level``, ``channels``, ``stage``, ``log_y``,
+    ``parameters``, ``axes``, ``labels``, ``xlabel``, ``test_poi``, ... as the kind takes them.
+
+    404 for an unknown job, kind or format; 422 for a kind that does not fit the job (naming
+    those that do) or a bad option; 409 until the job succeeded."""
+    view = await _job(state, job_id, caller)
+    plotting.check_kind(kind)
+    plotting.check_format(fmt)
+    operation, stored = await _stored_request(state, job_id)
+    plotting.check_fits(kind, operation, stored)
+    if view["status"] != "succeeded":
+        status = view["status"]
+        raise Conflict(
+            f"job {job_id!r} is {status}; its plots can be drawn once it succeeded"
+            if status not in FINAL_STATUSES
+            else f"job {job_id!r} {status}; it has no result to plot"
+        )
+    query = {key: request.query_params.getlist(key) for key in request.query_params}
+    plot = plotting.PlotRequest(kind, fmt, plotting.query_options(query))
+    lookup = plotting.store_lookup(state.workspaces)
+    data = await run_in_threadpool(plotting.render, plot, operation, stored, view["result"], lookup)
+    return plotting.image(plot, data, f"{job_id}-{kind}")
+
+
+async def _stored_request(state: ServiceState, job_id: str) -> tuple[str, dict[str, Any]]:
+    """The operation and stored request of a job; 404 when it expired meanwhile."""
+    try:
+        return await run_in_threadpool(state.jobstore.request, job_id)
+    except TypeError:  # no such row any more
+        raise _not_found(job_id) from None
 
 
 async def _events(state: ServiceState, job_id: str, caller: str | None) -> AsyncIterator[str]:

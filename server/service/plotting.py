@@ -1,0 +1,483 @@
+"""Plots of the service's answers: which plot kinds fit a request, and the renderer's inputs
+drawn from the request and its result (``pyhf_gpu_server.plots`` draws them).
+
+Both plot routes use this module: ``GET /jobs/{id}/plots/{kind}.{svg,png}`` (the job's stored
+request and result) and a synchronous ``POST /<operation>`` carrying a ``plot`` field in its
+envelope or ``?plot=<kind>&plot_format=png`` in its query (the request just answered).
+
+>>> kinds_for("cls", {"test_poi": [0.5, 1.0]}), kinds_for("cls", {"patchset": {}})
+(('brazil',), ('exclusion',))
+>>> kinds_for("fit", {}), kinds_for("significance", {})
+(('pulls', 'correlation'), ())
+>>> query_options({"top": ["5"], "channels": ["SR,CR"], "log_y": ["true"]})
+{'top': 5, 'channels': ['SR', 'CR'], 'log_y': True}
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jsonpatch
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from pyhf_gpu_server import plots
+
+from .errors import NotFound, ServiceError, Unprocessable
+
+log = logging.getLogger("pyhf_gpu_server.service.plots")
+
+#: the plot kinds that suit each operation's answer (``kinds_for`` narrows ``cls`` by request)
+PLOTS: dict[str, tuple[str, ...]] = {
+    "cls": ("brazil", "exclusion"),
+    "upper-limit": ("brazil",),
+    "fit": ("pulls", "correlation"),
+    "ranking": ("ranking",),
+    "scan": ("scan",),
+    "yields": ("yields",),
+    "significance": (),
+}
+FORMATS: tuple[str, ...] = plots.FORMATS
+KIND_NAMES: tuple[str, ...] = tuple(sorted(plots.KINDS))
+MEDIA_TYPES = {"svg": "image/svg+xml", "png": "image/png"}
+#: what the operation's plots need of the request, said when a kind does not fit
+_NEEDS = {
+    "brazil": "a list of test_poi",
+    "exclusion": "a patchset",
+}
+
+# options given as query strings (``?top=20&label=ATLAS%20Internal``), by type; lists are
+# repeated parameters or one comma-separated value
+_INTS = ("top", "max_channels", "columns")
+_FLOATS = ("threshold", "level", "dpi", "test_poi", "ymax")
+_BOOLS = ("log_y", "show_points", "annotate")
+_STRINGS = ("label", "rlabel", "title", "xlabel", "ylabel", "poi_label", "stage", "patch")
+_STRING_LISTS = ("channels", "parameters", "labels")
+_INT_LISTS = ("axes",)
+_FLOAT_LISTS = ("figsize",)
+QUERY_OPTIONS: tuple[str, ...] = (
+    *_INTS,
+    *_FLOATS,
+    *_BOOLS,
+    *_STRINGS,
+    *_STRING_LISTS,
+    *_INT_LISTS,
+    *_FLOAT_LISTS,
+)
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+@dataclass(frozen=True)
+class PlotRequest:
+    """A plot asked for: its kind, format (``svg``/``png``) and the renderer's options."""
+
+    kind: str
+    fmt: str = "png"
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def media_type(self) -> str:
+        """The answer's Content-Type."""
+        return MEDIA_TYPES[self.fmt]
+
+
+class PlotLink(BaseModel):
+    """One plot kind that fits a job, and where to get it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: str
+    description: str
+    options: list[str] = Field(description="the kind's own options (besides dpi, figsize, ...)")
+    png: str = Field(description="URL of the PNG")
+    svg: str = Field(description="URL of the SVG")
+
+
+class JobPlots(BaseModel):
+    """GET /jobs/{id}/plots: the plot kinds that fit a job (drawable once it succeeded)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    operation: str
+    status: str
+    plots: list[PlotLink]
+
+
+# ----------------------------------------------------------------------------- which kinds
+def kinds_for(operation: str, request: Mapping[str, Any]) -> tuple[str, ...]:
+    """The plot kinds that fit an ``operation``'s answer to ``request`` (its envelope).
+
+    A ``cls`` answer draws ``brazil`` for a list of ``test_poi`` (per patch for a patchset)
+    and ``exclusion`` for a patchset; every other operation its kinds of :data:`PLOTS`.
+    """
+    kinds = PLOTS.get(operation, ())
+    if operation != "cls":
+        return kinds
+    listed = isinstance(request.get("test_poi"), list)
+    named = request.get("patchset") is not None
+    return tuple(k for k in kinds if (k == "brazil" and listed) or (k == "exclusion" and named))
+
+
+def links(job_id: str, operation: str, request: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The :class:`PlotLink` entries of a job."""
+    return [
+        {
+            "kind": kind,
+            "description": plots.KINDS[kind].description,
+            "options": plots.KINDS[kind].options,
+            **{fmt: f"/jobs/{job_id}/plots/{kind}.{fmt}" for fmt in FORMATS},
+        }
+        for kind in kinds_for(operation, request)
+    ]
+
+
+def check_kind(kind: str, unknown: type[ServiceError] = NotFound) -> None:
+    """``unknown`` (404 on the job route, 422 in a request) unless ``kind`` is a plot kind."""
+    if kind not in plots.KINDS:
+        raise unknown(f"unknown plot kind {kind!r}; the kinds: {', '.join(sorted(plots.KINDS))}")
+
+
+def check_format(fmt: str, unknown: type[ServiceError] = NotFound) -> None:
+    """``unknown`` unless ``fmt`` is ``svg`` or ``png``."""
+    if fmt not in FORMATS:
+        raise unknown(f"unknown plot format {fmt!r}; one of {', '.join(FORMATS)}")
+
+
+def check_fits(kind: str, operation: str, request: Mapping[str, Any]) -> None:
+    """422 naming the kinds that fit, unless ``kind`` fits ``operation``'s answer to ``request``."""
+    fitting = kinds_for(operation, request)
+    if kind in fitting:
+        return
+    if not PLOTS.get(operation):
+        raise Unprocessable(f"no plot kind fits a {operation} answer")
+    why = ""
+    if kind in PLOTS[operation] and kind in _NEEDS:
+        why = f" (a {kind} plot needs {_NEEDS[kind]})"
+    these = ", ".join(fitting) if fitting else "none"
+    raise Unprocessable(
+        f"a {kind} plot does not fit this {operation} answer{why}; the kinds that do: {these}"
+    )
+
+
+# -------------------------------------------------------------------------------- options
+def _parse(name: str, values: list[str]) -> Any:
+    """One query option's typed value (422 naming it when malformed)."""
+    last = values[-1]
+    listed = values if len(values) > 1 else [v.strip() for v in last.split(",") if v.strip()]
+    try:
+        if name in _INTS:
+            return int(last)
+        if name in _FLOATS:
+            return float(last)
+        if name in _BOOLS:
+            if last.lower() not in _TRUE | _FALSE:
+                raise ValueError(last)
+            return last.lower() in _TRUE
+        if name in _STRINGS:
+            return last
+        if name in _STRING_LISTS:
+            return listed
+        if name in _INT_LISTS:
+            return [int(v) for v in listed]
+        return [float(v) for v in listed]
+    except ValueError:
+        kind = next(
+            what
+            for what, names in (
+                ("an integer", _INTS),
+                ("a number", _FLOATS),
+                ("true or false", _BOOLS),
+                ("integers", _INT_LISTS),
+                ("numbers", _FLOAT_LISTS),
+            )
+            if name in names
+        )
+        raise Unprocessable(f"plot option {name!r} must be {kind}, not {last[:40]!r}") from None
+
+
+def query_options(query: Mapping[str, list[str]], prefix: str = "") -> dict[str, Any]:
+    """The renderer's options from query parameters (named ``prefix + option``; ``-`` or
+    ``_``); 422 for an unknown one, naming those accepted."""
+    options = {}
+    for raw, values in query.items():
+        name = raw.replace("-", "_").removeprefix(prefix)
+        if name not in QUERY_OPTIONS:
+            accepted = ", ".join(prefix + o for o in QUERY_OPTIONS)
+            raise Unprocessable(f"unknown plot option {raw!r}; accepted: {accepted}")
+        options[name] = _parse(name, values)
+    return options
+
+
+def from_envelope(document: Any) -> tuple[Any, PlotRequest | None]:
+    """A request body without its ``plot`` field, and the plot it asks for: ``"brazil"`` or
+    ``{"kind": "brazil", "format": "svg", ...renderer options}`` (JSON values, as the
+    renderer takes them)."""
+    if not isinstance(document, dict) or "plot" not in document:
+        return document, None
+    if "workspace" not in document and "workspace_id" not in document:
+        return document, None  # a bare workspace: plot goes in the query
+    document = dict(document)
+    spec = document.pop("plot")
+    if isinstance(spec, str):
+        spec = {"kind": spec}
+    if not isinstance(spec, dict) or not isinstance(spec.get("kind"), str):
+        raise Unprocessable(
+            '\'plot\' must be a kind name or an object {"kind": ..., "format": "svg" | '
+            f'"png", ...options}}; the kinds: {", ".join(sorted(plots.KINDS))}'
+        )
+    options = dict(spec)
+    kind = options.pop("kind")
+    fmt = options.pop("format", "png")
+    check_kind(kind, Unprocessable)
+    if not isinstance(fmt, str):
+        raise Unprocessable(f"plot format must be one of {', '.join(FORMATS)}")
+    check_format(fmt, Unprocessable)
+    return document, PlotRequest(kind, fmt, options)
+
+
+def from_query(query: Mapping[str, list[str]]) -> tuple[dict[str, list[str]], PlotRequest | None]:
+    """The query without its ``plot``, ``plot_format`` and ``plot_<option>`` parameters, and
+    the plot they ask for."""
+    rest: dict[str, list[str]] = {}
+    mine: dict[str, list[str]] = {}
+    for key, values in query.items():
+        name = key.replace("-", "_")
+        (mine if name == "plot" or name.startswith("plot_") else rest)[key] = values
+    if not mine:
+        return rest, None
+    spec = {key.replace("-", "_"): values for key, values in mine.items()}
+    kind = spec.pop("plot", [None])[-1]
+    fmt = spec.pop("plot_format", ["png"])[-1]
+    if kind is None:
+        raise Unprocessable(f"plot options {sorted(mine)} need 'plot' (the kind)")
+    check_kind(kind, Unprocessable)
+    check_format(fmt, Unprocessable)
+    return rest, PlotRequest(kind, fmt, query_options(spec, "plot_"))
+
+
+# ------------------------------------------------------------------------ renderer inputs
+WorkspaceLookup = Callable[[str], "dict[str, Any] | None"]
+
+
+def _first_tested(result: Mapping[str, Any]) -> str | None:
+    """The first patch of a patchset answer that answered a result (not an error)."""
+    return next(
+        (
+            name
+            for name, entry in result.items()
+            if not (isinstance(entry, Mapping) and set(entry) == {"error"})
+        ),
+        None,
+    )
+
+
+def _one_patch(result: Any, patch: str | None) -> tuple[str, Any]:
+    """The patch drawn of a patchset answer (``patch``, default the first that answered a
+    result) and its entry; 422 when there is none, or it answered an error."""
+    if not isinstance(result, Mapping) or not result:
+        raise Unprocessable("the patchset answer has no patches")
+    if patch is None:
+        patch = _first_tested(result)
+        if patch is None:
+            raise Unprocessable("no patch of this patchset answer has a result to plot")
+    if patch not in result:
+        names = ", ".join(list(result)[:10])
+        raise Unprocessable(
+            f"plot option patch {patch!r} is not in the answer; its patches: {names}"
+        )
+    entry = result[patch]
+    if isinstance(entry, Mapping) and set(entry) == {"error"}:
+        raise Unprocessable(f"patch {patch!r} answered an error, nothing to plot: {entry['error']}")
+    return patch, entry
+
+
+def _workspace(
+    request: Mapping[str, Any], lookup: WorkspaceLookup, patch: str | None
+) -> dict[str, Any] | None:
+    """The fitted workspace: the background (inline or stored) with the patch applied (a
+    patchset's ``patch``, or the envelope's ``patches``); None when it is not stored any more
+    or the patch does not apply."""
+    spec = request.get("workspace")
+    if spec is None and isinstance(request.get("workspace_id"), str):
+        spec = lookup(request["workspace_id"])
+    if not isinstance(spec, dict):
+        return None
+    operations: list[Any] = []
+    patchset = request.get("patchset")
+    if patch is not None and isinstance(patchset, Mapping):
+        for entry in patchset.get("patches", []):
+            if entry.get("metadata", {}).get("name") == patch:
+                operations = list(entry.get("patch", []))
+    for given in request.get("patches") or []:
+        operations += given.get("patch", []) if isinstance(given, Mapping) else given
+    if not operations:
+        return spec
+    try:
+        return jsonpatch.apply_patch(copy.deepcopy(spec), operations)
+    except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException, TypeError, KeyError):
+        return spec
+
+
+def _poi_name(workspace: Mapping[str, Any] | None, measurement: str | None) -> str | None:
+    """The POI of the workspace's measurement (default the first)."""
+    if workspace is None:
+        return None
+    for entry in workspace.get("measurements", []):
+        if measurement is None or entry.get("name") == measurement:
+            return entry.get("config", {}).get("poi")
+    return None
+
+
+def _ranking(result: Mapping[str, Any]) -> dict[str, Any]:
+    """The service's ranking answer with ``init`` (the constraint centres, from ``pull``), so
+    the renderer draws the pulls (θ̂ − θ₀)/Δθ; unconstrained parameters have none."""
+    out = dict(result)
+    widths = result.get("prefit_uncertainty") or []
+    pulls = result.get("pull") or []
+    out["init"] = [
+        b - p * w if None not in (b, p, w) and w > 0 else None
+        for b, p, w in zip(result.get("bestfit") or [], pulls, widths, strict=False)
+    ]
+    if len(out["init"]) != len(result.get("labels") or []):
+        out.pop("init")
+    return out
+
+
+def _scan(result: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A 2D scan answer (``names``, ``parameter_values: [[x], [y]]``) as the renderer reads
+    it; a 1D one as it is."""
+    if "names" not in result:
+        return result
+    values = result.get("parameter_values") or [[], []]
+    return {
+        "parameters": result["names"],
+        "values_x": values[0],
+        "values_y": values[1] if len(values) > 1 else [],
+        "delta_nlls": result.get("delta_nlls"),
+        "bestfit": result.get("bestfit"),
+    }
+
+
+def inputs(
+    plot: PlotRequest,
+    operation: str,
+    request: Mapping[str, Any],
+    result: Any,
+    lookup: WorkspaceLookup,
+) -> tuple[Any, dict[str, Any]]:
+    """The renderer's ``(result, options)`` for ``plot`` of ``operation``'s ``result`` to
+    ``request``: one patch of a patchset answer (the ``patch`` option, default the first
+    tested), the patchset's metadata for ``exclusion``, the ``test_poi`` list for
+    ``brazil``, the (patched) workspace for ``pulls``, the POI's name as axis label. The
+    caller's options win over these."""
+    options = dict(plot.options)
+    kind = plot.kind
+    named = request.get("patchset") is not None
+    patch = None
+    if named and kind != "exclusion":
+        patch, result = _one_patch(result, options.pop("patch", None))
+    wanted: dict[str, Any] = {}
+    if kind == "exclusion":
+        wanted["patchset"] = request["patchset"]
+        tested = request.get("test_poi")
+        if isinstance(tested, list):
+            wanted["test_poi"] = 1.0 if 1.0 in tested else tested[0]
+    elif kind == "brazil":
+        if operation == "cls":
+            wanted["test_poi"] = request.get("test_poi")
+        poi = _poi_name(_workspace(request, lookup, None), request.get("measurement"))
+        if poi:
+            wanted["xlabel"] = poi
+    elif kind == "pulls":
+        workspace = _workspace(request, lookup, patch)
+        if workspace is not None:
+            wanted["workspace"] = workspace
+            wanted["measurement"] = request.get("measurement")
+    elif kind == "ranking":
+        result = _ranking(result)
+        poi = result.get("poi")
+        if isinstance(poi, Mapping) and poi.get("name"):
+            wanted["poi_label"] = poi["name"]
+    elif kind == "scan":
+        result = _scan(result)
+    for key, value in wanted.items():
+        options.setdefault(key, value)
+    return result, options
+
+
+def render(
+    plot: PlotRequest,
+    operation: str,
+    request: Mapping[str, Any],
+    result: Any,
+    lookup: WorkspaceLookup,
+) -> bytes:
+    """The image of ``plot`` (blocking: call it in a thread); 422 when the result or an
+    option does not fit the kind (the renderer's message)."""
+    for name in _STRINGS:  # texts given as JSON values (an envelope's plot) must be texts
+        value = plot.options.get(name)
+        if value is not None and not isinstance(value, str):
+            raise Unprocessable(f"plot option {name!r} must be a string, not {value!r:.40}")
+    drawn, options = inputs(plot, operation, request, result, lookup)
+    try:
+        return plots.render(plot.kind, drawn, plot.fmt, **options)
+    except plots.PlotInputError as exc:
+        raise Unprocessable(str(exc)) from None
+    except Exception as exc:  # an option value the renderer does not check; logged in full
+        log.warning("plot not drawn", exc_info=True, extra={"kind": plot.kind})
+        raise Unprocessable(
+            f"{plot.kind} plot: cannot draw it with these options ({type(exc).__name__}: "
+            f"{str(exc)[:200]})"
+        ) from None
+
+
+def image(plot: PlotRequest, data: bytes, name: str) -> Response:
+    """The image answer, named ``name.<fmt>`` for a download."""
+    return Response(
+        content=data,
+        media_type=plot.media_type,
+        headers={
+            "Content-Disposition": f'inline; filename="{name}.{plot.fmt}"',
+            "Cache-Control": "private, max-age=300",
+        },
+    )
+
+
+def store_lookup(store: Any) -> WorkspaceLookup:
+    """A :data:`WorkspaceLookup` over the workspace store (None for one not stored)."""
+
+    def lookup(workspace_id: str) -> dict[str, Any] | None:
+        try:
+            return store.get(workspace_id)
+        except NotFound:
+            return None
+
+    return lookup
+
+
+def openapi_query_parameters(kinds: Sequence[str]) -> list[dict[str, Any]]:
+    """The ``plot`` and ``plot_format`` query parameters of a synchronous route."""
+    return [
+        {
+            "name": "plot",
+            "in": "query",
+            "required": False,
+            "description": "answer this plot of the result (an image) instead of JSON; "
+            "plot options as `plot_<option>` (e.g. `plot_title`, `plot_top`, `plot_dpi`), or "
+            'an envelope field `"plot": {"kind", "format", ...options}`',
+            "schema": {"type": "string", "enum": list(kinds)},
+        },
+        {
+            "name": "plot_format",
+            "in": "query",
+            "required": False,
+            "description": "the plot's format (default png)",
+            "schema": {"type": "string", "enum": list(FORMATS)},
+        },
+    ]

@@ -1,0 +1,225 @@
+"""The web page at ``/`` and ``/jobs/{id}/report`` in a REAL headless browser: Debian's
+chromium driven by its chromium-driver through selenium (``make test`` installs both with
+apt-get when missing; selenium is given their paths, so selenium-manager never runs and nothing
+is downloaded).
+
+Against real servers on a shared workspace: upload the workspace and a small patchset, start a
+CLs job, watch it finish, see the exclusion plot (drawn: ``naturalWidth > 0``) and one table row
+per patch, without a JavaScript error in the console; the report page of a job; and with auth
+on, the page asking for the token (a password field) and working once it is given.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from service_support import WORKSPACES, ServerProcess, running_server, wait_for_job
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+CHROMIUM = shutil.which("chromium")
+CHROMEDRIVER = shutil.which("chromedriver")
+if CHROMIUM is None or CHROMEDRIVER is None:
+    pytest.skip(
+        "chromium and chromedriver are not installed: `make test` installs Debian's chromium "
+        "and chromium-driver with apt-get (as root); elsewhere install them to run these tests",
+        allow_module_level=True,
+    )
+
+webdriver = pytest.importorskip("selenium.webdriver", reason="selenium (the test extra)")
+from selenium.common.exceptions import TimeoutException  # noqa: E402
+from selenium.webdriver.chrome.service import Service  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+
+ANALYSIS = WORKSPACES / "atlas-susy-2018-31-sbottom-B"
+WORKSPACE = ANALYSIS / "BkgOnly.json"
+PATCHES = ["sig_s0_x2", "sig_s0_x5", "sig_s0_x8", "sig_s1_x2", "sig_s1_x5", "sig_s1_x8"]
+TOKEN = "page-token-5f2c9e"
+JOB_TIMEOUT_S = 60
+
+
+def chromium() -> webdriver.Chrome:
+    """Headless chromium with its console log kept (``goog:loggingPrefs``)."""
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for argument in (
+        "--headless=new",
+        "--no-sandbox",  # CI runs as root
+        "--disable-dev-shm-usage",
+        "--disable-gpu",
+        "--window-size=1280,1600",
+    ):
+        options.add_argument(argument)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    return webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[webdriver.Chrome]:
+    driver = chromium()
+    driver.set_page_load_timeout(30)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    with running_server(tmp_path_factory.mktemp("web-page")) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def patchset_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Six patches of the analysis' patchset (a 2 x 3 grid of its shape and scale values)."""
+    patchset = json.loads((ANALYSIS / "patchset.json").read_text())
+    patchset["patches"] = [p for p in patchset["patches"] if p["metadata"]["name"] in PATCHES]
+    assert len(patchset["patches"]) == len(PATCHES)
+    path = tmp_path_factory.mktemp("patchset") / "six-patches.json"
+    path.write_text(json.dumps(patchset))
+    return path
+
+
+def severe(driver: webdriver.Chrome) -> list[dict]:
+    """The console's SEVERE entries since the last call (JavaScript errors, failed loads)."""
+    return [entry for entry in driver.get_log("browser") if entry["level"] == "SEVERE"]
+
+
+def wait_until(driver: webdriver.Chrome, script: str, what: str, timeout_s: float = 30) -> None:
+    """Wait (bounded) until ``script`` returns true in the page; fail with the page's message."""
+    try:
+        WebDriverWait(driver, timeout_s, poll_frequency=0.1).until(
+            lambda d: d.execute_script(script)
+        )
+    except TimeoutException:
+        message = driver.find_element(By.ID, "message").text
+        progress = driver.find_element(By.ID, "progress-text").text
+        pytest.fail(f"{what} not within {timeout_s} s; message {message!r}, progress {progress!r}")
+
+
+PLOT_DRAWN = """
+const image = document.querySelector('#plots img[data-kind="exclusion"]');
+return image !== null && image.complete && image.naturalWidth > 0;
+"""
+
+
+def results_rows(driver: webdriver.Chrome) -> list[list[str]]:
+    """The results table's body, cell texts per row."""
+    rows = driver.find_elements(By.CSS_SELECTOR, "#results-table tbody tr")
+    return [[cell.text for cell in row.find_elements(By.CSS_SELECTOR, "th, td")] for row in rows]
+
+
+def run_cls_job(driver: webdriver.Chrome, patchset: Path) -> None:
+    """Upload the workspace and the patchset, start a CLs job and wait for its plots."""
+    driver.find_element(By.ID, "workspace-file").send_keys(str(WORKSPACE))
+    driver.find_element(By.ID, "patchset-file").send_keys(str(patchset))
+    assert driver.find_element(By.ID, "operation").get_attribute("value") == "cls"
+    driver.find_element(By.ID, "start-job").click()
+    wait_until(driver, PLOT_DRAWN, "the exclusion plot", JOB_TIMEOUT_S)
+
+
+def assert_cls_results(driver: webdriver.Chrome) -> None:
+    """One row per patch: its name, CLs observed and the expected median (numbers)."""
+    rows = results_rows(driver)
+    assert sorted(row[0] for row in rows) == sorted(PATCHES)
+    for row in rows:
+        assert 0 < float(row[1]) < 1 and 0 < float(row[2]) < 1, row
+    heads = [h.text for h in driver.find_elements(By.CSS_SELECTOR, "#results-table thead th")]
+    assert heads[:3] == ["Patch", "CLs observed", "CLs expected (median)"]
+    status = driver.find_element(By.ID, "progress-text")
+    assert status.text == f"Job succeeded: {len(PATCHES)} of {len(PATCHES)} hypotheses"
+    assert status.get_attribute("aria-live") == "polite"
+
+
+def test_page_runs_a_cls_job_and_shows_its_plots(browser, server, patchset_file) -> None:
+    started = time.monotonic()
+    browser.get(server.url + "/")
+    assert browser.title == "pyhf-gpu"
+    assert not browser.find_element(By.ID, "new-job").get_attribute("hidden")
+    assert browser.find_element(By.ID, "token-section").get_attribute("hidden")
+    unlabelled = browser.execute_script(
+        "return [...document.querySelectorAll('input, select')]"
+        ".filter(e => e.type !== 'hidden' && e.labels.length === 0).map(e => e.id)"
+    )
+    assert unlabelled == [], "form controls without a label element"
+    run_cls_job(browser, patchset_file)
+    assert_cls_results(browser)
+    image = browser.find_element(By.CSS_SELECTOR, '#plots img[data-kind="exclusion"]')
+    assert image.get_attribute("src").startswith("blob:")  # fetched with the headers
+    assert "exclusion plot" in image.get_attribute("alt")
+    # the job is listed, linked to its report page
+    link = browser.find_element(By.ID, "report-link").get_attribute("href")
+    job_id = link.split("/jobs/")[1].split("/")[0]
+    wait_until(
+        browser,
+        f"return document.querySelector('#jobs-table a[href$=\"{job_id}/report\"]') !== null",
+        "the job in the recent jobs",
+    )
+    assert severe(browser) == []
+    assert time.monotonic() - started < JOB_TIMEOUT_S
+
+
+def test_report_page_shows_one_job(browser, server, patchset_file) -> None:
+    patchset = json.loads(patchset_file.read_text())
+    with server.client() as client:
+        workspace = json.loads(WORKSPACE.read_text())
+        body = {"operation": "cls", "workspace": workspace, "patchset": patchset}
+        job_id = client.post("/jobs", json=body).json()["id"]
+        assert wait_for_job(client, job_id)["status"] == "succeeded"
+    browser.get(f"{server.url}/jobs/{job_id}/report")
+    wait_until(browser, PLOT_DRAWN, "the exclusion plot of the report")
+    assert job_id in browser.find_element(By.ID, "job-heading").text
+    assert browser.find_element(By.ID, "new-job").get_attribute("hidden")  # one job only
+    assert_cls_results(browser)
+    assert severe(browser) == []
+
+
+def test_page_asks_for_the_token_with_auth_on(browser, patchset_file, tmp_path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    args = ["--api-token-file", str(token_file)]
+    (tmp_path / "data").mkdir()
+    with running_server(tmp_path / "data", args) as server:
+        # the page and its files hold no data: open; everything else needs the token
+        for path in ("/", "/static/app.js", "/static/style.css", "/jobs/abc/report"):
+            assert httpx.get(server.url + path).status_code == 200, path
+        assert httpx.get(server.url + "/jobs/abc/plots/brazil.png").status_code == 401
+        browser.get(server.url + "/")
+        field = browser.find_element(By.ID, "token")
+        assert field.get_attribute("type") == "password"
+        assert browser.find_element(By.CSS_SELECTOR, "label[for=token]").text == "API token"
+        assert browser.find_element(By.ID, "new-job").get_attribute("hidden")
+        # a wrong token is refused (the console notes the 401 of that check, nothing else)
+        field.send_keys("not-the-token")
+        browser.find_element(By.CSS_SELECTOR, "#token-form button").click()
+        wait_until(
+            browser,
+            "return document.getElementById('token-status').textContent.includes('not accepted')",
+            "the refusal of a wrong token",
+        )
+        assert all("401" in entry["message"] for entry in severe(browser))
+        # the right one opens the page, kept for the tab only
+        field.send_keys(TOKEN)
+        browser.find_element(By.CSS_SELECTOR, "#token-form button").click()
+        wait_until(
+            browser,
+            "return !document.getElementById('new-job').hidden",
+            "the page after the token",
+        )
+        stored = browser.execute_script("return sessionStorage.getItem('pyhf-gpu-token')")
+        assert stored == TOKEN
+        run_cls_job(browser, patchset_file)
+        assert_cls_results(browser)
+        # the report page of the job, in the same tab: the token goes along
+        browser.get(browser.find_element(By.ID, "report-link").get_attribute("href"))
+        wait_until(browser, PLOT_DRAWN, "the exclusion plot of the report, with auth on")
+        assert_cls_results(browser)
+        assert severe(browser) == []
