@@ -157,7 +157,8 @@ def through_the_service(workspace: dict, entry: dict, bodies: dict[str, dict]) -
                 start = time.perf_counter()
                 response = client.post(route, json=body)
                 seconds[route] = time.perf_counter() - start
-                response.raise_for_status()
+                if response.status_code != 200:
+                    raise SystemExit(f"{route}: {response.status_code} {response.text[:500]}")
     return seconds
 
 

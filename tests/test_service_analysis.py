@@ -119,7 +119,8 @@ def test_ranking_is_sorted_by_impact_and_its_impacts_are_pois_of_refits(client):
 
 def test_scan_values_are_pyhfs_profile_likelihood(client):
     values = [0.0, 0.5, 1.0]
-    result = post(client, "/scan", {**one_patch(FIRST), "x": {"values": values}})[FIRST]
+    body = {**one_patch(FIRST), "x": {"parameter": "mu_SIG", "values": values}}
+    result = post(client, "/scan", body)[FIRST]
     assert result["name"] == "mu_SIG" and result["parameter_values"] == values
     model, data = pyhf_model(FIRST)
     pyhf.set_backend("numpy", pyhf.optimize.scipy_optimizer(tolerance=1e-12))

@@ -104,7 +104,8 @@ class Operation(ABC, Generic[OptionsT]):
     def options_of(self, request: BaseModel) -> OptionsT:
         """The options part of a validated request."""
         fields = set(self.options_model.model_fields)
-        return self.options_model.model_validate(request.model_dump(include=fields))
+        given = request.model_dump(include=fields, exclude_unset=True)  # defaults stay unset
+        return self.options_model.model_validate(given)
 
     def tested_values(self, options: OptionsT) -> tuple[str, list[float]] | None:
         """The option naming POI values to test and its values, which must lie within the
