@@ -271,7 +271,11 @@ def ranking(
     )
     free = fit_rows(model, rows, element, bounds=bounds, options=options)
     fixed_rows = model.fixed.index_select(0, element)
-    postfit, _ = hessian_uncertainties(model, rows, element, free.bestfit, fixed_rows, options)
+    postfit, corr = hessian_uncertainties(model, rows, element, free.bestfit, fixed_rows, options)
+    # covariance columns [B * P, P] (row-major: row b, column c): the linear response of the
+    # other parameters to a fixed one, which starts each conditional fit near its minimum
+    response = (corr * postfit.unsqueeze(2) * postfit.unsqueeze(1)).transpose(1, 2)
+    response = response.reshape(B * P, P)
     prefit = prefit_uncertainties(model).index_select(0, element)
 
     # the conditional fits: per row, per ranked column, the pre-fit pair (where the column
@@ -305,7 +309,9 @@ def ranking(
         hi = box.select(-1, 1).gather(1, c).squeeze(1)
         value = torch.minimum(torch.maximum(theta + sign * sigma, lo), hi)
         value = torch.where(torch.isfinite(value), value, theta)
-        init = base.scatter(1, c, value.unsqueeze(1))
+        init = _predicted_minima(base, response.index_select(0, r * P + c.squeeze(1)), c, value)
+        init = torch.minimum(torch.maximum(init, box.select(-1, 0)), box.select(-1, 1))
+        init = init.scatter(1, c, value.unsqueeze(1))
         pin = torch.zeros_like(init, dtype=torch.bool).scatter(1, c, True)
         fixed = fixed_rows.index_select(0, r) | pin
         cond = fit_rows(
@@ -360,6 +366,18 @@ def ranking(
         starts=status.starts,
         starts_agreed=status.agreed,
     )
+
+
+def _predicted_minima(base: Tensor, column: Tensor, c: Tensor, value: Tensor) -> Tensor:
+    """Start points ``[F, P]`` of the conditional fits: the best fits ``base`` moved along
+    the covariance ``column`` of the fixed parameter ``c`` as far as it is moved to ``value``
+    (the minimum of the quadratic approximation at the best fit; the unchanged best fit where
+    that is not finite)."""
+    theta = base.gather(1, c).squeeze(1)
+    variance = column.gather(1, c).squeeze(1)
+    step = (value - theta) / variance
+    moved = base + column * step.unsqueeze(1)
+    return torch.where(torch.isfinite(moved), moved, base)
 
 
 def _combine_per_row(status: FitStatus, extra: FitStatus, row: Tensor) -> FitStatus:
