@@ -427,6 +427,60 @@ class _ClientBase:
         return p.list_jobs_flow(self.config, status)
 
     @_api
+    def plot(self, job: Job | str, kind: str, format: str = "png", **options: Any) -> p.Flow[bytes]:
+        """A plot of a finished job's result (``GET /jobs/{id}/plots/{kind}.{format}``), as
+        PNG or SVG bytes.
+
+        ``kind``: ``brazil``, ``exclusion`` (cls), ``pulls``, ``correlation`` (fit),
+        ``ranking``, ``scan``, ``yields``; :meth:`plot_kinds` lists those that fit the job.
+        ``options`` go to the renderer: ``dpi``, ``figsize=(w, h)``, ``title``, ``label``,
+        ``rlabel``, ``patch`` (of a patchset job), ``top``, ``threshold``, ``level``,
+        ``channels=[...]``, ``stage``, ``log_y``, ... Raises :class:`BadRequestError` (409)
+        until the job succeeded, (422) for a kind that does not fit it.
+        """
+        return p.plot_flow(_job_id(job), kind, format, options, self.config)
+
+    @_api
+    def plot_kinds(self, job: Job | str) -> p.Flow[list[str]]:
+        """The plot kinds that fit a job (``GET /jobs/{id}/plots``)."""
+        return p.plot_kinds_flow(_job_id(job), self.config)
+
+    @_api
+    def render(
+        self,
+        operation: str,
+        workspace: JSONSource,
+        kind: str,
+        format: str = "png",
+        plot_options: dict[str, Any] | None = None,
+        *,
+        measurement: str | None = None,
+        patches: Sequence[Any] | None = None,
+        patchset: JSONSource | None = None,
+        patch_names: Sequence[str] | None = None,
+        **options: Any,
+    ) -> p.Flow[bytes]:
+        """Run ``operation`` synchronously and get a plot of its answer instead of the result:
+        PNG or SVG bytes (``POST /<operation>`` with ``"plot": {"kind", "format", ...}``).
+
+        ``options`` are the operation's, as for :meth:`submit` (``test_poi=[0, 0.5, 1]``, a
+        scan's ``parameter``/``values``/``range``, ``top``, ...); ``plot_options`` the
+        renderer's, as for :meth:`plot`. The server answers 422 before any work when ``kind``
+        does not fit the request (e.g. ``brazil`` for one ``test_poi``).
+        """
+        body = p.build_options(
+            operation,
+            measurement=measurement,
+            patches=patches,
+            patchset=patchset,
+            patch_names=patch_names,
+            **options,
+        )
+        return p.render_flow(
+            operation, workspace, body, kind, format, plot_options, self.config, self.state
+        )
+
+    @_api
     def upload_workspace(self, workspace: JSONSource) -> p.Flow[str]:
         """Upload ``workspace`` unless the server holds it already; its content-addressed id."""
         return p.upload_workspace(load_json(workspace), self.config, self.state)

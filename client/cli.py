@@ -4,8 +4,9 @@
 (``indent=4, sort_keys=True``); ``--backend``, ``--optimizer`` and ``--optconf`` are accepted
 and ignored so that existing scripts run unchanged. Beyond pyhf: ``--patchset``, several
 ``--test-poi`` values, ``upper-limit``, ``significance``, cabinetry's ``ranking``, ``scan`` and
-``yields`` (``--format table|json|csv``), ``fit --goodness-of-fit``, ``jobs``, ``health`` and
-``info``.
+``yields`` (``--format table|json|csv``), ``fit --goodness-of-fit``, plots drawn by the server
+(``plot KIND WORKSPACE -o FILE.png``, or ``--plot FILE`` on an operation), ``jobs``,
+``health`` and ``info``.
 
 Exit codes: 0 success; 1 the server rejected or failed the request, a job failed, or the
 input could not be read; 2 usage error; 3 the server could not be reached or timed out.
@@ -19,6 +20,7 @@ import json
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import IO, Any
 
 import click
@@ -33,10 +35,26 @@ from .exceptions import (
     WorkspaceError,
     format_detail,
 )
-from .protocol import DEFAULT_SERVER, ENV_SERVER, ENV_TOKEN, MAX_SEED
+from .protocol import (
+    DEFAULT_SERVER,
+    ENV_SERVER,
+    ENV_TOKEN,
+    MAX_SEED,
+    PLOT_KINDS,
+    default_plot_kind,
+    plot_format,
+    plot_kinds_for,
+    plot_option,
+)
 from .results import Job, YieldsResult, patch_errors, result_to_json
 
-__all__ = ["format_yields_csv", "format_yields_table", "main", "parse_test_poi"]
+__all__ = [
+    "format_yields_csv",
+    "format_yields_table",
+    "main",
+    "parse_plot_options",
+    "parse_test_poi",
+]
 
 EXIT_FAILED = 1
 EXIT_UNREACHABLE = 3
@@ -310,15 +328,23 @@ def main() -> None:
     """
 
 
-def _workspace_options(f: Callable[..., Any]) -> Callable[..., Any]:
-    """WORKSPACE, --output-file, --measurement, -p/--patch, --patchset, --patch-name."""
+def _workspace_options(f: Callable[..., Any], outputs: bool = True) -> Callable[..., Any]:
+    """WORKSPACE, --measurement, -p/--patch, --patchset, --patch-name (and with ``outputs``
+    --output-file and --strict)."""
+    output_file = click.option(
+        "--output-file",
+        help="The location of the output json file. If not specified, prints to screen.",
+        default=None,
+    )
+    strict = click.option(
+        "--strict",
+        is_flag=True,
+        help="Exit 1 when some patch of --patchset could not be tested (default: report "
+        "it on stderr, print the others).",
+    )
     decorators = [
         click.argument("workspace", default="-"),
-        click.option(
-            "--output-file",
-            help="The location of the output json file. If not specified, prints to screen.",
-            default=None,
-        ),
+        *([output_file] if outputs else []),
         click.option("--measurement", default=None),
         click.option(
             "-p", "--patch", multiple=True, help="A jsonpatch file applied first (repeatable)."
@@ -335,12 +361,7 @@ def _workspace_options(f: Callable[..., Any]) -> Callable[..., Any]:
             metavar="NAME",
             help="Only these patches of --patchset (repeatable; default all).",
         ),
-        click.option(
-            "--strict",
-            is_flag=True,
-            help="Exit 1 when some patch of --patchset could not be tested (default: report "
-            "it on stderr, print the others).",
-        ),
+        *([strict] if outputs else []),
     ]
     for decorator in reversed(decorators):
         f = decorator(f)
@@ -371,14 +392,19 @@ def _compat_options(f: Callable[..., Any]) -> Callable[..., Any]:
     return f
 
 
-def _cls_options(f: Callable[..., Any]) -> Callable[..., Any]:
+def _cls_options(
+    f: Callable[..., Any],
+    test_poi: tuple[str, ...] = ("1.0",),
+    test_poi_help: str = "POI value to test; repeat it, give a comma list or start:stop:num "
+    "to scan.",
+) -> Callable[..., Any]:
     decorators = [
         click.option(
             "--test-poi",
             multiple=True,
-            default=("1.0",),
-            show_default=True,
-            help="POI value to test; repeat it, give a comma list or start:stop:num to scan.",
+            default=test_poi,
+            show_default=bool(test_poi),
+            help=test_poi_help,
         ),
         click.option("--test-stat", type=click.Choice(["q", "qtilde"]), default="qtilde"),
     ]
@@ -512,11 +538,101 @@ def _run_blocking(operation: str) -> Callable[..., None]:
         ctx = click.get_current_context()
         with _errors():
             call_kwargs = _operation_kwargs(operation, kwargs)
+            plot = _job_plot(operation, kwargs, call_kwargs)
+            if plot is not None:
+                _run_with_plot(ctx, operation, kwargs, call_kwargs, plot)
+                return
             with _client(ctx) as client:
                 result = getattr(client, _METHODS[operation])(kwargs["workspace"], **call_kwargs)
             _output(result, kwargs)
 
     return command
+
+
+def parse_plot_options(values: Sequence[str], option: str = "--option") -> dict[str, Any]:
+    """``KEY=VALUE`` options of the renderer, typed (``top=5`` an int, ``channels=SR,CR`` a
+    list; see :func:`pyhf_gpu_client.protocol.plot_option`)."""
+    out: dict[str, Any] = {}
+    for text in values:
+        try:
+            key, value = plot_option(text)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint=f"'{option}'") from None
+        out[key] = value
+    return out
+
+
+def _file_format(path: str, option: str) -> str:
+    """``png`` or ``svg`` from the suffix of ``path`` (a usage error otherwise)."""
+    try:
+        return plot_format(path)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint=f"'{option}'") from None
+
+
+def _job_plot(
+    operation: str, kwargs: dict[str, Any], call_kwargs: dict[str, Any]
+) -> tuple[str, str, dict[str, Any]] | None:
+    """``(kind, format, options)`` of ``--plot FILE``, checked to fit before anything runs."""
+    path = kwargs.get("plot_file")
+    if path is None:
+        if kwargs.get("plot_kind") or kwargs.get("plot_option"):
+            raise click.UsageError("--plot-kind and --plot-option need --plot FILE")
+        return None
+    fmt = _file_format(path, "--plot")
+    fitting = plot_kinds_for(operation, call_kwargs)
+    kind = kwargs.get("plot_kind") or default_plot_kind(operation, call_kwargs)
+    if kind is None:
+        raise click.UsageError(
+            "--plot: a cls plot needs several --test-poi values (a brazil plot, e.g. "
+            "--test-poi 0:2:11) or --patchset (an exclusion plot)"
+        )
+    if kind not in fitting:
+        why = _NEEDS.get(kind, "") if operation == "cls" else ""
+        raise click.UsageError(
+            f"--plot-kind {kind} does not fit {operation}{why}; the kinds that do: "
+            f"{', '.join(fitting) or 'none'}"
+        )
+    return kind, fmt, parse_plot_options(kwargs.get("plot_option") or (), "--plot-option")
+
+
+#: why a cls plot kind does not fit
+_NEEDS = {
+    "brazil": " (a brazil plot needs several --test-poi values)",
+    "exclusion": " (an exclusion plot needs --patchset)",
+}
+
+
+def _write_plot(path: str, data: bytes) -> None:
+    """Write an image (an unwritable path: exit 1)."""
+    try:
+        Path(path).write_bytes(data)
+    except OSError as exc:
+        raise CommandFailed(f"cannot write the plot to {path!r}: {exc}") from None
+
+
+def _run_with_plot(
+    ctx: click.Context,
+    operation: str,
+    kwargs: dict[str, Any],
+    call_kwargs: dict[str, Any],
+    plot: tuple[str, str, dict[str, Any]],
+) -> None:
+    """``--plot FILE``: submit as a job, wait (progress on stderr), print the result as the
+    blocking command does, then fetch the job's plot into FILE (the fit runs once)."""
+    kind, fmt, options = plot
+    with _client(ctx) as client:
+        job = client.submit(operation, kwargs["workspace"], **call_kwargs)
+        click.echo(f"submitted job {job.id}", err=True)
+        job = _wait(client, job.id, None)
+        failure: CommandFailed | None = None
+        try:
+            _output(job.result, kwargs)
+        except CommandFailed as exc:  # --strict: still draw the patches that were tested
+            failure = exc
+        _write_plot(kwargs["plot_file"], client.plot(job, kind, fmt, **options))
+    if failure is not None:
+        raise failure
 
 
 def _run_submit(operation: str) -> Callable[..., None]:
@@ -594,6 +710,77 @@ def _scan_axis_options(f: Callable[..., Any], suffix: str = "") -> Callable[...,
     return f
 
 
+def _upper_limit_options(
+    f: Callable[..., Any],
+    level_help: str = "CLs level of the limit [server default 0.05, i.e. 95% CL].",
+) -> Callable[..., Any]:
+    """--level, --scan."""
+    f = click.option(
+        "--level",
+        type=click.FloatRange(0, 1, min_open=True, max_open=True),
+        default=None,
+        help=level_help,
+    )(f)
+    return click.option(
+        "--scan",
+        multiple=True,
+        metavar="VALUES",
+        help="POI values to scan: start:stop:num or a comma list [server: automatic].",
+    )(f)
+
+
+def _ranking_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """--parameter (repeatable), --top."""
+    f = click.option(
+        "--parameter",
+        multiple=True,
+        metavar="NAME",
+        help="Rank only this parameter (repeatable; a label such as lumi or "
+        "staterror_SR[0]) [default: every free parameter but the POI].",
+    )(f)
+    return click.option(
+        "--top",
+        type=click.IntRange(min=1),
+        default=None,
+        metavar="N",
+        help="Only the N largest impacts.",
+    )(f)
+
+
+def _job_plot_options(f: Callable[..., Any], operation: str) -> Callable[..., Any]:
+    """--plot FILE, --plot-kind, --plot-option: run as a job, then write its plot."""
+    implied = {
+        "cls": "exclusion with --patchset, brazil with several --test-poi",
+        "fit": "pulls",
+    }.get(operation, PLOT_KINDS[operation][0])
+    decorators = [
+        click.option(
+            "--plot",
+            "plot_file",
+            default=None,
+            metavar="FILE",
+            help="Also draw the result into FILE (.png or .svg): the command then runs as a "
+            f"job (progress on stderr) and its plot is fetched [kind: {implied}].",
+        ),
+        click.option(
+            "--plot-kind",
+            type=click.Choice(sorted({k for kinds in PLOT_KINDS.values() for k in kinds})),
+            default=None,
+            help="The plot kind of --plot, when not the one implied.",
+        ),
+        click.option(
+            "--plot-option",
+            multiple=True,
+            metavar="KEY=VALUE",
+            help="A renderer option of --plot, e.g. label='ATLAS Internal', dpi=100, top=10 "
+            "(repeatable).",
+        ),
+    ]
+    for decorator in reversed(decorators):
+        f = decorator(f)
+    return f
+
+
 def make_command(operation: str, submit: bool = False) -> click.Command:
     """Build the ``operation`` command: blocking (top level) or queued (``jobs submit``)."""
     callback = _run_submit(operation) if submit else _run_blocking(operation)
@@ -614,18 +801,7 @@ def make_command(operation: str, submit: bool = False) -> click.Command:
     if operation == "significance":
         callback = _calculator_options(callback)
     if operation == "upper-limit":
-        callback = click.option(
-            "--level",
-            type=click.FloatRange(0, 1, min_open=True, max_open=True),
-            default=None,
-            help="CLs level of the limit [server default 0.05, i.e. 95% CL].",
-        )(callback)
-        callback = click.option(
-            "--scan",
-            multiple=True,
-            metavar="VALUES",
-            help="POI values to scan: start:stop:num or a comma list [server: automatic].",
-        )(callback)
+        callback = _upper_limit_options(callback)
     if operation == "fit":
         callback = click.option(
             "--goodness-of-fit",
@@ -634,20 +810,7 @@ def make_command(operation: str, submit: bool = False) -> click.Command:
             "delta_twice_nll, ndof} (as cabinetry's).",
         )(callback)
     if operation == "ranking":
-        callback = click.option(
-            "--parameter",
-            multiple=True,
-            metavar="NAME",
-            help="Rank only this parameter (repeatable; a label such as lumi or "
-            "staterror_SR[0]) [default: every free parameter but the POI].",
-        )(callback)
-        callback = click.option(
-            "--top",
-            type=click.IntRange(min=1),
-            default=None,
-            metavar="N",
-            help="Only the N largest impacts.",
-        )(callback)
+        callback = _ranking_options(callback)
     if operation == "scan":
         callback = _scan_axis_options(_scan_axis_options(callback, "-y"))
     if operation == "yields":
@@ -661,6 +824,8 @@ def make_command(operation: str, submit: bool = False) -> click.Command:
         )(callback)
     if operation in ("cls", "fit"):
         callback = _compat_options(callback)
+    if not submit and PLOT_KINDS.get(operation):
+        callback = _job_plot_options(callback, operation)
     if submit:
         callback = click.option(
             "--wait-timeout",
@@ -762,6 +927,155 @@ def jobs_list(status: str | None) -> None:
             ],
             None,
         )
+
+
+# ---------------------------------------------------------------------------------- plot
+
+#: plot kind -> the operation it draws (``brazil`` without --test-poi: ``upper-limit``)
+PLOT_OPERATIONS: dict[str, str] = {
+    "brazil": "cls",
+    "exclusion": "cls",
+    "pulls": "fit",
+    "correlation": "fit",
+    "ranking": "ranking",
+    "scan": "scan",
+    "yields": "yields",
+}
+
+_PLOT_HELP = {
+    "brazil": "CLs observed and expected (±1σ, ±2σ bands) versus the POI: `cls` over several "
+    "--test-poi values, or without --test-poi the upper limit's scan (--level, --scan).",
+    "exclusion": "CLs = 0.05 contours over the signal points of --patchset (their metadata "
+    "values): `cls` of every patch (or the --patch-name ones).",
+    "pulls": "Pulls (θ̂ − θ₀)/Δθ of the constrained parameters: a `fit`.",
+    "correlation": "The correlation matrix of a `fit` (weakly correlated parameters left out).",
+    "ranking": "Impacts on the POI, pre- and post-fit, and pulls: `ranking`.",
+    "scan": "-2Δln L of a `scan` with 1σ/2σ lines, or 68%/95% CL contours of a 2D scan.",
+    "yields": "Stacked post-fit yields per channel, the data and data / model: `yields` "
+    "(--option stage=prefit for the pre-fit ones).",
+}
+
+
+def _plot_operation(kind: str, kwargs: dict[str, Any]) -> str:
+    """The operation a ``plot KIND`` command runs (usage errors for options that do not fit)."""
+    if kind == "exclusion" and not kwargs.get("patchset"):
+        raise click.UsageError("an exclusion plot needs --patchset")
+    if kind != "brazil":
+        return PLOT_OPERATIONS[kind]
+    if kwargs.get("test_poi"):
+        if kwargs.get("scan"):
+            raise click.UsageError(
+                "--scan is the upper limit's; with --test-poi give the values there"
+            )
+        if not isinstance(parse_test_poi(kwargs["test_poi"]), list):
+            raise click.UsageError(
+                "a brazil plot needs several --test-poi values (e.g. 0:2:11), or none: the "
+                "upper limit's scan"
+            )
+        return "cls"
+    toys = kwargs.get("ntoys") is not None or kwargs.get("seed") is not None
+    if toys or kwargs.get("calctype") != "asymptotics" or kwargs.get("test_stat") != "qtilde":
+        raise click.UsageError(
+            "--test-stat, --calctype, --ntoys and --seed apply to a CLs scan: give --test-poi"
+        )
+    return "upper-limit"
+
+
+def make_plot_command(kind: str) -> click.Command:
+    """``plot KIND WORKSPACE [operation options] -o FILE``: one synchronous request whose
+    answer is the image (``Client.render``)."""
+
+    def command(**kwargs: Any) -> None:
+        ctx = click.get_current_context()
+        output = kwargs["output"]
+        fmt = _file_format(output, "--output")
+        options = parse_plot_options(kwargs.get("option") or ())
+        for name in ("title", "label", "rlabel", "dpi"):
+            if kwargs.get(name) is not None:
+                options[name] = kwargs[name]
+        operation = _plot_operation(kind, kwargs)
+        with _errors():
+            call_kwargs = _operation_kwargs(operation, kwargs)
+            if operation == "cls" and kwargs.get("level") is not None:
+                options.setdefault("level", kwargs["level"])  # the brazil line, not a cls option
+            with _client(ctx) as client:
+                data = client.render(
+                    operation, kwargs["workspace"], kind, fmt, options, **call_kwargs
+                )
+            _write_plot(output, data)
+
+    callback: Callable[..., Any] = command
+    if kind == "brazil":
+        callback = _upper_limit_options(
+            callback,
+            "CLs level: of the upper limit, or the line drawn with --test-poi [default 0.05].",
+        )
+        callback = _cls_options(
+            callback,
+            test_poi=(),
+            test_poi_help="POI values of a CLs scan: repeat it, a comma list or start:stop:num "
+            "[default: the upper limit's scan].",
+        )
+    elif kind == "exclusion":
+        callback = _cls_options(callback)
+    elif kind == "ranking":
+        callback = _ranking_options(callback)
+    elif kind == "scan":
+        callback = _scan_axis_options(_scan_axis_options(callback, "-y"))
+    decorators = [
+        click.option(
+            "-o",
+            "--output",
+            required=True,
+            metavar="FILE",
+            help="The image file; its suffix is the format: .png or .svg.",
+        ),
+        click.option("--title", default=None, help="A title above the plot."),
+        click.option(
+            "--label",
+            default=None,
+            help="An experiment label at the top left, e.g. 'ATLAS Internal' (first word bold).",
+        ),
+        click.option(
+            "--rlabel", default=None, help="A label at the top right, e.g. '13 TeV, 139 fb⁻¹'."
+        ),
+        click.option(
+            "--dpi",
+            type=click.FloatRange(min=1),
+            default=None,
+            help="PNG resolution [server default 150].",
+        ),
+        click.option(
+            "--option",
+            multiple=True,
+            metavar="KEY=VALUE",
+            help="A renderer option (repeatable): top=10, threshold=0.3, channels=SR,CR, "
+            "stage=prefit, log_y=true, figsize=8,6, patch=NAME, ... (docs/SERVICE.md).",
+        ),
+    ]
+    for decorator in reversed(decorators):
+        callback = decorator(callback)
+    callback = _workspace_options(callback, outputs=False)
+    callback = connection_options(callback)
+    return click.command(
+        name=kind,
+        help=_PLOT_HELP[kind] + "\n\nWORKSPACE is a path or - for stdin (the default).",
+    )(callback)
+
+
+@main.group("plot")
+def plot_group() -> None:
+    """Draw a plot of an operation's answer on the server into -o FILE (.png or .svg).
+
+    `plot KIND WORKSPACE [options of the operation KIND runs] -o FILE`: brazil (cls over
+    several --test-poi, or the upper limit's scan), exclusion (cls of a --patchset), pulls and
+    correlation (fit), ranking, scan, yields. To print a result and draw it from one run, give
+    --plot FILE to cls, upper-limit, fit, ranking, scan or yields instead.
+    """
+
+
+for _kind in PLOT_OPERATIONS:
+    plot_group.add_command(make_plot_command(_kind))
 
 
 @main.command()

@@ -7,7 +7,8 @@ receives their outcomes::
                      (or ``throw``s a :class:`~pyhf_gpu_client.exceptions.TransportError`)
     Sleep(s)      -> the driver sleeps ``s`` seconds (``time.sleep`` / ``asyncio.sleep``)
 
-and finally returns the parsed result (``StopIteration.value``). Request building, gzip
+and finally returns the parsed result (``StopIteration.value``). A response is read whole,
+so a plot's image (``image_of``) travels the same way as JSON. Request building, gzip
 encoding, workspace upload/deduplication, retries with backoff and ``Retry-After``, error
 mapping, job polling and response parsing all live here, once; the two clients only differ
 in how they send a request and how they sleep (see ``_client.py``).
@@ -23,6 +24,7 @@ import time
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+from urllib.parse import quote
 
 import httpx
 
@@ -49,6 +51,9 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "ENV_SERVER",
     "ENV_TOKEN",
+    "PLOT_FORMATS",
+    "PLOT_KINDS",
+    "PLOT_MEDIA_TYPES",
     "ClientConfig",
     "ClientState",
     "Flow",
@@ -56,6 +61,10 @@ __all__ = [
     "RetryPolicy",
     "SSEParser",
     "Sleep",
+    "default_plot_kind",
+    "plot_format",
+    "plot_kinds_for",
+    "plot_option",
 ]
 
 DEFAULT_SERVER = "http://127.0.0.1:8000"
@@ -84,6 +93,8 @@ class Request:
     #: sending it again is harmless (GETs, computations); a POST /jobs is not retried on
     #: errors that may have reached the server
     idempotent: bool = True
+    #: the ``Accept`` header when not JSON (an image: ``image/png``, ``image/svg+xml``)
+    accept: str | None = None
 
 
 @dataclass(frozen=True)
@@ -194,6 +205,8 @@ class ClientConfig:
     def httpx_arguments(self, request: Request) -> dict[str, Any]:
         """Keyword arguments of ``httpx.(Async)Client.request`` for ``request``."""
         headers, content = self.encode(request)
+        if request.accept:
+            headers["Accept"] = request.accept
         params = None
         if request.params:
             params = {k: _param(v) for k, v in request.params.items() if v is not None}
@@ -207,8 +220,12 @@ class ClientConfig:
 
 
 def _param(value: Any) -> Any:
+    """A query value as httpx sends it: booleans as ``true``/``false``, a list or tuple as a
+    repeated parameter."""
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return [_param(v) for v in value]
     return value
 
 
@@ -412,9 +429,18 @@ def scan_options(options: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def ranking_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """``parameters`` of ``POST /ranking`` as a list (one label may be given as a string)."""
+    out = dict(options)
+    if isinstance(out.get("parameters"), str):
+        out["parameters"] = [out["parameters"]]
+    return out
+
+
 #: operations whose client keywords are not the server's fields as they are
 OPTION_BUILDERS: dict[str, Callable[[Mapping[str, Any]], dict[str, Any]]] = {
     "scan": scan_options,
+    "ranking": ranking_options,
 }
 
 
@@ -459,14 +485,15 @@ def build_options(
     return body
 
 
-def operation_flow(
+def post_operation(
     operation: str,
     workspace: JSONSource,
     options: Mapping[str, Any],
     config: ClientConfig,
     state: ClientState,
-) -> Flow[Result]:
-    """Run ``operation`` synchronously (``POST /cls`` etc.) and parse the answer.
+    accept: str | None = None,
+) -> Flow[httpx.Response]:
+    """``POST /<operation>`` with the workspace (inline or by id) and ``options``; the answer.
 
     If the server forgot an uploaded workspace (404 on a ``workspace_id``), upload it again once.
     """
@@ -474,16 +501,26 @@ def operation_flow(
     path = OPERATIONS[operation]
     for attempt in (1, 2):
         ref = yield from resolve_workspace(spec, config, state)
-        request = Request("POST", path, body={**ref, **options}, has_body=True)
+        request = Request("POST", path, body={**ref, **options}, has_body=True, accept=accept)
         try:
-            data = yield from call_json(request, config.retry)
+            return (yield from call(request, config.retry))
         except NotFoundError:
             if "workspace_id" not in ref or attempt == 2:
                 raise
             state.known_workspaces.discard(ref["workspace_id"])
-            continue
-        return parse_result(operation, data)
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def operation_flow(
+    operation: str,
+    workspace: JSONSource,
+    options: Mapping[str, Any],
+    config: ClientConfig,
+    state: ClientState,
+) -> Flow[Result]:
+    """Run ``operation`` synchronously (``POST /cls`` etc.) and parse the answer."""
+    response = yield from post_operation(operation, workspace, options, config, state)
+    return parse_result(operation, json_of(response))
 
 
 def submit_flow(
@@ -572,6 +609,208 @@ def get_text_flow(path: str, config: ClientConfig) -> Flow[str]:
     """``GET path`` as text (``/metrics``)."""
     response = yield from call(Request("GET", path), config.retry)
     return response.text
+
+
+# ---------------------------------------------------------------------------------- plots
+
+#: the plot kinds the server draws of each operation's answer (:func:`plot_kinds_for` narrows
+#: ``cls`` by its request); the server's ``GET /jobs/{id}/plots`` has the final word
+PLOT_KINDS: dict[str, tuple[str, ...]] = {
+    "cls": ("brazil", "exclusion"),
+    "upper-limit": ("brazil",),
+    "fit": ("pulls", "correlation"),
+    "ranking": ("ranking",),
+    "scan": ("scan",),
+    "yields": ("yields",),
+    "significance": (),
+}
+PLOT_FORMATS: tuple[str, ...] = ("png", "svg")
+PLOT_MEDIA_TYPES: dict[str, str] = {"png": "image/png", "svg": "image/svg+xml"}
+
+#: the renderer's options by type, as the server reads them from a query string (a plot
+#: option not named here is read as JSON, else kept as text, and left to the server to judge)
+_PLOT_OPTION_TYPES: dict[str, tuple[str, ...]] = {
+    "int": ("top", "max_channels", "columns"),
+    "float": ("threshold", "level", "dpi", "test_poi", "ymax"),
+    "bool": ("log_y", "show_points", "annotate"),
+    "str": ("label", "rlabel", "title", "xlabel", "ylabel", "poi_label", "stage", "patch"),
+    "strs": ("channels", "parameters", "labels"),
+    "ints": ("axes",),
+    "floats": ("figsize",),
+}
+_OPTION_TYPE = {name: kind for kind, names in _PLOT_OPTION_TYPES.items() for name in names}
+_WHAT = {
+    "int": "an integer",
+    "float": "a number",
+    "bool": "true or false",
+    "ints": "integers (a comma list)",
+    "floats": "numbers (a comma list)",
+}
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+def plot_kinds_for(operation: str, options: Mapping[str, Any]) -> tuple[str, ...]:
+    """The plot kinds of ``operation``'s answer to a request with ``options`` (its envelope
+    fields or the client's keywords): ``cls`` draws ``brazil`` for a list of ``test_poi`` and
+    ``exclusion`` for a patchset; the other operations their :data:`PLOT_KINDS`.
+
+    >>> plot_kinds_for("cls", {"test_poi": [0.5, 1.0]}), plot_kinds_for("cls", {"test_poi": 1})
+    (('brazil',), ())
+    """
+    kinds = PLOT_KINDS.get(operation, ())
+    if operation != "cls":
+        return kinds
+    listed = isinstance(options.get("test_poi"), (list, tuple))
+    patchset = options.get("patchset") is not None
+    return tuple(k for k in kinds if (k == "brazil" and listed) or (k == "exclusion" and patchset))
+
+
+def default_plot_kind(operation: str, options: Mapping[str, Any]) -> str | None:
+    """The plot a request implies: ``exclusion`` for a patchset CLs, ``brazil`` for a CLs scan,
+    ``pulls`` for a fit, the operation's only kind otherwise; None when none fits."""
+    kinds = plot_kinds_for(operation, options)
+    if "exclusion" in kinds:
+        return "exclusion"
+    return kinds[0] if kinds else None
+
+
+def plot_format(path: Any) -> str:
+    """``png`` or ``svg`` from a file name's suffix (``ValueError`` for any other)."""
+    suffix = str(path).rpartition(".")[2].lower() if "." in str(path) else ""
+    if suffix not in PLOT_FORMATS:
+        shown = f".{suffix}" if suffix else "none"
+        raise ValueError(
+            f"the plot format is the file's suffix, .png or .svg (not {shown}): {str(path)!r}"
+        )
+    return suffix
+
+
+def check_plot_format(fmt: str) -> str:
+    """``fmt`` lower-cased when it is ``png`` or ``svg``, else ``ValueError``."""
+    value = str(fmt).lower().lstrip(".")
+    if value not in PLOT_FORMATS:
+        raise ValueError(f"plot format {fmt!r}; one of {', '.join(PLOT_FORMATS)}")
+    return value
+
+
+def plot_option(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` -> ``(key, typed value)`` for a plot option (``-`` in KEY read as ``_``).
+
+    The renderer's options get its types (``top=5`` an int, ``log_y=true`` a bool,
+    ``channels=SR,CR`` a list, ``figsize=6,4`` numbers); other keys a JSON value, else the text.
+
+    >>> plot_option("top=5"), plot_option("channels=SR,CR"), plot_option("label=ATLAS Internal")
+    (('top', 5), ('channels', ['SR', 'CR']), ('label', 'ATLAS Internal'))
+    """
+    key, sep, raw = str(text).partition("=")
+    name = key.strip().replace("-", "_")
+    if not sep or not name:
+        raise ValueError(f"a plot option is KEY=VALUE, not {text!r}")
+    kind = _OPTION_TYPE.get(name)
+    value = raw.strip()
+    pieces = [v.strip() for v in value.split(",") if v.strip()]
+    try:
+        if kind == "int":
+            return name, int(value)
+        if kind == "float":
+            return name, float(value)
+        if kind == "bool":
+            if value.lower() not in _TRUE | _FALSE:
+                raise ValueError(value)
+            return name, value.lower() in _TRUE
+        if kind == "str":
+            return name, value
+        if kind == "strs":
+            return name, pieces
+        if kind == "ints":
+            return name, [int(v) for v in pieces]
+        if kind == "floats":
+            return name, [float(v) for v in pieces]
+    except ValueError:
+        raise ValueError(f"plot option {name!r} must be {_WHAT[kind]}, not {value!r}") from None
+    try:
+        return name, json.loads(value)
+    except ValueError:
+        return name, raw
+
+
+def plot_params(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The query parameters of a job plot (lists repeated, booleans ``true``/``false``)."""
+    params: dict[str, Any] = {}
+    for name, value in options.items():
+        if value is None:
+            continue
+        if isinstance(value, Mapping) or (
+            isinstance(value, (list, tuple)) and any(isinstance(v, (Mapping, list)) for v in value)
+        ):
+            raise ValueError(
+                f"plot option {name!r}: a query takes a value or a list, not {value!r}"
+            )
+        params[name] = list(value) if isinstance(value, tuple) else value
+    return params
+
+
+def image_of(response: httpx.Response, fmt: str) -> bytes:
+    """The image bytes of a plot answer (a ``ServerError`` when it is not the image asked for)."""
+    media = response.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media != PLOT_MEDIA_TYPES[fmt]:
+        raise ServerError(
+            response.status_code,
+            f"the server answered {media or 'without a content type'}, not the {fmt} image "
+            "asked for (a server that draws no plots?)",
+        )
+    return response.content
+
+
+def plot_flow(
+    job_id: str, kind: str, fmt: str, options: Mapping[str, Any], config: ClientConfig
+) -> Flow[bytes]:
+    """``GET /jobs/{id}/plots/{kind}.{fmt}?options``: the image of a finished job's result.
+
+    The server answers 409 (``BadRequestError``) until the job succeeded, 422 for a kind that
+    does not fit it (naming those that do), 404 for an unknown job or kind."""
+    fmt = check_plot_format(fmt)
+    request = Request(
+        "GET",
+        f"/jobs/{job_id}/plots/{quote(str(kind), safe='')}.{fmt}",
+        params=plot_params(options) or None,
+        accept=PLOT_MEDIA_TYPES[fmt],
+    )
+    response = yield from call(request, config.retry)
+    return image_of(response, fmt)
+
+
+def plot_kinds_flow(job_id: str, config: ClientConfig) -> Flow[list[str]]:
+    """``GET /jobs/{id}/plots``: the kinds that fit the job."""
+    data = yield from call_json(Request("GET", f"/jobs/{job_id}/plots"), config.retry)
+    entries = data.get("plots", []) if isinstance(data, Mapping) else data
+    return [str(e["kind"] if isinstance(e, Mapping) else e) for e in entries]
+
+
+def render_flow(
+    operation: str,
+    workspace: JSONSource,
+    options: Mapping[str, Any],
+    kind: str,
+    fmt: str,
+    plot_options: Mapping[str, Any] | None,
+    config: ClientConfig,
+    state: ClientState,
+) -> Flow[bytes]:
+    """``POST /<operation>`` with ``"plot": {"kind", "format", ...plot_options}``: the image of
+    its answer instead of the JSON (422 before any work when the kind does not fit)."""
+    fmt = check_plot_format(fmt)
+    extra = {k: v for k, v in (plot_options or {}).items() if v is not None}
+    clash = sorted(set(extra) & {"kind", "format"})
+    if clash:
+        raise ValueError(f"give the plot's {' and '.join(clash)} as arguments, not plot options")
+    plot = {"kind": str(kind), "format": fmt, **extra}
+    body = {**options, "plot": plot}
+    response = yield from post_operation(
+        operation, workspace, body, config, state, accept=PLOT_MEDIA_TYPES[fmt]
+    )
+    return image_of(response, fmt)
 
 
 # ------------------------------------------------------------------------------ SSE

@@ -875,3 +875,303 @@ def test_cli_ranking_scan_yields_fit(monkeypatch, tmp_path):
         "workspace": simple_workspace(),
         "x": {"values": [0.0, 1.0]},
     }
+
+
+# ------------------------------------------------------------------------------------ plots
+
+PNG = b"\x89PNG\r\n\x1a\n" + b"\x00\x00\x00\rIHDR" + b"\x00\x00\x01,\x00\x00\x00\xc8" + b"rest"
+SVG = b'<?xml version="1.0"?>\n<svg xmlns="http://www.w3.org/2000/svg"></svg>\n'
+
+
+def _image(data: bytes = PNG, media: str = "image/png") -> httpx.Response:
+    return httpx.Response(200, content=data, headers={"Content-Type": media})
+
+
+def test_plot_helpers():
+    assert protocol.plot_format("out/brazil.PNG") == "png"
+    assert protocol.plot_format(Path("a.b/x.svg")) == "svg"
+    for bad in ("x.pdf", "x", "dir.png/x"):
+        with pytest.raises(ValueError, match=r"\.png or \.svg"):
+            protocol.plot_format(bad)
+    assert protocol.plot_option("top=5") == ("top", 5)
+    assert protocol.plot_option("dpi=80") == ("dpi", 80.0)
+    assert protocol.plot_option("log-y=yes") == ("log_y", True)
+    assert protocol.plot_option("channels=SR, CR") == ("channels", ["SR", "CR"])
+    assert protocol.plot_option("axes=0,1") == ("axes", [0, 1])
+    assert protocol.plot_option("figsize=8,6") == ("figsize", [8.0, 6.0])
+    assert protocol.plot_option("label=ATLAS Internal, x=1") == ("label", "ATLAS Internal, x=1")
+    assert protocol.plot_option("other=[1, 2]") == ("other", [1, 2])  # JSON, else text
+    assert protocol.plot_option("other=a b") == ("other", "a b")
+    for bad, message in [
+        ("top", "KEY=VALUE"),
+        ("=5", "KEY=VALUE"),
+        ("top=x", "an integer"),
+        ("log_y=maybe", "true or false"),
+        ("figsize=8,x", "numbers"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            protocol.plot_option(bad)
+    kinds, default = protocol.plot_kinds_for, protocol.default_plot_kind
+    assert kinds("cls", {"test_poi": 1.0}) == () and default("cls", {"test_poi": 1.0}) is None
+    assert kinds("cls", {"test_poi": [0.0, 1.0]}) == ("brazil",)
+    both = {"test_poi": [0.0, 1.0], "patchset": "ps.json"}
+    assert kinds("cls", both) == ("brazil", "exclusion") and default("cls", both) == "exclusion"
+    assert default("fit", {}) == "pulls" and default("upper-limit", {}) == "brazil"
+    assert default("significance", {}) is None and default("scan", {}) == "scan"
+
+
+def test_plot_of_a_job_request():
+    service = FakeService(
+        script={
+            "GET /jobs/j1/plots/brazil.png": [_image()],
+            "GET /jobs/j1/plots/exclusion.svg": [_image(SVG, "image/svg+xml; charset=utf-8")],
+            "GET /jobs/j1/plots": [
+                httpx.Response(
+                    200,
+                    json={
+                        "id": "j1",
+                        "operation": "cls",
+                        "status": "succeeded",
+                        "plots": [{"kind": "brazil", "png": "/p.png"}, {"kind": "exclusion"}],
+                    },
+                )
+            ],
+            "GET /jobs/j2/plots/pulls.png": [
+                httpx.Response(409, json={"detail": "job 'j2' is running"})
+            ],
+            "GET /jobs/j3/plots/pulls.png": [httpx.Response(200, json={"not": "an image"})],
+        }
+    )
+    with make_client(service, token="tok") as client:
+        data = client.plot(
+            "j1",
+            "brazil",
+            dpi=80,
+            figsize=(6, 4),
+            channels=["SR", "CR"],
+            log_y=True,
+            label="ATLAS Internal",
+            title=None,
+        )
+        assert data == PNG
+        request = service.requests[-1]
+        assert request.method == "GET" and request.headers["accept"] == "image/png"
+        assert request.headers["authorization"] == "Bearer tok"
+        query = request.url.params
+        assert query.get_list("figsize") == ["6", "4"] and query["dpi"] == "80"
+        assert query.get_list("channels") == ["SR", "CR"] and query["log_y"] == "true"
+        assert query["label"] == "ATLAS Internal" and "title" not in query
+        job = Job(id="j1", status="succeeded", operation="cls")
+        assert client.plot(job, "exclusion", "svg") == SVG
+        assert service.requests[-1].headers["accept"] == "image/svg+xml"
+        assert client.plot_kinds(job) == ["brazil", "exclusion"]
+        with pytest.raises(pgc.BadRequestError) as info:
+            client.plot("j2", "pulls")
+        assert info.value.status == 409 and "running" in info.value.message
+        with pytest.raises(pgc.ServerError, match="application/json, not the png image"):
+            client.plot("j3", "pulls")
+        sent = len(service.requests)
+        with pytest.raises(ValueError, match="png, svg"):
+            client.plot("j1", "brazil", "pdf")
+        with pytest.raises(ValueError, match="a value or a list"):
+            client.plot("j1", "brazil", figsize={"w": 6})
+        assert len(service.requests) == sent  # nothing sent
+
+
+def test_render_sends_the_operation_with_its_plot():
+    service = FakeService(
+        script={
+            "POST /cls": [_image(SVG, "image/svg+xml")],
+            "POST /scan": [_image()],
+            "POST /ranking": [httpx.Response(200, json=RANKING_ANSWER)],
+        }
+    )
+    with make_client(service) as client:
+        svg = client.render(
+            "cls",
+            simple_workspace(),
+            "brazil",
+            "svg",
+            {"label": "ATLAS Internal", "level": 0.1, "title": None},
+            test_poi=(0, 1),
+            test_stat="q",
+        )
+        assert svg == SVG
+        request = service.requests[-1]
+        assert request.headers["accept"] == "image/svg+xml"
+        assert body_of(request) == {
+            "workspace": simple_workspace(),
+            "test_poi": [0.0, 1.0],
+            "test_stat": "q",
+            "plot": {"kind": "brazil", "format": "svg", "label": "ATLAS Internal", "level": 0.1},
+        }
+        assert client.render("scan", simple_workspace(), "scan", range=(0, 2), steps=5) == PNG
+        body = body_of(service.requests[-1])
+        assert body["x"] == {"range": [0.0, 2.0], "steps": 5}
+        assert body["plot"] == {"kind": "scan", "format": "png"}
+        with pytest.raises(pgc.ServerError, match="not the png image"):
+            client.render("ranking", simple_workspace(), "ranking", parameters="lumi")
+        assert body_of(service.requests[-1])["parameters"] == ["lumi"]
+        for bad, message in [({"kind": "x"}, "as arguments"), (None, "png, svg")]:
+            with pytest.raises(ValueError, match=message):
+                client.render(
+                    "cls", simple_workspace(), "brazil", "eps" if bad is None else "png", bad
+                )
+
+
+def test_async_client_plots():
+    service = FakeService(
+        script={
+            "GET /jobs/j1/plots/ranking.png": [_image()],
+            "GET /jobs/j1/plots": [httpx.Response(200, json={"plots": [{"kind": "ranking"}]})],
+            "POST /yields": [_image(SVG, "image/svg+xml")],
+        }
+    )
+
+    async def main():
+        async with pgc.AsyncClient("http://fake", transport=httpx.MockTransport(service)) as c:
+            return (
+                await c.plot("j1", "ranking", top=10),
+                await c.plot_kinds("j1"),
+                await c.render("yields", simple_workspace(), "yields", "svg", {"stage": "prefit"}),
+            )
+
+    png, kinds, svg = asyncio.run(main())
+    assert (png, kinds, svg) == (PNG, ["ranking"], SVG)
+    assert service.requests[0].url.params["top"] == "10"
+    assert body_of(service.requests[-1])["plot"] == {
+        "kind": "yields",
+        "format": "svg",
+        "stage": "prefit",
+    }
+    for name in ("plot", "plot_kinds", "render"):
+        assert getattr(pgc.AsyncClient, name).__doc__ == getattr(pgc.Client, name).__doc__
+    assert list(pgc.Client.plot.signature.parameters) == ["job", "kind", "format", "options"]
+
+
+def test_cli_plot_command(monkeypatch, tmp_path):
+    service = FakeService(
+        script={"POST /cls": [_image()], "POST /upper-limit": [_image(SVG, "image/svg+xml")]}
+    )
+    monkeypatch.setattr(cli, "_client", mock_client_factory(service))
+    ws = tmp_path / "ws.json"
+    ws.write_text(json.dumps(simple_workspace()))
+    runner = CliRunner()
+
+    def plot(*args, code=0):
+        res = runner.invoke(cli.main, ["plot", *args[:1], str(ws), *args[1:]])
+        assert res.exit_code == code, res.output
+        return res
+
+    out = tmp_path / "b.png"
+    res = plot(
+        "brazil",
+        "--test-poi",
+        "0:1:3",
+        "-o",
+        str(out),
+        "--label",
+        "ATLAS Internal",
+        "--dpi",
+        "80",
+        "--level",
+        "0.1",
+        "--option",
+        "log_y=true",
+        "--option",
+        "figsize=6,4",
+    )
+    assert res.output == "" and out.read_bytes() == PNG
+    body = body_of(service.requests[-1])
+    assert service.paths()[-1] == "POST /cls" and body["test_poi"] == [0.0, 0.5, 1.0]
+    assert "level" not in body  # the line of the plot, not a cls option
+    assert body["plot"] == {
+        "kind": "brazil",
+        "format": "png",
+        "label": "ATLAS Internal",
+        "dpi": 80.0,
+        "level": 0.1,
+        "log_y": True,
+        "figsize": [6.0, 4.0],
+    }
+    out = tmp_path / "ul.SVG"
+    plot("brazil", "--level", "0.1", "--scan", "0:2:3", "-o", str(out))  # no --test-poi
+    assert out.read_bytes() == SVG and service.paths()[-1] == "POST /upper-limit"
+    body = body_of(service.requests[-1])
+    assert body["level"] == 0.1 and body["scan"] == [0.0, 1.0, 2.0]
+    assert body["plot"] == {"kind": "brazil", "format": "svg"}
+    sent = len(service.requests)
+    for args, message in [
+        (["brazil", "--test-poi", "0:1:3", "-o", "x.pdf"], ".png or .svg"),
+        (["brazil", "--test-poi", "0:1:3"], "Missing option '-o'"),
+        (["brazil", "--test-poi", "1", "-o", "x.png"], "several --test-poi"),
+        (["brazil", "--test-poi", "0,1", "--scan", "0:1:3", "-o", "x.png"], "--scan"),
+        (["brazil", "--calctype", "toybased", "-o", "x.png"], "give --test-poi"),
+        (["exclusion", "-o", "x.png"], "needs --patchset"),
+        (["ranking", "--option", "top", "-o", "x.png"], "KEY=VALUE"),
+        (["ranking", "--option", "top=many", "-o", "x.png"], "an integer"),
+        (["scan", "-o", "x.png"], "--values or --range"),
+    ]:
+        res = plot(*args, code=2)
+        assert message in res.output, (args, res.output)
+    assert len(service.requests) == sent  # usage errors send nothing
+    service.script["POST /cls"] = [
+        httpx.Response(422, json={"detail": "a brazil plot does not fit this cls answer"})
+    ]
+    res = plot("brazil", "--test-poi", "0,1", "-o", str(tmp_path / "no.png"), code=1)
+    assert "422: a brazil plot does not fit" in res.output
+    assert not (tmp_path / "no.png").exists()
+
+
+def test_cli_plot_flag_runs_a_job(monkeypatch, tmp_path):
+    fit_answer = {"mle_parameters": {"mu": [0.5]}, "twice_nll": 3.0, "meta": META}
+    done = {**_job("succeeded", 4, fit_answer).json(), "operation": "fit"}
+    service = FakeService(
+        script={
+            "POST /jobs": [httpx.Response(202, json={"id": "j1", "status": "queued"})],
+            "GET /jobs/j1": [_job("running", 2), httpx.Response(200, json=done)],
+            "GET /jobs/j1/plots/pulls.png": [_image()],
+            "GET /jobs/j1/plots/correlation.svg": [_image(SVG, "image/svg+xml")],
+        }
+    )
+    monkeypatch.setattr(cli, "_client", mock_client_factory(service))
+    ws = tmp_path / "ws.json"
+    ws.write_text(json.dumps(simple_workspace()))
+    runner = CliRunner()
+    out = tmp_path / "pulls.png"
+    args = ["fit", str(ws), "--plot", str(out), "--plot-option", "label=ATLAS Internal"]
+    res = runner.invoke(cli.main, args)
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout) == {"mle_parameters": {"mu": [0.5]}}  # fit's usual output
+    assert "submitted job j1" in res.stderr and out.read_bytes() == PNG
+    assert service.paths() == [
+        "POST /jobs",
+        "GET /jobs/j1",
+        "GET /jobs/j1",
+        "GET /jobs/j1/plots/pulls.png",
+    ]
+    assert body_of(service.requests[0]) == {"operation": "fit", "workspace": simple_workspace()}
+    assert service.requests[-1].url.params["label"] == "ATLAS Internal"
+    out = tmp_path / "corr.svg"
+    res = runner.invoke(
+        cli.main, ["fit", str(ws), "--plot", str(out), "--plot-kind", "correlation"]
+    )
+    assert res.exit_code == 0, res.output
+    assert out.read_bytes() == SVG
+    sent = len(service.requests)
+    for args, message in [
+        (["cls", str(ws), "--plot", "x.png"], "several --test-poi values"),
+        (["cls", str(ws), "--test-poi", "0,1", "--plot", "x.gif"], ".png or .svg"),
+        (["cls", str(ws), "--plot-kind", "brazil"], "need --plot FILE"),
+        (["fit", str(ws), "--plot", "x.png", "--plot-kind", "brazil"], "the kinds that do: pulls"),
+        (
+            ["cls", str(ws), "--test-poi", "0,1", "--plot", "x.png", "--plot-kind", "exclusion"],
+            "needs --patchset",
+        ),
+        (["ranking", str(ws), "--plot", "x.png", "--plot-option", "dpi=hi"], "a number"),
+    ]:
+        res = runner.invoke(cli.main, args)
+        assert res.exit_code == 2 and message in res.output, (args, res.output)
+    assert len(service.requests) == sent
+    assert "--plot" not in runner.invoke(cli.main, ["significance", "--help"]).output
+    assert "--plot" not in runner.invoke(cli.main, ["jobs", "submit", "cls", "--help"]).output
