@@ -472,6 +472,61 @@ def test_operator_docs_cover_the_essentials():
         assert needle in text, f"docs/OPERATORS.md: nothing on {needle!r}"
 
 
+def test_cluster_compose_runs_a_scheduler_the_api_node_and_gpu_workers():
+    cluster = load_compose(ROOT / "compose.cluster.yaml")
+    services = cluster["services"]
+    assert cluster["name"] == load_compose(COMPOSE)["name"], "same project: the same job store"
+    workers = {name: s for name, s in services.items() if name.startswith("worker")}
+    assert {"scheduler", "server"} <= set(services) and len(workers) >= 2
+    # the scheduler
+    scheduler = services["scheduler"]
+    assert [str(p) for p in scheduler["command"][:2]] == ["dask", "scheduler"]
+    assert "8786" in [str(p) for p in scheduler["command"]]
+    # the API node: the image's server in cluster mode, the data volume, no GPU
+    api = services["server"]
+    assert api["build"]["dockerfile"] == "docker/Dockerfile"
+    command = [str(p) for p in api["command"]]
+    assert command[0] == "pyhf-gpu-server"
+    address = command[command.index("--dask-scheduler") + 1]
+    assert address == "tcp://scheduler:8786"
+    assert api["environment"]["PYHF_GPU_DASK_SCHEDULER"] == address
+    assert api["environment"]["PYHF_GPU_DATA_DIR"] == "/data"
+    assert [v.split(":")[1] for v in api["volumes"]] == ["/data"]
+    assert api["volumes"][0].split(":")[0] in cluster["volumes"], "a named volume"
+    assert "deploy" not in api, "the API node reserves no GPU"
+    assert api["depends_on"]["scheduler"]["condition"] == "service_healthy"
+    # the workers: one GPU each (distinct cards), the same scheduler, no data volume
+    cards = []
+    for name, worker in workers.items():
+        command = [str(p) for p in worker["command"]]
+        assert command[:2] == ["pyhf-gpu-worker", address], name
+        assert command[command.index("--device") + 1].startswith("cuda"), name
+        (device,) = worker["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and "gpu" in device["capabilities"], name
+        assert len(device["device_ids"]) == 1 and "count" not in device, name
+        cards.append(device["device_ids"][0])
+        assert "volumes" not in worker, f"{name}: the data volume belongs to the API node"
+        assert worker["depends_on"]["scheduler"]["condition"] == "service_healthy"
+    assert len(set(cards)) == len(cards), "two workers on one GPU"
+    # every service checks its health over HTTP and restarts
+    ports = {
+        "scheduler": "8787/health",
+        "server": "8000/healthz",
+        **dict.fromkeys(workers, "8789/health"),
+    }
+    for name, probe in ports.items():
+        service = services[name]
+        assert service["restart"] == "unless-stopped", name
+        test = " ".join(str(p) for p in service["healthcheck"]["test"])
+        assert f"http://127.0.0.1:{probe}" in test, name
+    worker_http = [str(p) for p in next(iter(workers.values()))["command"]]
+    assert worker_http[worker_http.index("--http-address") + 1] == ":8789"
+    used = set(re.findall(r"\$\{(\w+)", (ROOT / "compose.cluster.yaml").read_text()))
+    text = ENV_EXAMPLE.read_text()
+    for name in used:
+        assert re.search(rf"^#?\s*{name}=", text, re.M), f".env.example: {name} missing"
+
+
 # --------------------------------------------------------------------------- with tools
 
 

@@ -30,8 +30,8 @@ from pyhf_gpu_server.inference.mle import FitOptions
 from .admission import FitLimits, FitMemory, FitPlan, ModelShape
 from .elements import Element, ElementStore
 from .errors import ServiceError, Unprocessable, translate
-from .models_cache import CachedModel, ModelCache
-from .operations import EngineRows, Operation, RowResult
+from .models_cache import CachedModel, ModelCache, model_id
+from .operations import EngineRows, Operation, RowResult, operation_named
 from .requests import Plan, Row
 from .scheduler import Lane, RowOutcome, Scheduler, WorkItem
 
@@ -50,26 +50,46 @@ class WorkContext:
 
 
 @dataclass(frozen=True)
-class BatchContext:
-    """What an engine call needs besides its rows: a warm model stacking the rows' elements
-    (identified by patch digest), the operation with its options, and how its fits run."""
+class ModelRecipe:
+    """What a warm model is built from, wherever it is built: its key (background, patch
+    digests, dtype) and its elements' layouts (numpy arrays: picklable, sent to a cluster
+    worker once, :mod:`pyhf_gpu_server.cluster`)."""
 
-    operation: Operation
+    key: tuple[Any, ...]
+    layouts: tuple[ElementLayout, ...]
+    dtype: str
+
+    @property
+    def model_id(self) -> str:
+        """The short id of :attr:`key` (results' meta, /info)."""
+        return model_id(self.key)
+
+    def build(self, device: str) -> HistFactoryModel:
+        """The stacked model on ``device``."""
+        return HistFactoryModel(list(self.layouts), device=device, dtype=getattr(torch, self.dtype))
+
+
+@dataclass(frozen=True)
+class EngineCall:
+    """What one engine call runs besides its model and rows: the operation (by name) with its
+    options, the model's elements (by patch digest) and how its fits run. Picklable: in
+    cluster mode it travels to the worker with the rows."""
+
+    operation: str
     options: BaseModel
-    cached: CachedModel
     digests: tuple[str, ...]
     max_rows: int  # rows one minimiser call may fit (--max-fit-memory-mb)
     fit_plan: FitPlan  # the solver its fits use and what a row holds
     row_cost: float  # about how many fits a row runs (Plan.row_cost)
-    memory: FitMemory  # where the call's fits are counted while they run
 
-    def engine_rows(self, rows: Sequence[Row], stop: Callable[[], bool] | None) -> EngineRows:
+    def engine_rows(
+        self, model: HistFactoryModel, rows: Sequence[Row], stop: Callable[[], bool] | None
+    ) -> EngineRows:
         """``rows`` as tensors on the model's device, with how their fits run."""
-        model = self.cached.model
         index = {digest: i for i, digest in enumerate(self.digests)}
         elements = [index[row.element] for row in rows]
         poi = None
-        if self.operation.pois_field is not None:
+        if operation_named(self.operation).pois_field is not None:
             poi = torch.tensor([r.poi for r in rows], dtype=model.dtype, device=model.device)
         fit = FitOptions(
             minimize=MinimizeOptions(solver=self.fit_plan.solver),
@@ -83,26 +103,55 @@ class BatchContext:
             fit,
         )
 
+    def run(
+        self,
+        model: HistFactoryModel,
+        rows: Sequence[Row],
+        memory: FitMemory,
+        stop: Callable[[], bool] | None = None,
+    ) -> list[RowResult]:
+        """ONE batched inference call for ``rows`` (the operation's :meth:`~Operation.run`),
+        its fits counted in ``memory``; they give up (``FitStopped``) between two iterations
+        once ``stop()`` is true (nobody waits for the answer)."""
+        with memory.holding(len(rows) * self.row_cost, self.fit_plan, self.max_rows):
+            engine_rows = self.engine_rows(model, rows, stop)
+            return operation_named(self.operation).run(model, engine_rows, self.options)
+
+
+@dataclass(frozen=True)
+class BatchContext:
+    """What a batch runs with: the engine call, the recipe of its stacked model and, in
+    process, that model warm from the cache (None in cluster mode: the worker holds it)."""
+
+    call: EngineCall
+    recipe: ModelRecipe
+    cached: CachedModel | None
+    memory: FitMemory  # where the call's fits are counted while they run (in process)
+
 
 @dataclass(frozen=True)
 class ComputedRow:
-    """One row's answer from the device and the warm model it ran on."""
+    """One row's answer and the warm model it ran on (the same fields in process and from a
+    cluster worker, which also says who it is, its device and its own compute time)."""
 
     result: RowResult
-    model: CachedModel
+    model_id: str
+    hit: bool
+    build_s: float
+    device: str | None = None
+    worker: str | None = None
+    worker_s: float | None = None
 
 
 def run_rows(
     context: BatchContext, rows: Sequence[Row], stop: Callable[[], bool] | None = None
 ) -> list[ComputedRow]:
-    """ONE batched inference call for ``rows`` (the operation's :meth:`~Operation.run`); its
-    fits give up (``FitStopped``) between two iterations once ``stop()`` is true (nobody
-    waits for the answer)."""
-    rows_in_flight = len(rows) * context.row_cost
-    with context.memory.holding(rows_in_flight, context.fit_plan, context.max_rows):
-        engine_rows = context.engine_rows(rows, stop)
-        results = context.operation.run(context.cached.model, engine_rows, context.options)
-    return [ComputedRow(result, context.cached) for result in results]
+    """ONE batched inference call for ``rows`` on the in-process warm model (device thread)."""
+    cached = context.cached
+    if cached is None:
+        raise RuntimeError("run_rows needs a warm model (in-process mode)")
+    results = context.call.run(cached.model, rows, context.memory, stop)
+    return [ComputedRow(r, cached.model_id, cached.hit, cached.build_s) for r in results]
 
 
 # ------------------------------------------------------------------------------------ answers
@@ -159,7 +208,7 @@ class Dispatcher:
 
     def __init__(
         self,
-        cache: ModelCache,
+        cache: ModelCache | None,
         scheduler: ServiceScheduler,
         elements: ElementStore,
         build_executor: Executor,
@@ -169,7 +218,9 @@ class Dispatcher:
         fit_memory: FitMemory | None = None,
     ) -> None:
         """Serve models on ``device`` in ``dtype``; translate and build on ``build_executor``;
-        refuse models and split engine calls by ``limits`` (none: no bound)."""
+        refuse models and split engine calls by ``limits`` (none: no bound). Without a
+        ``cache`` (cluster mode) no model is built here: batches carry their model's recipe
+        and the scheduler's runner hands them to the workers."""
         self.limits = limits
         self.fit_memory = fit_memory or FitMemory()
         self.cache = cache
@@ -282,21 +333,25 @@ class Dispatcher:
         item = submission.item
         queued = (item.started_at or item.enqueued_at) - item.enqueued_at
         meta: dict[str, Any] = {
-            "device": self.device,
+            "device": computed.device or self.device,
             "dtype": self.dtype_name,
-            "model_id": computed.model.model_id,
-            "cache": "hit" if computed.model.hit else "miss",
+            "model_id": computed.model_id,
+            "cache": "hit" if computed.hit else "miss",
             "batch_rows": outcome.batch_rows,
             "converged": status.converged,
             "starts": status.starts,
             "starts_agreed": status.starts_agreed,
             "timings": {
                 **timings,
-                "build_ms": round(computed.model.build_s * 1000, 3),
+                "build_ms": round(computed.build_s * 1000, 3),
                 "queue_ms": round(queued * 1000, 3),
                 "compute_ms": round(outcome.compute_s * 1000, 3),
             },
         }
+        if computed.worker is not None:
+            meta["worker"] = computed.worker
+        if computed.worker_s is not None:
+            meta["timings"]["worker_ms"] = round(computed.worker_s * 1000, 3)
         if row.poi is not None:
             meta["test_poi"] = row.poi
         if plan.named:
@@ -344,28 +399,28 @@ class Dispatcher:
         return answer
 
     async def _batch(self, context: WorkContext, elements: Sequence[Element]) -> BatchContext:
-        """The batch context of a warm model stacking ``elements``."""
+        """The batch context of a model stacking ``elements``: warm from the cache (built on
+        the build thread on a miss), or in cluster mode its recipe only."""
         digests = tuple(e.patch.digest for e in elements)
-        key = (*context.background_key, digests, self.device, self.dtype_name)
-        layouts = [e.layout for e in elements]
-        build = partial(HistFactoryModel, layouts, device=self.device, dtype=self.dtype)
-        cached = await self.cache.get(key, build)
-        model = cached.model
+        layouts = tuple(e.layout for e in elements)
+        recipe = ModelRecipe(
+            (*context.background_key, digests, self.dtype_name), layouts, self.dtype_name
+        )
+        cached = None
+        if self.cache is None:
+            shape = stack_shape(layouts)
+        else:
+            key = (*context.background_key, digests, self.device, self.dtype_name)
+            cached = await self.cache.get(key, partial(recipe.build, self.device))
+            shape = model_shape(cached.model)
         max_rows = FitOptions().max_rows  # also bounds the time of one iteration (stop checks)
-        shape = model_shape(model)
         fit_plan = FitPlan("auto", 0) if self.limits is None else self.limits.fit_plan(shape)
         if self.limits is not None:
             max_rows = min(max_rows, self.limits.rows_per_call(fit_plan))
-        return BatchContext(
-            context.operation,
-            context.options,
-            cached,
-            digests,
-            max_rows,
-            fit_plan,
-            context.row_cost,
-            self.fit_memory,
+        call = EngineCall(
+            context.operation.name, context.options, digests, max_rows, fit_plan, context.row_cost
         )
+        return BatchContext(call, recipe, cached, self.fit_memory)
 
 
 def layout_shape(layout: ElementLayout) -> ModelShape:
@@ -378,6 +433,25 @@ def layout_shape(layout: ElementLayout) -> ModelShape:
         len(layout.aux_param),
         layout.n_pars - len(constrained) + len(poisson),
     )
+
+
+def stack_shape(layouts: Sequence[ElementLayout]) -> ModelShape:
+    """:func:`model_shape` of the model stacking ``layouts``, without building it (cluster
+    mode): parameters united by name, one auxiliary datum per constrained parameter, Poisson
+    or not as the first element constraining it says (as :class:`StackLayout` does)."""
+    sizes: dict[str, int] = {}
+    poisson: dict[tuple[str, int], bool] = {}
+    for layout in layouts:
+        labels = [(p.name, i) for p in layout.parameters for i in range(p.n_parameters)]
+        for parset in layout.parameters:
+            sizes.setdefault(parset.name, parset.n_parameters)
+        for column, is_poisson in zip(
+            layout.aux_param.tolist(), layout.aux_is_poisson.tolist(), strict=True
+        ):
+            poisson.setdefault(labels[column], is_poisson)
+    n_pars = sum(sizes.values())
+    n_flat = n_pars - len(poisson) + sum(poisson.values())
+    return ModelShape(n_pars, layouts[0].n_main, len(poisson), n_flat)
 
 
 def model_shape(model: HistFactoryModel) -> ModelShape:

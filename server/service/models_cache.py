@@ -8,6 +8,7 @@ Evicting a model drops the cache's reference and asks the device to release cach
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import hashlib
 import time
 from collections import OrderedDict
@@ -58,8 +59,67 @@ class CachedModel:
     build_s: float
 
 
+class WarmModels:
+    """The LRU of built models, bounded by ``max_items`` and ``max_bytes`` of tensors: plain
+    bookkeeping (no threads, no event loop), shared by the server's :class:`ModelCache` and a
+    cluster worker's cache (:mod:`pyhf_gpu_server.cluster.plugin`)."""
+
+    def __init__(self, max_items: int, max_bytes: int) -> None:
+        self.max_items = max_items
+        self.max_bytes = max_bytes
+        self.entries: OrderedDict[Hashable, CacheEntry] = OrderedDict()
+
+    def lookup(self, key: Hashable) -> CacheEntry | None:
+        """The warm entry of ``key`` (counted as a hit, now the most recently used), or None."""
+        entry = self.entries.get(key)
+        if entry is not None:
+            self.entries.move_to_end(key)
+            entry.hits += 1
+        return entry
+
+    def insert(self, key: Hashable, entry: CacheEntry) -> int:
+        """Add ``entry``; evict least recently used models over the count or memory bound
+        (never the new one); the number evicted."""
+        self.entries[key] = entry
+        evicted = 0
+        while len(self.entries) > 1 and (
+            len(self.entries) > self.max_items or self.total_bytes > self.max_bytes
+        ):
+            self.entries.popitem(last=False)
+            evicted += 1
+        return evicted
+
+    def clear(self) -> None:
+        """Drop every model."""
+        self.entries.clear()
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    @property
+    def total_bytes(self) -> int:
+        """Tensor bytes of all warm models."""
+        return sum(entry.nbytes for entry in self.entries.values())
+
+    def describe(self) -> list[dict[str, Any]]:
+        """The warm models, most recently used first (for /info)."""
+        return [
+            {
+                "model_id": model_id(key),
+                "elements": getattr(entry.model, "n_elements", None),
+                "parameters": getattr(entry.model, "n_pars", None),
+                "bytes": entry.nbytes,
+                "hits": entry.hits,
+                "build_ms": round(entry.build_s * 1000, 3),
+                "created_at": entry.created_at,
+            }
+            for key, entry in reversed(self.entries.items())
+        ]
+
+
 class ModelCache:
-    """LRU of built models, bounded by ``max_items`` and ``max_bytes`` of tensors."""
+    """:class:`WarmModels` for the event loop: models built on the build thread, concurrent
+    requests for one model in the making wait for that one build, metrics kept."""
 
     def __init__(
         self,
@@ -77,19 +137,15 @@ class ModelCache:
         self._build_executor = build_executor
         self._device_executor = device_executor
         self._metrics = metrics
-        self.max_items = max_items
-        self.max_bytes = max_bytes
+        self.warm = WarmModels(max_items, max_bytes)
         self._release_memory = release_memory
         self._on_built = on_built
-        self._entries: OrderedDict[Hashable, CacheEntry] = OrderedDict()
         self._building: dict[Hashable, asyncio.Future[CacheEntry]] = {}
 
     async def get(self, key: Hashable, build: Callable[[], Any]) -> CachedModel:
         """The model for ``key``, built with ``build()`` on the build thread on a miss."""
-        entry = self._entries.get(key)
+        entry = self.warm.lookup(key)
         if entry is not None:
-            self._entries.move_to_end(key)
-            entry.hits += 1
             self._metrics.cache_hits.inc()
             return CachedModel(entry.model, model_id(key), True, 0.0)
         pending = self._building.get(key)
@@ -122,42 +178,44 @@ class ModelCache:
         return CachedModel(model, model_id(key), False, entry.build_s)
 
     def _insert(self, key: Hashable, entry: CacheEntry) -> None:
-        """Add ``entry``; evict least recently used models over the count or memory bound."""
-        self._entries[key] = entry
-        evicted = False
-        while len(self._entries) > 1 and (
-            len(self._entries) > self.max_items or self.total_bytes > self.max_bytes
-        ):
-            self._entries.popitem(last=False)
-            self._metrics.cache_evictions.inc()
-            evicted = True
+        """Add ``entry``, evicting over the bounds (device memory freed after evictions)."""
+        evicted = self.warm.insert(key, entry)
         if evicted:
+            self._metrics.cache_evictions.inc(evicted)
             self._device_executor.submit(self._release_memory)
-        self._metrics.cache_size.set(len(self._entries))
-        self._metrics.cache_bytes.set(self.total_bytes)
+        self._metrics.cache_size.set(len(self.warm))
+        self._metrics.cache_bytes.set(self.warm.total_bytes)
 
     def clear(self) -> None:
         """Drop every model."""
-        self._entries.clear()
+        self.warm.clear()
         self._metrics.cache_size.set(0)
         self._metrics.cache_bytes.set(0)
 
     @property
     def total_bytes(self) -> int:
         """Tensor bytes of all warm models."""
-        return sum(entry.nbytes for entry in self._entries.values())
+        return self.warm.total_bytes
 
     def describe(self) -> list[dict[str, Any]]:
         """The warm models, most recently used first (for /info)."""
-        return [
-            {
-                "model_id": model_id(key),
-                "elements": getattr(entry.model, "n_elements", None),
-                "parameters": getattr(entry.model, "n_pars", None),
-                "bytes": entry.nbytes,
-                "hits": entry.hits,
-                "build_ms": round(entry.build_s * 1000, 3),
-                "created_at": entry.created_at,
-            }
-            for key, entry in reversed(self._entries.items())
-        ]
+        return self.warm.describe()
+
+
+def host_memory_releaser(device: str) -> Callable[[], None]:
+    """What hands the memory a large CPU fit freed back to the system (glibc's
+    ``malloc_trim``; nothing on CUDA, whose caching allocator reuses it, or without glibc)."""
+    if device.startswith("cuda"):
+        return lambda: None
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return lambda: None
+    return lambda: trim(0)
+
+
+def memory_releaser(device: str) -> Callable[[], None]:
+    """What frees cached device memory after evictions and out-of-memory errors."""
+    if device.startswith("cuda"):
+        return torch.cuda.empty_cache
+    return lambda: None

@@ -20,6 +20,11 @@ interactive lane (jobs keep at least a fifth of a busy device).
 
 A device out-of-memory error splits the batch in halves and retries; a single row that still
 does not fit fails with 503.
+
+``max_in_flight`` batches run at once (each on its own executor thread): 1 in process (one
+device), the number of live workers in cluster mode (:mod:`pyhf_gpu_server.cluster`), where a
+batch's engine call runs on a Dask worker. The next batch is picked whenever one finishes, by
+the same rules (interactive first, job chunks, fair share).
 """
 
 from __future__ import annotations
@@ -131,9 +136,10 @@ class Scheduler(Generic[WorkT, BatchT, RowT, ValueT]):
         max_pending: int,
         job_chunk_s: float = 2.0,
         release_memory: Callable[[], None] = lambda: None,
+        max_in_flight: int | Callable[[], int] = 1,
     ) -> None:
-        """``runner(context, rows, stop) -> results`` is called on ``executor`` (a single
-        thread)."""
+        """``runner(context, rows, stop) -> results`` is called on ``executor`` (one thread
+        per batch in flight: ``max_in_flight``, a number or read before each batch)."""
         self._runner = runner
         self.combine: Combiner[WorkT, BatchT] = _first_context
         self._executor = executor
@@ -148,6 +154,8 @@ class Scheduler(Generic[WorkT, BatchT, RowT, ValueT]):
         self._lanes: dict[Lane, deque[WorkItem]] = {lane: deque() for lane in LANES}
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._max_in_flight = max_in_flight
+        self._running: dict[asyncio.Task[None], list[_Slice]] = {}
         self.batches_run = 0
 
     # ------------------------------------------------------------------ public
@@ -161,6 +169,14 @@ class Scheduler(Generic[WorkT, BatchT, RowT, ValueT]):
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        running = dict(self._running)
+        for task in running:
+            task.cancel()
+        if running:
+            await asyncio.gather(*running, return_exceptions=True)
+        for batch in running.values():
+            for part in batch:
+                self._fail(part.item, Unavailable("the server is shutting down; retry shortly"))
         for lane in LANES:
             for item in self._lanes[lane]:
                 self._fail(item, Unavailable("the server is shutting down; retry shortly"))
@@ -208,14 +224,29 @@ class Scheduler(Generic[WorkT, BatchT, RowT, ValueT]):
         return sum(item.remaining for item in self._lanes[lane] if not item.finished)
 
     @property
+    def max_in_flight(self) -> int:
+        """How many batches may run at once now (at least one)."""
+        value = self._max_in_flight
+        return max(1, value() if callable(value) else value)
+
+    @property
+    def in_flight(self) -> int:
+        """Batches running now."""
+        return len(self._running)
+
+    @property
     def saturated(self) -> bool:
         """Whether the interactive lane is full (new requests would get 429)."""
         return len(self._lanes["interactive"]) >= self.max_pending
 
     # ------------------------------------------------------------------ dispatching
     async def _dispatch(self) -> None:
-        """Forever: pick the oldest item (interactive first), fill a batch, run it."""
+        """Forever: once fewer than ``max_in_flight`` batches run, pick the oldest item
+        (interactive first), fill a batch, start it."""
         while True:
+            if len(self._running) >= self.max_in_flight:
+                await asyncio.wait(list(self._running), return_when=asyncio.FIRST_COMPLETED)
+                continue
             head = self._head()
             if head is None:
                 self._wakeup.clear()
@@ -225,7 +256,16 @@ class Scheduler(Generic[WorkT, BatchT, RowT, ValueT]):
                 await self._fill(head)
             batch = self._take(head.key, head.lane)
             if batch:
-                await self._run(batch)
+                task = asyncio.get_running_loop().create_task(self._run(batch), name="batch")
+                self._running[task] = batch
+                task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task[None]) -> None:
+        """A batch is over: its slot is free."""
+        self._running.pop(task, None)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("a batch failed unexpectedly", exc_info=task.exception())
+        self._wakeup.set()
 
     def _head(self) -> WorkItem | None:
         """The oldest live item of the highest-priority lane (dropping finished ones), or the
@@ -266,12 +306,18 @@ class Scheduler(Generic[WorkT, BatchT, RowT, ValueT]):
 
     def _take(self, key: Hashable, lane: Lane) -> list[_Slice]:
         """Up to ``max_batch_size`` pending rows with ``key``, oldest items first; for jobs,
-        only as many as fit in ``job_chunk_s`` (at least one)."""
+        only as many as fit in ``job_chunk_s`` (at least one); with several batches in flight,
+        rows that need several batches anyway are split evenly over the slots
+        (:meth:`_spread`)."""
         batch: list[_Slice] = []
         room = self.max_batch_size
         budget = math.inf
         if lane == "jobs":
             budget = self.job_chunk_s / self._seconds_per_cost.get(key, PRIOR_SECONDS_PER_COST)
+        items = [i for i in self._lanes[lane] if i.key == key and not i.finished and i.remaining]
+        if items:
+            per_batch = room if budget == math.inf else int(budget // items[0].row_cost)
+            room = self._spread(sum(len(i.rows) for i in items), min(room, max(per_batch, 1)))
         for item in self._lanes[lane]:
             if room == 0:
                 break
@@ -288,6 +334,17 @@ class Scheduler(Generic[WorkT, BatchT, RowT, ValueT]):
         self._lanes[lane] = deque(i for i in self._lanes[lane] if i.remaining and not i.finished)
         self._update_depth()
         return batch
+
+    def _spread(self, rows: int, room: int) -> int:
+        """Rows per batch for items of ``rows`` rows in all, at most ``room``: ``room`` in
+        process; with ``max_in_flight`` slots, rows that need several batches are cut into a
+        multiple of the slots, of equal size (217 rows, 64 a batch, 2 workers: 4 batches of 55, not 64+64+64+25,
+        whose last round would leave a worker idle)."""
+        slots = self.max_in_flight
+        if slots <= 1 or rows <= room:
+            return room
+        batches = math.ceil(math.ceil(rows / room) / slots) * slots
+        return max(1, math.ceil(rows / batches))
 
     def _learn(self, key: Hashable, cost: float, seconds: float) -> None:
         """Fold an engine call's measured seconds per unit of cost into ``key``'s estimate."""

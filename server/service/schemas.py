@@ -260,8 +260,12 @@ class ResultMeta(_Declared):
     stacked_apart: str | None = Field(
         None, description="why this patch ran in a model of its own (patchsets)"
     )
+    worker: str | None = Field(
+        None, description="the Dask worker that computed it (cluster mode, --dask-scheduler)"
+    )
     timings: dict[str, float] = Field(
-        description="translate_ms, build_ms, queue_ms, compute_ms, total_ms"
+        description="translate_ms, build_ms, queue_ms, compute_ms, total_ms (and worker_ms, "
+        "the worker's own time for the batch, in cluster mode)"
     )
 
 
@@ -524,6 +528,33 @@ class JobStoreState(_Declared):
     warning: str | None = Field(description="what was found, when recreated")
 
 
+class ClusterWorker(_Declared):
+    """One live Dask worker (with a GPU resource) of the cluster."""
+
+    address: str
+    name: str
+    device: str | None = Field(description="its torch device (None: it did not answer)")
+    device_name: str | None
+    in_flight: int = Field(description="batches this API node runs on it now")
+    batches: int = Field(description="batches it answered this API node")
+    models: list[str] = Field(description="model_ids of its warm models, most recent first")
+    model_count: int
+    cache_hits: int
+    cache_misses: int
+    cache_bytes: int
+
+
+class ClusterState(_Declared):
+    """Cluster mode (--dask-scheduler): the scheduler and its workers."""
+
+    scheduler: str
+    workers: list[ClusterWorker]
+    recipes_sent: int = Field(description="batches that carried their model's recipe")
+    models_resent: int = Field(
+        description="batches sent again with their recipe after a worker no longer held the model"
+    )
+
+
 class ServerInfo(_Declared):
     """GET /info: device, versions, limits, queue and warm models."""
 
@@ -542,3 +573,6 @@ class ServerInfo(_Declared):
     )
     started_at: float
     job_store: JobStoreState
+    cluster: ClusterState | None = Field(
+        None, description="cluster mode only: where the batches run (device: the API node's)"
+    )

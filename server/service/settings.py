@@ -108,6 +108,15 @@ class Settings:
             "choices": ("auto", "on", "off"),
         },
     )
+    dask_scheduler: str | None = field(
+        default=None,
+        metadata={
+            "help": "run every engine batch on the Dask workers (pyhf-gpu-worker) of this "
+            "scheduler, e.g. tcp://HOST:8786, instead of on this process's device; the API, the "
+            "job store and the batching stay here",
+            "metavar": "ADDRESS",
+        },
+    )
     data_dir: Path = field(
         default_factory=default_data_dir,
         metadata={"help": "uploaded workspaces and the job database (SQLite) live here"},
@@ -267,6 +276,10 @@ class Settings:
                 problems.append(f"{name} must be positive, not {getattr(self, name)}")
         if self.max_batch_delay_ms < 0:
             problems.append("max_batch_delay_ms must not be negative")
+        if self.dask_scheduler is not None and not _is_address(self.dask_scheduler):
+            problems.append(
+                f"dask_scheduler {self.dask_scheduler!r} is not an address like tcp://HOST:8786"
+            )
         if self.max_jobs_per_caller < 0:
             problems.append("max_jobs_per_caller must not be negative (0: no cap)")
         if problems:
@@ -299,6 +312,13 @@ def _is_cuda_index(device: str) -> bool:
     """Whether ``device`` reads ``cuda:N``."""
     prefix, _, index = device.partition(":")
     return prefix == "cuda" and index.isdigit()
+
+
+def _is_address(address: str) -> bool:
+    """Whether ``address`` reads ``[PROTOCOL://]HOST:PORT`` (what Dask connects to)."""
+    _, _, location = address.rpartition("://")
+    host, _, port = location.rpartition(":")
+    return bool(host) and port.isdigit()
 
 
 def env_name(field_name: str) -> str:

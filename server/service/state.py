@@ -7,14 +7,14 @@ module level, so two apps in one process (tests) do not share device settings or
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import platform
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,14 +28,19 @@ from .elements import ElementStore
 from .jobrunner import JobRunner
 from .jobstore import DATABASE_NAME, JobStore
 from .metrics import Metrics
-from .models_cache import ModelCache
+from .models_cache import ModelCache, host_memory_releaser, memory_releaser
 from .scheduler import Scheduler
 from .settings import Settings
 from .workspace_store import WorkspaceStore
 
+if TYPE_CHECKING:
+    from pyhf_gpu_server.cluster.runner import ClusterRunner
+
 log = logging.getLogger("pyhf_gpu_server.service")
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
+# threads waiting on cluster batches: one per batch in flight (one per live worker), at most
+MAX_CLUSTER_IN_FLIGHT = 256
 
 
 def resolve_device(settings: Settings) -> str:
@@ -74,29 +79,51 @@ class ServiceState:
     build_executor: ThreadPoolExecutor
     workspaces: WorkspaceStore
     jobstore: JobStore
-    cache: ModelCache
+    cache: ModelCache | None  # None in cluster mode: the workers hold the models
     scheduler: ServiceScheduler
     dispatcher: Dispatcher
     jobs: JobRunner
     compiler: BackgroundCompiler | None
     started_at: float
+    cluster: ClusterRunner | None = None  # cluster mode (--dask-scheduler)
     device_ok: bool = False
 
     @classmethod
     async def open(cls, settings: Settings, metrics: Metrics) -> ServiceState:
-        """Create the parts, check the device, start the scheduler and job workers."""
+        """Create the parts, check the device (or connect to the Dask scheduler), start the
+        scheduler and job workers."""
         device = resolve_device(settings)
         dtype = DTYPES[settings.dtype]
-        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pyhf-gpu-device")
         # models are built (pyhf parsing: slow, CPU-bound) apart from the device thread, so a
         # large new workspace does not stall inference for the warm ones
         build_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pyhf-gpu-build")
-        release = _memory_releaser(device)
-        compiler = (
-            BackgroundCompiler(KernelCache(), executor)
-            if settings.compile_enabled(device)
-            else None
-        )
+        release = memory_releaser(device)
+        cluster = None
+        cache = None
+        compiler = None
+        runner: Any = run_rows
+        max_in_flight: Any = 1
+        if settings.dask_scheduler is not None:
+            from pyhf_gpu_server.cluster.runner import ClusterRunner  # dask only in this mode
+
+            connect = partial(ClusterRunner.connect, settings.dask_scheduler, metrics)
+            try:
+                cluster = await asyncio.get_running_loop().run_in_executor(None, connect)
+            except OSError:
+                log.error(
+                    "cannot reach the Dask scheduler",
+                    extra={"dask_scheduler": settings.dask_scheduler},
+                )
+                raise
+            runner = cluster
+            max_in_flight = lambda: min(cluster.max_in_flight(), MAX_CLUSTER_IN_FLIGHT)  # noqa: E731
+            executor = ThreadPoolExecutor(
+                max_workers=MAX_CLUSTER_IN_FLIGHT, thread_name_prefix="pyhf-gpu-cluster"
+            )
+        else:
+            executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pyhf-gpu-device")
+            if settings.compile_enabled(device):
+                compiler = BackgroundCompiler(KernelCache(), executor)
         jobstore = JobStore(settings.data_dir / DATABASE_NAME)
         workspaces = WorkspaceStore(
             settings.data_dir / "workspaces",
@@ -104,17 +131,18 @@ class ServiceState:
             quota_bytes=int(settings.workspace_quota_mb * 2**20),
             in_use=jobstore.active_workspaces,
         )
-        cache = ModelCache(
-            build_executor,
-            executor,
-            metrics,
-            max_items=settings.model_cache_size,
-            max_bytes=int(settings.model_cache_memory_mb * 1024 * 1024),
-            release_memory=release,
-            on_built=None if compiler is None else compiler.submit,
-        )
+        if cluster is None:
+            cache = ModelCache(
+                build_executor,
+                executor,
+                metrics,
+                max_items=settings.model_cache_size,
+                max_bytes=int(settings.model_cache_memory_mb * 1024 * 1024),
+                release_memory=release,
+                on_built=None if compiler is None else compiler.submit,
+            )
         scheduler: ServiceScheduler = Scheduler(
-            run_rows,
+            runner,
             executor,
             metrics,
             max_batch_size=settings.max_batch_size,
@@ -122,6 +150,7 @@ class ServiceState:
             max_pending=settings.max_queue,
             job_chunk_s=settings.job_chunk_s,
             release_memory=release,
+            max_in_flight=max_in_flight,
         )
         elements = ElementStore(max_elements=settings.element_cache_size)
         limits = FitLimits(
@@ -138,7 +167,7 @@ class ServiceState:
             device,
             dtype,
             limits=limits,
-            fit_memory=FitMemory(release=_host_memory_releaser(device)),
+            fit_memory=FitMemory(release=host_memory_releaser(device)),
         )
         scheduler.combine = dispatcher.combine
         jobs = JobRunner(
@@ -165,6 +194,7 @@ class ServiceState:
             jobs=jobs,
             compiler=compiler,
             started_at=time.time(),
+            cluster=cluster,
         )
         metrics.track_device_memory(state.device_memory_bytes)
         metrics.track_memory(
@@ -172,14 +202,24 @@ class ServiceState:
             lambda: dispatcher.fit_memory.current,
             lambda: dispatcher.fit_memory.peak,
         )
-        state.device_ok = await state.check_device()
-        if state.device_ok:
-            await state.warm_up()
+        if cluster is None:
+            state.device_ok = await state.check_device()
+            if state.device_ok:
+                await state.warm_up()
+        else:  # the workers' devices are checked by each worker; readiness asks the cluster
+            state.device_ok = True
+            await asyncio.get_running_loop().run_in_executor(
+                build_executor, warmup.build, "cpu", dtype
+            )
         scheduler.start()
         await jobs.start()
         log.info(
             "service started",
-            extra={"device": device, "dtype": settings.dtype, "data_dir": str(settings.data_dir)},
+            extra={
+                "device": device if cluster is None else f"dask {settings.dask_scheduler}",
+                "dtype": settings.dtype,
+                "data_dir": str(settings.data_dir),
+            },
         )
         return state
 
@@ -191,7 +231,10 @@ class ServiceState:
             self.compiler.shutdown()
         self.build_executor.shutdown(wait=True, cancel_futures=True)
         self.executor.shutdown(wait=True, cancel_futures=True)
-        self.cache.clear()
+        if self.cache is not None:
+            self.cache.clear()
+        if self.cluster is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.cluster.close)
         self.jobstore.close()
         log.info("service stopped")
 
@@ -226,25 +269,7 @@ class ServiceState:
     def device_memory_bytes(self) -> float:
         """Device memory in use: allocated CUDA memory, or on CPU the warm models' bytes and
         what the running fits hold."""
-        if self.device.startswith("cuda"):
+        if self.cluster is None and self.device.startswith("cuda"):
             return float(torch.cuda.memory_allocated(torch.device(self.device)))
-        return float(self.cache.total_bytes + self.dispatcher.fit_memory.current)
-
-
-def _host_memory_releaser(device: str) -> Callable[[], None]:
-    """What hands the memory a large CPU fit freed back to the system (glibc's
-    ``malloc_trim``; nothing on CUDA, whose caching allocator reuses it, or without glibc)."""
-    if device.startswith("cuda"):
-        return lambda: None
-    try:
-        trim = ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return lambda: None
-    return lambda: trim(0)
-
-
-def _memory_releaser(device: str) -> Callable[[], None]:
-    """What frees cached device memory after evictions and out-of-memory errors."""
-    if device.startswith("cuda"):
-        return torch.cuda.empty_cache
-    return lambda: None
+        cached = 0 if self.cache is None else self.cache.total_bytes
+        return float(cached + self.dispatcher.fit_memory.current)

@@ -40,6 +40,8 @@ async def readyz(state: StateDep) -> JSONResponse:
     problems = []
     if not state.device_ok:
         problems.append(f"device {state.device} failed its start-up check")
+    if state.cluster is not None:
+        problems.extend(await run_in_threadpool(state.cluster.problems))
     if state.scheduler.saturated:
         problems.append("the request queue is full")
     problems.extend(await run_in_threadpool(state.store_problems))
@@ -99,10 +101,13 @@ async def info(state: StateDep) -> dict[str, Any]:
             "jobs": state.scheduler.pending_rows("jobs"),
         },
         "batches_run": state.scheduler.batches_run,
-        "models": state.cache.describe(),
+        "models": [] if state.cache is None else state.cache.describe(),
         "device_memory_bytes": state.device_memory_bytes(),
         "started_at": state.started_at,
         "job_store": state.jobstore.describe(),
+        "cluster": None
+        if state.cluster is None
+        else await run_in_threadpool(state.cluster.describe),
     }
 
 
@@ -118,6 +123,8 @@ async def info(state: StateDep) -> dict[str, Any]:
 async def metrics(state: StateDep) -> Response:
     """The text exposition of this app's registry."""
     counts = await run_in_threadpool(state.jobstore.counts)
+    if state.cluster is not None:  # the cluster's gauges read this snapshot
+        await run_in_threadpool(state.cluster.describe)
     for status, count in counts.items():
         state.metrics.jobs.labels(status).set(count)
     return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

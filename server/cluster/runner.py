@@ -1,0 +1,312 @@
+"""The scheduler's runner in cluster mode: each engine batch on a Dask worker.
+
+:class:`ClusterRunner` is called like :func:`~pyhf_gpu_server.service.dispatch.run_rows`, on
+one of the scheduler's executor threads (``max_in_flight`` of them: one per live worker). It
+picks the worker (:class:`~.placement.Placement`), submits :func:`~.tasks.run_batch` there
+with ``allow_other_workers`` and a ``GPU`` resource, and blocks until the answer; a worker
+that dies mid-batch costs nothing but time (Dask runs the task again elsewhere). While it
+waits it watches ``stop()``: once nobody waits for the rows, the batch is cancelled and a
+running one told to stop through a Dask event.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from distributed import Client, Event
+from distributed.client import FutureCancelledError
+from distributed.scheduler import KilledWorker
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from pyhf_gpu_server.inference.errors import FitStopped
+from pyhf_gpu_server.service.dispatch import BatchContext, ComputedRow
+from pyhf_gpu_server.service.errors import Unavailable
+from pyhf_gpu_server.service.metrics import Metrics
+from pyhf_gpu_server.service.requests import Row
+
+from .placement import Placement
+from .tasks import ModelMissing, RemoteAnswer, RemoteBatch, describe_worker, run_batch
+
+log = logging.getLogger("pyhf_gpu_server.cluster")
+
+WORKERS_TTL_S = 1.0  # how long the list of live workers is reused
+STALE_S = 15.0  # a list of workers older than this: the scheduler does not answer
+POLL_S = 0.2  # how often a waiting batch looks at stop()
+STOP_EVENT_TTL_S = 120.0  # a stopped batch's event is cleared after this
+MAX_RESENDS = 3  # ModelMissing answers before a batch gives up
+
+
+class ClusterRunner:
+    """Runs batches on the GPU workers (``GPU`` resource) of one Dask scheduler."""
+
+    def __init__(self, client: Client, address: str, metrics: Metrics) -> None:
+        self.client = client
+        self.address = address
+        self.placement = Placement()
+        self._lock = threading.Lock()
+        self._workers: dict[str, dict[str, Any]] = {}
+        self._workers_at = -float("inf")
+        self._problem: str | None = None
+        self._stopped: deque[tuple[float, str]] = deque()
+        self.snapshot: dict[str, Any] = {"scheduler": address, "workers": []}
+        self._closed = threading.Event()
+        self._watcher = threading.Thread(
+            target=self._watch, name="pyhf-gpu-cluster-watch", daemon=True
+        )
+        self.recipes_sent = 0  # batches that carried their model's recipe
+        self.models_resent = 0  # of those, sent again after a worker answered ModelMissing
+        self._metrics = metrics
+        metrics.registry.register(_ClusterCollector(self))
+
+    @classmethod
+    def connect(cls, address: str, metrics: Metrics, timeout_s: float = 30.0) -> ClusterRunner:
+        """A runner on a client of the scheduler at ``address`` (``OSError`` when it does not
+        answer within ``timeout_s``). Blocks: call it off the event loop."""
+        client = Client(address, timeout=timeout_s, set_as_default=False, name="pyhf-gpu-api")
+        runner = cls(client, address, metrics)
+        runner.workers(max_age_s=0)
+        runner._watcher.start()
+        return runner
+
+    def close(self) -> None:
+        """Disconnect (the workers keep their models for the next API node)."""
+        self._closed.set()
+        self.client.close()
+
+    def _watch(self) -> None:
+        """Keep the list of live workers fresh (read on the event loop: never asked there)."""
+        while not self._closed.wait(WORKERS_TTL_S):
+            self.workers(max_age_s=WORKERS_TTL_S / 2)
+
+    # ----------------------------------------------------------------------------- workers
+    def workers(self, max_age_s: float = WORKERS_TTL_S) -> dict[str, dict[str, Any]]:
+        """The live workers with a ``GPU`` resource, by address (asked at most every
+        ``max_age_s``; none while the scheduler does not answer)."""
+        with self._lock:
+            if time.monotonic() - self._workers_at < max_age_s:
+                return self._workers
+        try:
+            info = self.client.scheduler_info(n_workers=-1)["workers"]
+            problem = None
+        except Exception as exc:  # the scheduler is gone: no workers until it answers again
+            info, problem = {}, f"{type(exc).__name__}: {exc}"
+        found = {
+            address: worker
+            for address, worker in info.items()
+            if (worker.get("resources") or {}).get("GPU", 0) >= 1
+        }
+        with self._lock:
+            self._workers, self._workers_at, self._problem = found, time.monotonic(), problem
+        return found
+
+    def max_in_flight(self) -> int:
+        """Batches to run at once: one per live worker (as last seen: never blocks)."""
+        return len(self._workers)
+
+    def problems(self) -> list[str]:
+        """Why the cluster cannot run batches now (``/readyz``; from what the watcher saw
+        last, so a scheduler that hangs cannot hang the probe)."""
+        with self._lock:
+            workers, problem = self._workers, self._problem
+            age = time.monotonic() - self._workers_at
+        if problem is not None:
+            return [f"the Dask scheduler {self.address} does not answer: {problem}"]
+        if age > STALE_S:
+            return [f"the Dask scheduler {self.address} has not answered for {age:.0f} s"]
+        if not workers:
+            return [f"no Dask worker with a GPU resource is connected to {self.address}"]
+        return []
+
+    def describe(self) -> dict[str, Any]:
+        """The scheduler, each live worker's device, warm models and counts (asks every
+        worker: call it off the event loop); kept as :attr:`snapshot` for ``/metrics``."""
+        workers = self.workers()
+        details: dict[str, Any] = {}
+        if workers:
+            try:
+                details = self.client.run(describe_worker, workers=list(workers), on_error="return")
+            except Exception as exc:
+                log.warning("the workers could not be asked", extra={"error": str(exc)})
+        rows = []
+        for address, worker in sorted(workers.items()):
+            found = details.get(address)
+            found = found if isinstance(found, dict) else {}
+            rows.append(
+                {
+                    "address": address,
+                    "name": str(worker.get("name", address)),
+                    "device": found.get("device"),
+                    "device_name": found.get("device_name"),
+                    "in_flight": self.placement.in_flight.get(address, 0),
+                    "batches": self.placement.batches.get(address, 0),
+                    "models": found.get("models", []),
+                    "model_count": found.get("model_count", 0),
+                    "cache_hits": found.get("cache_hits", 0),
+                    "cache_misses": found.get("cache_misses", 0),
+                    "cache_bytes": found.get("cache_bytes", 0),
+                }
+            )
+        self.snapshot = {
+            "scheduler": self.address,
+            "workers": rows,
+            "recipes_sent": self.recipes_sent,
+            "models_resent": self.models_resent,
+        }
+        return self.snapshot
+
+    # ----------------------------------------------------------------------------- batches
+    def __call__(
+        self, context: BatchContext, rows: Sequence[Row], stop: Callable[[], bool]
+    ) -> list[ComputedRow]:
+        """ONE engine call for ``rows`` on a worker (blocks this thread until it answers)."""
+        self._clear_old_stop_events()
+        recipe = context.recipe
+        must_send = False
+        for _ in range(MAX_RESENDS + 1):
+            worker, send = self.placement.choose(recipe.key, recipe.model_id, self.workers())
+            send = send or must_send
+            batch = RemoteBatch(
+                recipe.key,
+                recipe if send else None,
+                context.call,
+                tuple(rows),
+                f"pyhf-gpu-stop-{uuid.uuid4().hex}",
+            )
+            if send:
+                with self._lock:
+                    self.recipes_sent += 1
+            try:
+                answer = self._submit(batch, worker, stop)
+            finally:
+                self.placement.release(worker)
+            if isinstance(answer, ModelMissing):
+                self.placement.lost(answer.worker, recipe.key)
+                with self._lock:
+                    self.models_resent += 1
+                must_send = True
+                continue
+            self.placement.holding(answer.worker, recipe.key)
+            (self._metrics.cache_hits if answer.hit else self._metrics.cache_misses).inc()
+            return [
+                ComputedRow(
+                    result,
+                    answer.model_id,
+                    answer.hit,
+                    answer.build_s,
+                    answer.device,
+                    answer.worker,
+                    answer.compute_s,
+                )
+                for result in answer.results
+            ]
+        raise Unavailable("the workers keep losing this batch's model; retry shortly")
+
+    def _submit(
+        self, batch: RemoteBatch, worker: str | None, stop: Callable[[], bool]
+    ) -> RemoteAnswer | ModelMissing:
+        """Run ``batch`` (on ``worker`` if it can) and wait for its answer, watching ``stop``."""
+        future = self.client.submit(
+            run_batch,
+            batch,
+            key=f"pyhf-gpu-batch-{batch.stop_event.rpartition('-')[2]}",
+            workers=None if worker is None else [worker],
+            allow_other_workers=True,
+            resources={"GPU": 1},
+            pure=False,
+        )
+        done = threading.Event()
+        future.add_done_callback(lambda _: done.set())
+        try:
+            while not done.wait(POLL_S):
+                if stop():
+                    self._stop(batch.stop_event)
+                    future.cancel()
+                    raise FitStopped("nobody waits for this batch any more")
+            return future.result()
+        except (KilledWorker, FutureCancelledError) as exc:
+            raise Unavailable(f"the Dask workers could not run this batch ({exc}); retry") from exc
+        finally:
+            future.release()
+
+    def _stop(self, name: str) -> None:
+        """Tell a running batch to stop (its fits ask the event every few iterations)."""
+        try:
+            Event(name, client=self.client).set()
+            self._stopped.append((time.monotonic(), name))
+        except Exception:
+            log.warning("could not signal a batch to stop", exc_info=True)
+
+    def _clear_old_stop_events(self) -> None:
+        """Forget the events of batches stopped long ago (the scheduler keeps set ones)."""
+        while self._stopped and time.monotonic() - self._stopped[0][0] > STOP_EVENT_TTL_S:
+            _, name = self._stopped.popleft()
+            try:
+                Event(name, client=self.client).clear()
+            except Exception:
+                return
+
+
+class _ClusterCollector:
+    """``/metrics``: the cluster as of the last :meth:`ClusterRunner.describe`."""
+
+    def __init__(self, runner: ClusterRunner) -> None:
+        self.runner = runner
+
+    def describe(self) -> list[Any]:
+        return []  # nothing to check at registration (collect() reads a snapshot)
+
+    def collect(self) -> Any:
+        workers = self.runner.snapshot["workers"]
+        live = GaugeMetricFamily(
+            "pyhf_gpu_cluster_workers", "live Dask workers with a GPU resource"
+        )
+        live.add_metric([], len(workers))
+        sent = CounterMetricFamily(
+            "pyhf_gpu_cluster_recipes_sent", "batches that carried their model's recipe"
+        )
+        sent.add_metric([], self.runner.recipes_sent)
+        resent = CounterMetricFamily(
+            "pyhf_gpu_cluster_models_resent",
+            "batches sent again with their recipe after a worker no longer held the model",
+        )
+        resent.add_metric([], self.runner.models_resent)
+        families = {
+            "models": GaugeMetricFamily(
+                "pyhf_gpu_cluster_worker_models",
+                "warm models per worker",
+                labels=["worker", "device"],
+            ),
+            "in_flight": GaugeMetricFamily(
+                "pyhf_gpu_cluster_worker_batches_in_flight",
+                "batches this API node runs on each worker now",
+                labels=["worker", "device"],
+            ),
+            "cache_hits": CounterMetricFamily(
+                "pyhf_gpu_cluster_worker_cache_hits",
+                "warm model cache hits per worker",
+                labels=["worker", "device"],
+            ),
+            "cache_misses": CounterMetricFamily(
+                "pyhf_gpu_cluster_worker_cache_misses",
+                "models built per worker",
+                labels=["worker", "device"],
+            ),
+            "batches": CounterMetricFamily(
+                "pyhf_gpu_cluster_worker_batches",
+                "batches each worker answered this API node",
+                labels=["worker", "device"],
+            ),
+        }
+        for worker in workers:
+            labels = [worker["address"], worker["device"] or "unknown"]
+            families["models"].add_metric(labels, worker["model_count"])
+            for name in ("in_flight", "cache_hits", "cache_misses", "batches"):
+                families[name].add_metric(labels, worker[name])
+        yield from (live, sent, resent)
+        yield from families.values()
