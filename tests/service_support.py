@@ -169,3 +169,119 @@ def wait_for_job(client: httpx.Client, job_id: str, timeout_s: float = 120.0) ->
             return view
         time.sleep(0.2)
     raise AssertionError(f"job {job_id} did not finish in {timeout_s} s: {view}")
+
+
+# one torch thread everywhere: the same arithmetic in process and on the workers, and two
+# single-threaded workers on a 2-core machine
+CLUSTER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+class Cluster:
+    """A Dask scheduler and ``pyhf-gpu-worker`` subprocesses on 127.0.0.1."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.port = free_port()
+        self.address = f"tcp://127.0.0.1:{self.port}"
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+
+    def _spawn(self, name: str, command: list[str]) -> subprocess.Popen[bytes]:
+        log = (self.directory / f"{name}.log").open("ab")
+        process = subprocess.Popen(
+            command,
+            stdout=log,
+            stderr=log,
+            env={**os.environ, **CLUSTER_ENV},
+            start_new_session=True,  # its own process group: killed as one
+        )
+        self.processes[name] = process
+        return process
+
+    def start_scheduler(self) -> None:
+        self._spawn(
+            "scheduler",
+            [
+                sys.executable,
+                "-m",
+                "distributed.cli.dask_scheduler",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--no-dashboard",
+            ],
+        )
+
+    def start_worker(self, name: str) -> None:
+        self._spawn(
+            name,
+            [
+                sys.executable,
+                "-m",
+                "pyhf_gpu_server.cluster.worker",
+                self.address,
+                "--device",
+                "cpu",
+                "--name",
+                name,
+                "--no-nanny",
+                "--torch-threads",
+                "1",
+            ],
+        )
+
+    def kill(self, name: str) -> None:
+        """``kill -9`` of a process (its whole group): a node that dies."""
+        process = self.processes[name]
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+
+    def log(self, name: str) -> str:
+        return (self.directory / f"{name}.log").read_text(errors="replace")[-3000:]
+
+    def stop(self) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+        for process in self.processes.values():
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+
+    def wait_joined(self, client: httpx.Client, names: Sequence[str]) -> None:
+        """Until the server behind ``client`` is ready with the workers ``names`` (bounded)."""
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            ready = client.get("/readyz")
+            found = client.get("/info").json()["cluster"]["workers"]
+            if ready.status_code == 200 and len(found) == len(names):
+                return
+            for name in names:
+                if self.processes[name].poll() is not None:
+                    raise AssertionError(f"worker {name} exited:\n{self.log(name)}")
+            time.sleep(0.5)
+        logs = "\n".join(self.log(name) for name in names)
+        raise AssertionError(f"workers did not join:\n{logs}")
+
+
+@contextmanager
+def running_cluster_server(
+    directory: Path, args: Sequence[str] = (), workers: int = 2
+) -> Iterator[ServerProcess]:
+    """A Dask scheduler, ``workers`` single-threaded ``pyhf-gpu-worker`` processes and a
+    server in cluster mode (``--dask-scheduler``), ready (its workers joined)."""
+    cluster = Cluster(directory)
+    cluster.start_scheduler()
+    try:
+        cluster_args = [*args, "--dask-scheduler", cluster.address]
+        with running_server(directory, cluster_args, CLUSTER_ENV) as server:
+            names = [f"w{i + 1}" for i in range(workers)]
+            for name in names:
+                cluster.start_worker(name)
+            with server.client() as client:
+                cluster.wait_joined(client, names)
+            yield server
+    finally:
+        cluster.stop()

@@ -9,9 +9,7 @@ Fast unit tests first (placement, the stacked shape without a model, no dask in 
 from __future__ import annotations
 
 import json
-import os
 import pickle
-import signal
 import subprocess
 import sys
 import time
@@ -22,16 +20,23 @@ from typing import Any
 import httpx
 import pytest
 from conftest import WORKSPACES_DIR, load_json
-from service_support import SMALL, ServerProcess, free_port, load, running_server, wait_for_job
+from service_support import (
+    CLUSTER_ENV as ENV,
+)
+from service_support import (
+    SMALL,
+    Cluster,
+    ServerProcess,
+    load,
+    running_server,
+    wait_for_job,
+)
 
 from pyhf_gpu_server.cluster.placement import Placement, rendezvous
 
 pytestmark = pytest.mark.timeout(300)
 
 EXACT = 1e-12
-# one torch thread everywhere: the same arithmetic in process and on the workers, and two
-# single-threaded workers on a 2-core machine
-ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 # ------------------------------------------------------------------------------ units
@@ -189,81 +194,6 @@ def test_models_travel_once_per_worker_and_again_when_evicted(
 
 
 # ------------------------------------------------------------------------------ processes
-class Cluster:
-    """A Dask scheduler and ``pyhf-gpu-worker`` subprocesses on 127.0.0.1."""
-
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        self.port = free_port()
-        self.address = f"tcp://127.0.0.1:{self.port}"
-        self.processes: dict[str, subprocess.Popen[bytes]] = {}
-
-    def _spawn(self, name: str, command: list[str]) -> subprocess.Popen[bytes]:
-        log = (self.directory / f"{name}.log").open("ab")
-        process = subprocess.Popen(
-            command,
-            stdout=log,
-            stderr=log,
-            env={**os.environ, **ENV},
-            start_new_session=True,  # its own process group: killed as one
-        )
-        self.processes[name] = process
-        return process
-
-    def start_scheduler(self) -> None:
-        self._spawn(
-            "scheduler",
-            [
-                sys.executable,
-                "-m",
-                "distributed.cli.dask_scheduler",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "--no-dashboard",
-            ],
-        )
-
-    def start_worker(self, name: str) -> None:
-        self._spawn(
-            name,
-            [
-                sys.executable,
-                "-m",
-                "pyhf_gpu_server.cluster.worker",
-                self.address,
-                "--device",
-                "cpu",
-                "--name",
-                name,
-                "--no-nanny",
-                "--torch-threads",
-                "1",
-            ],
-        )
-
-    def kill(self, name: str) -> None:
-        """``kill -9`` of a process (its whole group): a node that dies."""
-        process = self.processes[name]
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=30)
-
-    def log(self, name: str) -> str:
-        return (self.directory / f"{name}.log").read_text(errors="replace")[-3000:]
-
-    def stop(self) -> None:
-        for process in self.processes.values():
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGTERM)
-        for process in self.processes.values():
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     cluster = Cluster(tmp_path_factory.mktemp("cluster"))
@@ -298,18 +228,8 @@ def workers(cluster: Cluster, client: httpx.Client) -> list[str]:
     names = ["w1", "w2"]
     for name in names:
         cluster.start_worker(name)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        ready = client.get("/readyz")
-        found = client.get("/info").json()["cluster"]["workers"]
-        if ready.status_code == 200 and len(found) == len(names):
-            assert {w["device"] for w in found} == {"cpu"}
-            return names
-        for name in names:
-            if cluster.processes[name].poll() is not None:
-                raise AssertionError(f"worker {name} exited:\n{cluster.log(name)}")
-        time.sleep(0.5)
-    raise AssertionError(f"workers did not join:\n{cluster.log('w1')}\n{cluster.log('w2')}")
+    cluster.wait_joined(client, names)
+    return names
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ from service_support import (
     ServerProcess,
     load,
     metric_value,
+    running_cluster_server,
     running_server,
     simple_workspace,
     wait_for_job,
@@ -33,10 +34,14 @@ TOLERANCE = 1e-4
 REFERENCE = load(SMALL, "reference.json")["reference"]["results"]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+@pytest.fixture(scope="module", params=["in-process", "cluster"])
+def server(request, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The same tests, unchanged, against a server with its own device thread and against a
+    cluster-mode server (a Dask scheduler and two ``pyhf-gpu-worker`` processes, #16)."""
     data_dir = tmp_path_factory.mktemp("e2e")
-    with running_server(data_dir, ["--max-batch-size", "64", "--max-batch-delay-ms", "20"]) as s:
+    args = ["--max-batch-size", "64", "--max-batch-delay-ms", "20"]
+    start = running_cluster_server if request.param == "cluster" else running_server
+    with start(data_dir, args) as s:
         yield s
 
 

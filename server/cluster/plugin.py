@@ -100,6 +100,7 @@ class WorkerModels(WorkerPlugin):
                 "device": self.device,
                 "device_name": self.device_name,
                 "models": [m["model_id"] for m in self.warm.describe()],
+                "warm": self.warm.describe(),
                 "model_count": len(self.warm),
                 "cache_hits": self.hits,
                 "cache_misses": self.misses,

@@ -55,6 +55,7 @@ class ClusterRunner:
         self._problem: str | None = None
         self._stopped: deque[tuple[float, str]] = deque()
         self.snapshot: dict[str, Any] = {"scheduler": address, "workers": []}
+        self.warm_models: list[dict[str, Any]] = []
         self._closed = threading.Event()
         self._watcher = threading.Thread(
             target=self._watch, name="pyhf-gpu-cluster-watch", daemon=True
@@ -133,10 +134,11 @@ class ClusterRunner:
                 details = self.client.run(describe_worker, workers=list(workers), on_error="return")
             except Exception as exc:
                 log.warning("the workers could not be asked", extra={"error": str(exc)})
-        rows = []
+        rows, warm = [], []
         for address, worker in sorted(workers.items()):
             found = details.get(address)
             found = found if isinstance(found, dict) else {}
+            warm.extend(found.get("warm", []))
             rows.append(
                 {
                     "address": address,
@@ -152,6 +154,7 @@ class ClusterRunner:
                     "cache_bytes": found.get("cache_bytes", 0),
                 }
             )
+        self.warm_models = warm  # every worker's warm models, as /info lists a server's
         self.snapshot = {
             "scheduler": self.address,
             "workers": rows,

@@ -66,6 +66,9 @@ def _version(package: str) -> str | None:
 async def info(state: StateDep) -> dict[str, Any]:
     """What this server runs on and holds."""
     settings = state.settings
+    cluster = None
+    if state.cluster is not None:
+        cluster = await run_in_threadpool(state.cluster.describe)
     return {
         "device": state.device,
         "device_name": device_name(state.device),
@@ -101,13 +104,12 @@ async def info(state: StateDep) -> dict[str, Any]:
             "jobs": state.scheduler.pending_rows("jobs"),
         },
         "batches_run": state.scheduler.batches_run,
-        "models": [] if state.cache is None else state.cache.describe(),
         "device_memory_bytes": state.device_memory_bytes(),
         "started_at": state.started_at,
         "job_store": state.jobstore.describe(),
-        "cluster": None
-        if state.cluster is None
-        else await run_in_threadpool(state.cluster.describe),
+        "cluster": cluster,
+        # the warm models: this process's, or in cluster mode every worker's
+        "models": state.cache.describe() if state.cache is not None else state.cluster.warm_models,
     }
 
 
