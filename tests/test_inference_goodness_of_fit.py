@@ -17,7 +17,7 @@ import scipy.stats
 import torch
 from cabinetry.fit import _goodness_of_fit
 from conftest import WORKSPACES_DIR, load_patchset, shared_workspace
-from test_inference_support import one_thread  # noqa: F401 (fixture)
+from test_inference_support import fake_cuda_fit, one_thread  # noqa: F401 (fixture)
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from pyhf_gpu_server.engine import HistFactoryModel
@@ -176,22 +176,8 @@ def test_goodness_of_fit_on_fake_cuda():
         )
         element = torch.arange(2, device="cuda").repeat(2)
         B, P = element.shape[0], model.n_pars
-        x = model.init.index_select(0, element)
-        zero = torch.zeros(B, dtype=model.dtype, device="cuda")
-        true = torch.ones(B, dtype=torch.bool, device="cuda")
-        given = FitResults(
-            bestfit=x,
-            uncertainty=torch.full_like(x, torch.nan),
-            corr_mat=torch.zeros(B, P, P, dtype=model.dtype, device="cuda"),
-            best_twice_nll=zero,
-            deviance=zero,
-            converged=true,
-            iterations=element,
-            labels=list(model.par_names),
-            element=element,
-            starts=element,
-            starts_agreed=true,
-        )
+        corr = torch.zeros(B, P, P, dtype=model.dtype, device="cuda")
+        given = fake_cuda_fit(model, element, float("nan"), corr)
         gof = goodness_of_fit(model, given)
         for tensor in vars(gof).values():
             assert isinstance(tensor, FakeTensor)

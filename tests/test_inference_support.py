@@ -33,3 +33,26 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def fake_cuda_fit(model, element: torch.Tensor, uncertainty: float, corr_mat: torch.Tensor):
+    """A converged ``FitResults`` at the model's init for rows ``element`` (inside
+    FakeTensorMode on a simulated ``cuda`` device: what a fit would hand over, without one)."""
+    from pyhf_gpu_server.inference import FitResults
+
+    x = model.init.index_select(0, element)
+    zero = torch.zeros(element.shape[0], dtype=model.dtype, device=element.device)
+    true = torch.ones(element.shape[0], dtype=torch.bool, device=element.device)
+    return FitResults(
+        bestfit=x,
+        uncertainty=torch.full_like(x, uncertainty),
+        corr_mat=corr_mat,
+        best_twice_nll=zero,
+        deviance=zero,
+        converged=true,
+        iterations=element,
+        labels=list(model.par_names),
+        element=element,
+        starts=element,
+        starts_agreed=true,
+    )

@@ -18,7 +18,7 @@ import pytest
 import torch
 from cabinetry.fit.results_containers import FitResults as CabinetryFitResults
 from conftest import WORKSPACES_DIR, load_patchset, shared_workspace
-from test_inference_support import one_thread  # noqa: F401 (fixture)
+from test_inference_support import fake_cuda_fit, one_thread  # noqa: F401 (fixture)
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from pyhf_gpu_server.engine import HistFactoryModel
@@ -332,21 +332,8 @@ def test_yields_on_fake_cuda():
         element = torch.arange(2, device="cuda").repeat(2)
         B, P = element.shape[0], model.n_pars
         x = model.init.index_select(0, element)
-        zero = torch.zeros(B, dtype=model.dtype, device="cuda")
-        true = torch.ones(B, dtype=torch.bool, device="cuda")
-        given = FitResults(
-            bestfit=x,
-            uncertainty=torch.full_like(x, 0.1),
-            corr_mat=torch.eye(P, dtype=model.dtype, device="cuda").expand(B, P, P),
-            best_twice_nll=zero,
-            deviance=zero,
-            converged=true,
-            iterations=element,
-            labels=list(model.par_names),
-            element=element,
-            starts=element,
-            starts_agreed=true,
-        )
+        corr = torch.eye(P, dtype=model.dtype, device="cuda").expand(B, P, P)
+        given = fake_cuda_fit(model, element, 0.1, corr)
         result = yields(model, fit=given)
         sample_rates = model.sample_rates(x, element)
         for part in (result.prefit, result.postfit):
