@@ -43,6 +43,7 @@ from torch import Tensor
 from .constraints import constraint_centres, prefit_uncertainties
 from .errors import InferenceError
 from .mle import FitOptions, fit_rows, hessian_uncertainties, rows_data
+from .results import FittedRows
 from .rows import as_float
 from .starts import FitStatus
 
@@ -60,7 +61,7 @@ IMPACTS = ("prefit_up", "prefit_down", "postfit_up", "postfit_down")
 
 
 @dataclass
-class RankingResults:
+class RankingResults(FittedRows):
     """The ranking of ``B`` rows, over the model's ``P`` parameter columns.
 
     Every ``[B, P]`` tensor is indexed by the model's columns (``labels``, pyhf's
@@ -108,14 +109,6 @@ class RankingResults:
     converged: Tensor
     starts: Tensor
     starts_agreed: Tensor
-
-    def __len__(self) -> int:
-        return self.bestfit.shape[0]
-
-    @property
-    def status(self) -> FitStatus:
-        """Convergence, starts and agreement per row (every fit of the row combined)."""
-        return FitStatus(self.converged, self.starts, self.starts_agreed)
 
     @property
     def poi_index(self) -> int:

@@ -31,6 +31,7 @@ from .test_statistics import get_test_stat
 
 __all__ = [
     "FitResults",
+    "FittedRows",
     "HypotestResults",
     "SignificanceResults",
     "UpperLimitResults",
@@ -53,8 +54,21 @@ def group_parameters(labels: list[str], values: list[float]) -> dict[str, list[f
     return grouped
 
 
+class FittedRows:
+    """What every batched fit result answers from its ``bestfit [B, ...]`` and its per-row
+    ``converged``, ``starts`` and ``starts_agreed``: its rows and their :class:`FitStatus`."""
+
+    def __len__(self) -> int:
+        return self.bestfit.shape[0]
+
+    @property
+    def status(self) -> FitStatus:
+        """Convergence, start points and their agreement per row."""
+        return FitStatus(self.converged, self.starts, self.starts_agreed)
+
+
 @dataclass
-class FitResults:
+class FitResults(FittedRows):
     """Maximum-likelihood fits of ``B`` rows (cabinetry's FitResults, batched).
 
     Attributes:
@@ -86,14 +100,6 @@ class FitResults:
     element: Tensor
     starts: Tensor
     starts_agreed: Tensor
-
-    def __len__(self) -> int:
-        return self.bestfit.shape[0]
-
-    @property
-    def status(self) -> FitStatus:
-        """Convergence, starts and agreement per row."""
-        return FitStatus(self.converged, self.starts, self.starts_agreed)
 
     def select(self, index: Tensor | slice) -> FitResults:
         """The rows ``index`` (a slice or an index tensor) as a new FitResults."""

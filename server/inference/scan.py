@@ -41,6 +41,7 @@ from torch import Tensor
 from .errors import InferenceError
 from .mle import FitOptions, fit_rows, hessian_uncertainties, rows_data
 from .ranking import host_elements
+from .results import FittedRows
 from .rows import as_float
 from .starts import FitStatus
 
@@ -48,7 +49,7 @@ __all__ = ["Scan2DResults", "ScanResults", "scan", "scan2d"]
 
 
 @dataclass
-class ScanResults:
+class ScanResults(FittedRows):
     """A 1D profile-likelihood scan of ``B`` rows over ``G`` values (cabinetry's
     ``ScanResults`` per row).
 
@@ -77,13 +78,6 @@ class ScanResults:
     starts: Tensor
     starts_agreed: Tensor
 
-    def __len__(self) -> int:
-        return self.bestfit.shape[0]
-
-    @property
-    def status(self) -> FitStatus:
-        return FitStatus(self.converged, self.starts, self.starts_agreed)
-
     def to_json(self, i: int = 0) -> dict:
         """Row ``i`` with cabinetry's field names, and the row's fit status."""
         return {
@@ -99,7 +93,7 @@ class ScanResults:
 
 
 @dataclass
-class Scan2DResults:
+class Scan2DResults(FittedRows):
     """A 2D profile-likelihood scan of ``B`` rows over a ``G_x x G_y`` grid.
 
     Attributes:
@@ -124,13 +118,6 @@ class Scan2DResults:
     converged: Tensor
     starts: Tensor
     starts_agreed: Tensor
-
-    def __len__(self) -> int:
-        return self.bestfit.shape[0]
-
-    @property
-    def status(self) -> FitStatus:
-        return FitStatus(self.converged, self.starts, self.starts_agreed)
 
     def to_json(self, i: int = 0) -> dict:
         """Row ``i``: cabinetry's scan fields, each per axis (``delta_nlls``: ``[G_x][G_y]``)."""
