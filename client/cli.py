@@ -25,7 +25,6 @@ from typing import IO, Any
 
 import click
 
-from . import __version__
 from ._client import Client
 from .exceptions import (
     JobError,
@@ -316,7 +315,7 @@ class Progress:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(version=__version__, prog_name="pyhf-gpu-client")
+@click.version_option(package_name="pyhf-gpu", prog_name="pyhf-gpu-client")
 @connection_options
 def main() -> None:
     """pyhf's cls and fit, and cabinetry's ranking, scan and yields, computed by a pyhf-gpu
