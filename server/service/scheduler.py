@@ -3,9 +3,9 @@
 Callers :meth:`Scheduler.submit` a :class:`WorkItem`: a batch key (same model, operation and
 options), a context (the model and options the runner needs) and rows (hypotheses). The
 dispatcher takes the oldest pending item, waits up to ``max_batch_delay`` for more rows with the
-same key (or until ``max_batch_size`` rows are there), and runs the rows as ONE call of the
-runner on the device thread (a single worker that owns the device). Each caller gets its own
-rows' results back. An item larger than ``max_batch_size`` runs in several chunks, with progress
+same key (until ``max_batch_size`` rows are there, or none arrived for ``ARRIVAL_GAP_S``), and
+runs the rows as ONE call of the runner on the device thread (a single worker that owns the
+device). Each caller gets its own rows' results back. An item larger than ``max_batch_size`` runs in several chunks, with progress
 reported after each.
 
 Two lanes: ``interactive`` (HTTP requests) is always served before ``jobs`` (asynchronous jobs,
@@ -66,6 +66,8 @@ ProgressCallback = Callable[[int, int], None]
 PRIOR_SECONDS_PER_COST = 2e-3
 # How many ``job_chunk_s`` the jobs lane may wait behind interactive work before it runs a chunk
 JOB_SHARE_ROUNDS = 4
+# A batch's window closes once no rows of its key arrived for this long (or at the delay)
+ARRIVAL_GAP_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -290,15 +292,22 @@ class Scheduler(Generic[WorkT, BatchT, RowT, ValueT]):
         return queue[0] if queue else None
 
     async def _fill(self, head: WorkItem) -> None:
-        """Wait until ``max_batch_size`` rows share ``head``'s key or its delay is over."""
+        """Wait until ``max_batch_size`` rows share ``head``'s key, its delay is over, or no
+        rows with its key arrived for :data:`ARRIVAL_GAP_S` (a lone request, however many
+        rows it brings, does not wait out a long delay set to gather concurrent clients)."""
         deadline = head.enqueued_at + self.max_batch_delay_s
-        while self._rows_with(head.key, head.lane) < self.max_batch_size:
-            remaining = deadline - time.monotonic()
+        rows = self._rows_with(head.key, head.lane)
+        quiet_until = time.monotonic() + ARRIVAL_GAP_S
+        while rows < self.max_batch_size:
+            remaining = min(deadline, quiet_until) - time.monotonic()
             if remaining <= 0:
                 return
             self._wakeup.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wakeup.wait(), remaining)
+            arrived = self._rows_with(head.key, head.lane)
+            if arrived != rows:
+                rows, quiet_until = arrived, time.monotonic() + ARRIVAL_GAP_S
 
     def _rows_with(self, key: Hashable, lane: Lane) -> int:
         """Pending rows with batch key ``key`` in ``lane``."""
