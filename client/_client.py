@@ -301,8 +301,9 @@ class _ClientBase:
         """Profile-likelihood scan, ``-2 delta ln L`` over a grid (``POST /scan``,
         cabinetry's ``fit.scan``).
 
-        ``parameter`` (default the POI) is scanned over ``values``, or ``steps`` evenly
-        spaced points of ``range = (low, high)``. With ``parameter_y`` / ``values_y`` /
+        ``parameter`` (default the POI) is scanned over ``values``, ``steps`` evenly spaced
+        points of ``range = (low, high)``, or with neither ``steps`` points over each patch's
+        best fit +- 3 uncertainties (cabinetry's default). With ``parameter_y`` / ``values_y`` /
         ``range_y`` / ``steps_y`` a 2D scan over both grids. Returns a :class:`ScanResult` or
         :class:`Scan2DResult` (``{patch_name: ...}`` with a ``patchset``).
         """

@@ -458,19 +458,16 @@ def _scan_axis(kwargs: dict[str, Any], suffix: str = "") -> dict[str, Any]:
     bounds, steps = kwargs.get("range" + suffix), kwargs.get("steps" + suffix)
     if values and bounds:
         raise click.UsageError(f"give {flag('values')} or {flag('range')}, not both")
-    if steps is not None and not bounds:
-        raise click.UsageError(f"{flag('steps')} needs {flag('range')}")
-    if not values and not bounds:
-        if suffix and not parameter:
-            return {}  # a 1D scan
-        raise click.UsageError(f"give the grid: {flag('values')} or {flag('range')} LO HI")
-    out: dict[str, Any] = {"parameter" + suffix: parameter}
+    if steps is not None and values:
+        raise click.UsageError(f"{flag('steps')} goes with {flag('range')} or no grid")
+    if suffix and not (parameter or values or bounds):
+        return {}  # a 1D scan
+    out: dict[str, Any] = {"parameter" + suffix: parameter, "steps" + suffix: steps}
     if values:
         grid = parse_test_poi(values, flag("values"))
         out["values" + suffix] = grid if isinstance(grid, list) else [grid]
-    else:
+    elif bounds:
         out["range" + suffix] = list(bounds)
-        out["steps" + suffix] = steps
     return out
 
 
@@ -667,7 +664,8 @@ _HELP = {
     "ranking": "Impacts of the nuisance parameters on the POI, pre- and post-fit, with pulls "
     "and constraints (as cabinetry's ranking); largest impact first.",
     "scan": "Profile-likelihood scan (-2 delta ln L) of a parameter over a grid, or of two "
-    "(--parameter-y ...) over a 2D grid (as cabinetry's scan).",
+    "(--parameter-y ...) over a 2D grid (as cabinetry's scan; without --values or --range, "
+    "its default grid: each patch's best fit +- 3 uncertainties).",
     "yields": "Pre- and post-fit yields per channel, sample and bin with uncertainties, and "
     "the data (as cabinetry's yield tables).",
 }
@@ -701,7 +699,8 @@ def _scan_axis_options(f: Callable[..., Any], suffix: str = "") -> Callable[...,
             f"--steps{suffix}",
             type=click.IntRange(min=2),
             default=None,
-            help=f"Grid points over --range{suffix} [server default 11].",
+            help=f"Grid points over --range{suffix}, or without a grid over each patch's "
+            "best fit +- 3 uncertainties (cabinetry's default) [server default 11].",
         ),
     ]
     for decorator in reversed(decorators):

@@ -398,25 +398,30 @@ def scan_axis(
     values: Sequence[float] | None = None,
     range: Sequence[float] | None = None,
     steps: int | None = None,
+    *,
+    required: bool = False,
 ) -> dict[str, Any] | None:
-    """One axis of ``POST /scan`` (``{"parameter", "values"}`` or ``{"parameter", "range",
-    "steps"}``); None when neither a parameter nor a grid is given.
+    """One axis of ``POST /scan``: ``{"parameter", "values"}``, ``{"parameter", "range",
+    "steps"}``, or with no grid ``{"parameter", "steps"}`` (the server's automatic grid:
+    each patch's best fit +- 3 uncertainties, cabinetry's default). None when neither a
+    parameter nor a grid is given, unless the axis is ``required`` (the first).
 
-    ``steps`` applies to ``range`` only (the server's default is 11).
+    ``steps`` applies to ``range`` and the automatic grid (the server's default is 11).
     """
-    if parameter is None and values is None and range is None:
+    if parameter is None and values is None and range is None and not required:
         return None
-    if (values is None) == (range is None):
+    if values is not None and range is not None:
         what = f"the scan of {parameter!r}" if parameter else "a scan axis"
-        raise ValueError(f"{what} needs exactly one of values and range")
+        raise ValueError(f"{what} takes values or range, not both")
     axis: dict[str, Any] = {} if parameter is None else {"parameter": str(parameter)}
     if values is not None:
         axis["values"] = [float(v) for v in values]
         return axis
-    bounds = [float(v) for v in range]  # type: ignore[union-attr]
-    if len(bounds) != 2:
-        raise ValueError(f"a scan range is [low, high], not {list(range)!r}")  # type: ignore[arg-type]
-    axis["range"] = bounds
+    if range is not None:
+        bounds = [float(v) for v in range]
+        if len(bounds) != 2:
+            raise ValueError(f"a scan range is [low, high], not {list(range)!r}")
+        axis["range"] = bounds
     if steps is not None:
         axis["steps"] = int(steps)
     return axis
@@ -428,13 +433,13 @@ def scan_options(options: Mapping[str, Any]) -> dict[str, Any]:
     ready-made as ``x``/``y`` pass through)."""
     out = dict(options)
     for axis, suffix in (("x", ""), ("y", "_y")):
-        built = scan_axis(**{key: out.pop(key + suffix, None) for key in SCAN_AXIS})
+        keywords = {key: out.pop(key + suffix, None) for key in SCAN_AXIS}
+        given = out.get(axis) is not None
+        built = scan_axis(**keywords, required=axis == "x" and not given)
         if built is not None:
-            if out.get(axis) is not None:
+            if given:
                 raise ValueError(f"give the {axis} axis either as {axis}= or by its keywords")
             out[axis] = built
-    if out.get("x") is None:
-        raise ValueError("a scan needs its grid: values or range")
     return out
 
 

@@ -647,13 +647,17 @@ def test_scan_axes_are_checked_before_sending():
     assert protocol.scan_options({"x": {"values": [0, 1]}, "steps_y": 11}) == {
         "x": {"values": [0, 1]}
     }
+    # no grid: the server's automatic one (cabinetry's default), for either axis
+    assert protocol.scan_options({}) == {"x": {}}
+    assert protocol.scan_options({"steps": 5}) == {"x": {"steps": 5}}
+    assert protocol.scan_options({"parameter": "mu", "steps_y": 11}) == {"x": {"parameter": "mu"}}
+    assert protocol.scan_options({"values": [0, 1], "parameter_y": "lumi", "steps_y": 7}) == {
+        "x": {"values": [0.0, 1.0]},
+        "y": {"parameter": "lumi", "steps": 7},
+    }
     bad = [
-        {},
-        {"steps": 5},
-        {"parameter": "mu"},
         {"values": [0, 1], "range": [0, 1]},
         {"range": [0, 1, 2]},
-        {"values": [0, 1], "parameter_y": "lumi"},
         {"x": {"values": [0, 1]}, "values": [0, 1]},
     ]
     service = FakeService()
@@ -854,11 +858,14 @@ def test_cli_ranking_scan_yields_fit(monkeypatch, tmp_path):
     assert len(list(csv.DictReader(out.open(newline="")))) == 32
     fit = json.loads(run("fit", "--goodness-of-fit"))
     assert fit["goodness_of_fit"] == GOF and body_of(service.requests[-1])["goodness_of_fit"]
+    # no grid: the server's automatic one (cabinetry's default), on either axis
+    assert json.loads(run("scan", "--steps", "5"))["name"] == "mu"
+    assert body_of(service.requests[-1])["x"] == {"steps": 5}
+    run("scan", "--values", "0,1", "--parameter-y", "lumi")
+    assert body_of(service.requests[-1])["y"] == {"parameter": "lumi"}
     for args, message in [
-        (["scan"], "--values or --range"),
         (["scan", "--values", "0,1", "--range", "0", "1"], "not both"),
-        (["scan", "--values", "0,1", "--steps", "3"], "--steps needs --range"),
-        (["scan", "--values", "0,1", "--parameter-y", "lumi"], "--values-y or --range-y"),
+        (["scan", "--values", "0,1", "--steps", "3"], "--steps goes with --range or no grid"),
         (["ranking", "--top", "0"], "--top"),
         (["yields", "--format", "xml"], "--format"),
     ]:
@@ -1110,7 +1117,7 @@ def test_cli_plot_command(monkeypatch, tmp_path):
         (["exclusion", "-o", "x.png"], "needs --patchset"),
         (["ranking", "--option", "top", "-o", "x.png"], "KEY=VALUE"),
         (["ranking", "--option", "top=many", "-o", "x.png"], "an integer"),
-        (["scan", "-o", "x.png"], "--values or --range"),
+        (["scan", "--values", "0,1", "--range", "0", "1", "-o", "x.png"], "not both"),
     ]:
         res = plot(*args, code=2)
         assert message in res.output, (args, res.output)

@@ -143,6 +143,74 @@ def test_scan_matches_cabinetry_fields():
     assert row["bestfit"] == pytest.approx(theirs.bestfit, abs=1e-3)
 
 
+def finite_difference_uncertainty(model, data, best, label: str, h: float = 1e-4) -> float:
+    """The uncertainty of ``label`` from the inverse of pyhf's ``-2 log L`` Hessian at
+    ``best``, by central differences over the free parameters."""
+    free = [i for i, fixed in enumerate(model.config.suggested_fixed()) if not fixed]
+    steps = np.eye(len(best))[free] * h
+
+    def twice_nll(shift) -> float:
+        return float(-2 * model.logpdf(np.asarray(best) + shift, data)[0])
+
+    H = np.array(
+        [
+            [
+                (twice_nll(a + b) - twice_nll(a - b) - twice_nll(b - a) + twice_nll(-a - b))
+                / (4 * h * h)
+                for b in steps
+            ]
+            for a in steps
+        ]
+    )
+    k = free.index(model.config.par_names.index(label))
+    return float(np.sqrt(np.linalg.inv(H / 2)[k, k]))
+
+
+def test_automatic_grid_is_cabinetrys_default():
+    """No values: cabinetry's default grid (``fit.scan``: 11 points over the best fit +- 3
+    uncertainties), per row and within the bounds. The uncertainty is checked against pyhf's
+    own Hessian (central differences of its ``logpdf``, here) and the profile at two grid
+    points against pyhf's fixed fits; the 2D scan's automatic axes are the 1D ones."""
+    workspace = all_modifiers_workspace()
+    workspace["measurements"][0]["config"]["parameters"].append(
+        {"name": "shape_free", "fixed": True}
+    )
+    model = HistFactoryModel.from_workspace(workspace, device=DEVICE)
+    ours = scan(model, "jes")
+    assert ours.converged.all() and ours.parameter_values.shape == (1, 11)
+    centre, sigma = ours.bestfit[0].item(), ours.uncertainty[0].item()
+    expected = np.linspace(centre - 3 * sigma, centre + 3 * sigma, 11)
+    np.testing.assert_allclose(ours.parameter_values[0].numpy(), expected, rtol=0, atol=1e-12)
+    ws = pyhf.Workspace(workspace)
+    pyhf_model = ws.model()
+    data = ws.data(pyhf_model)
+    best, minimum = pyhf.infer.mle.fit(data, pyhf_model, return_fitted_val=True)
+    theirs = finite_difference_uncertainty(pyhf_model, data, best, "jes")
+    assert sigma == pytest.approx(theirs, rel=1e-4)
+    k = pyhf_model.config.par_names.index("jes")
+    for i in (0, 8):
+        init, fixed = pyhf_model.config.suggested_init(), pyhf_model.config.suggested_fixed()
+        init[k], fixed[k] = ours.parameter_values[0, i].item(), True
+        value = pyhf.infer.mle.fit(
+            data, pyhf_model, init_pars=init, fixed_params=fixed, return_fitted_val=True
+        )[1]
+        assert ours.delta_nlls[0, i].item() == pytest.approx(float(value - minimum), abs=1e-6)
+    # clipped to the bounds [0, 10]: the POI of sbottom-B's first patch sits at 0, and its
+    # uncertainty there is large
+    poi = scan(published(SBOTTOM_B)[0], "mu_SIG", steps=5)
+    assert poi.bestfit[0].item() == pytest.approx(0.0, abs=1e-8)
+    assert 3 * poi.uncertainty[0].item() > 10.0
+    assert poi.parameter_values[0].tolist() == [0.0, 2.5, 5.0, 7.5, 10.0]
+    both = scan2d(model, ("jes", "mu"), steps=(3, 4))
+    assert both.delta_nlls.shape == (1, 3, 4) and both.converged.all()
+    torch.testing.assert_close(
+        both.parameter_values[1], scan(model, "mu", steps=4).parameter_values
+    )
+    torch.testing.assert_close(
+        both.parameter_values[0], scan(model, "jes", steps=3).parameter_values
+    )
+
+
 def test_stacked_elements_equal_each_alone():
     """Two patches stacked in one model: one call scans both, each row equal to its patch
     scanned alone."""

@@ -203,11 +203,11 @@ def test_each_operation_runs_as_a_job_with_progress(client, operation, options):
 @pytest.mark.parametrize(
     ("path", "body", "needle"),
     [
-        ("/scan", {"x": {"parameter": "nope", "range": [0, 1]}}, "'nope' is not in the model"),
-        ("/scan", {"x": {"values": [0, 1], "range": [0, 1]}}, "exactly one of 'values'"),
+        ("/scan", {"x": {"parameter": "nope", "range": [0, 1]}}, "'nope' is not in this model"),
+        ("/scan", {"x": {"values": [0, 1], "range": [0, 1]}}, "at most one of 'values'"),
         ("/scan", {"x": {"values": [1, 0]}}, "must increase"),
         ("/scan", {"x": {"values": [0, 1], "steps": 3}}, "'steps' goes with 'range'"),
-        ("/ranking", {"parameters": ["nope"]}, "'nope' is not in the model"),
+        ("/ranking", {"parameters": ["nope"]}, "'nope' is not in this model"),
         ("/ranking", {"parameters": ["mu_SIG"]}, "cannot be ranked against itself"),
     ],
 )
@@ -221,3 +221,57 @@ def test_the_operations_are_in_the_openapi_document(client, tmp_path: Path):
     paths = client.get("/openapi.json").json()["paths"]
     for path in ("/ranking", "/scan", "/yields"):
         assert "200" in paths[path]["post"]["responses"]
+
+
+def with_signal_systematic() -> dict:
+    """``FIRST`` as published, ``SECOND`` with a signal systematic of its own (as published
+    patchsets have): a parameter one patch has and the other does not."""
+    patchset = {**PATCHSET, "patches": [dict(p) for p in PATCHSET["patches"][:2]]}
+    second = patchset["patches"][1]
+    ops = [dict(op, value=dict(op["value"])) for op in second["patch"]]
+    sample = ops[0]["value"]
+    sample["modifiers"] = [
+        *sample["modifiers"],
+        {"name": "sig_theory", "type": "normsys", "data": {"hi": 1.2, "lo": 0.85}},
+    ]
+    patchset["patches"][1] = {**second, "patch": ops}
+    return {"workspace": BACKGROUND, "patchset": patchset}
+
+
+@pytest.mark.parametrize(
+    ("path", "options", "problem"),
+    [
+        ("/scan", {"x": {"parameter": "sig_theory"}}, "'sig_theory' is not in this model"),
+        ("/ranking", {"parameters": ["sig_theory", "lumi"]}, "'sig_theory' is not in this model"),
+    ],
+)
+def test_a_patch_without_the_named_parameter_answers_its_own_error(client, path, options, problem):
+    """Before, one such patch failed the whole batch (other requests' rows included); now it
+    answers its own 422 entry and the other patch its result, equal to that patch alone."""
+    body = {**with_signal_systematic(), **options}
+    answer = post(client, path, body)
+    assert answer[FIRST]["error"]["status"] == 422
+    assert problem in answer[FIRST]["error"]["detail"]
+    alone = post(client, path, {**body, "patch_names": [SECOND]})[SECOND]
+    np.testing.assert_allclose(
+        np.asarray(without_meta(answer[SECOND])["delta_nlls" if path == "/scan" else "postfit_up"]),
+        np.asarray(alone["delta_nlls" if path == "/scan" else "postfit_up"]),
+        rtol=0,
+        atol=1e-9,
+    )
+
+
+def test_a_scan_without_a_grid_spans_each_patchs_best_fit_three_sigma(client):
+    """cabinetry's default grid, per patch: 11 points over the best fit +- 3 uncertainties
+    (within the bounds); the patches' grids differ."""
+    body = {**with_signal_systematic(), "patch_names": [SECOND], "x": {"parameter": "sig_theory"}}
+    result = post(client, "/scan", body)[SECOND]
+    centre, sigma = result["bestfit"], result["uncertainty"]
+    np.testing.assert_allclose(
+        result["parameter_values"],
+        np.linspace(centre - 3 * sigma, centre + 3 * sigma, 11),
+        atol=1e-12,
+    )
+    grids = post(client, "/scan", {**both_patches(), "x": {"parameter": "ttbar_Gen", "steps": 5}})
+    assert len(grids[FIRST]["parameter_values"]) == 5
+    assert grids[FIRST]["parameter_values"] != grids[SECOND]["parameter_values"]

@@ -21,7 +21,6 @@ from pydantic import BaseModel
 
 from pyhf_gpu_server.engine import schema
 from pyhf_gpu_server.engine.errors import UnrepresentableValueError
-from pyhf_gpu_server.engine.layout import ElementLayout
 
 from .elements import Background, Element, PatchSpec
 from .errors import BadRequest, Unprocessable, pydantic_detail, translate
@@ -188,31 +187,13 @@ class Plan:
         """Toys in the whole request (both hypotheses counted once, as pyhf's ``ntoys``)."""
         return self.operation.toys(self.options) * self.n_rows
 
-    def tested_outside_bounds(self, layout: ElementLayout) -> str | None:
-        """Why this plan's POI values (``test_poi``, an upper-limit ``scan``) cannot be tested
-        on ``layout``: a value outside the POI's bounds (raised to 0 by ``q~``), where pyhf
-        refuses to start a fit; None if all are inside."""
-        tested = self.operation.tested_values(self.options)
-        if tested is None or layout.poi_index is None:
-            return None
-        field, values = tested
-        lo, hi = (float(v) for v in layout.bounds[layout.poi_index])
-        floored = self.operation.floors_poi(self.options) and lo < 0.0
-        if floored:
-            lo = 0.0
-        outside = [v for v in values if not lo <= v <= hi]
-        if not outside:
-            return None
-        why = " (q~, test_stat 'qtilde', bounds the POI below at 0)" if floored else ""
-        return (
-            f"{field} value {outside[0]!r} lies outside the bounds [{lo!r}, {hi!r}] of the POI "
-            f"{layout.poi_name!r}{why}; pyhf refuses to start a fit there: test values inside "
-            "the bounds, or widen them in the measurement's parameters"
-        )
-
     def checked(self, element: Element) -> Element:
-        """``element``, or its error if this plan's POI values cannot be tested on it."""
-        problem = None if element.layout is None else self.tested_outside_bounds(element.layout)
+        """``element``, or its error if this plan's operation cannot be answered on it."""
+        problem = (
+            None
+            if element.layout is None
+            else self.operation.element_problem(element.layout, self.options)
+        )
         if problem is None:
             return element
         return replace(element, layout=None, error=Unprocessable(problem))

@@ -120,34 +120,47 @@ Grid = Annotated[list[FiniteFloat], Field(min_length=2, max_length=1000)]
 
 
 class ScanAxis(_Strict):
-    """One axis of a profile-likelihood scan: a parameter and its grid (``values``, or
-    ``steps`` points over ``range``)."""
+    """One axis of a profile-likelihood scan: a parameter and its grid (``values``, ``steps``
+    points over ``range``, or, with neither, cabinetry's default: ``steps`` points over each
+    patch's best fit +- 3 uncertainties, within the bounds)."""
 
     parameter: str | None = Field(None, description="parameter label (default: the POI)")
     values: Grid | None = Field(None, description="grid values, increasing")
     range: tuple[FiniteFloat, FiniteFloat] | None = Field(
         None, description="[low, high] of an evenly spaced grid"
     )
-    steps: int = Field(11, ge=2, le=1000, description="grid points over range")
+    steps: int = Field(
+        11,
+        ge=2,
+        le=1000,
+        description="grid points over range (or over the best fit +- 3 uncertainties)",
+    )
 
     @model_validator(mode="after")
     def _one_grid(self) -> ScanAxis:
-        """Exactly one of values and range, increasing."""
-        if (self.values is None) == (self.range is None):
-            raise ValueError("give exactly one of 'values' and 'range'")
+        """At most one of values and range, increasing."""
+        if self.values is not None and self.range is not None:
+            raise ValueError("give at most one of 'values' and 'range'")
         if self.values is not None and "steps" in self.model_fields_set:
-            raise ValueError("'steps' goes with 'range', not with 'values'")
+            raise ValueError("'steps' goes with 'range' (or no grid), not with 'values'")
         grid = self.values or list(self.range or ())
         if any(b <= a for a, b in itertools.pairwise(grid)):
             raise ValueError("grid values must increase")
         return self
 
-    def grid(self) -> list[float]:
-        """The grid's values."""
+    def grid(self) -> list[float] | None:
+        """The grid's values; None for the automatic grid (per patch, after its free fit)."""
         if self.values is not None:
             return list(self.values)
+        if self.range is None:
+            return None
         low, high = self.range
         return [low + (high - low) * i / (self.steps - 1) for i in range(self.steps)]
+
+    @property
+    def points(self) -> int:
+        """Grid points."""
+        return len(self.values) if self.values is not None else self.steps
 
 
 class ScanOptions(_Strict):
@@ -159,7 +172,7 @@ class ScanOptions(_Strict):
     @model_validator(mode="after")
     def _points(self) -> ScanOptions:
         """At most 10^5 grid points in all."""
-        points = len(self.x.grid()) * (1 if self.y is None else len(self.y.grid()))
+        points = self.x.points * (1 if self.y is None else self.y.points)
         if points > 100_000:
             raise ValueError(f"the scan has {points} grid points; at most 100000")
         return self

@@ -20,6 +20,7 @@ from pydantic import BaseModel
 from torch import Tensor
 
 from pyhf_gpu_server.engine import HistFactoryModel
+from pyhf_gpu_server.engine.layout import ElementLayout
 from pyhf_gpu_server.inference.mle import FitOptions
 
 from ..schemas import ModelSelection, PatchError
@@ -123,6 +124,29 @@ class Operation(ABC, Generic[OptionsT]):
     def row_cost(self, options: OptionsT) -> float:
         """About how many fits a row runs (sizes the chunks of jobs by time)."""
         return 4.0 + 3.0 * self.toys(options)
+
+    def element_problem(self, layout: ElementLayout, options: OptionsT) -> str | None:
+        """Why ``options`` cannot be answered on the element (patch) ``layout``, or None:
+        that patch answers its own 422 entry, the others their results. Here: a tested POI
+        value (``test_poi``, an upper-limit ``scan``) outside the POI's bounds (raised to 0
+        by ``q~``), where pyhf refuses to start a fit."""
+        tested = self.tested_values(options)
+        if tested is None or layout.poi_index is None:
+            return None
+        field, values = tested
+        lo, hi = (float(v) for v in layout.bounds[layout.poi_index])
+        floored = self.floors_poi(options) and lo < 0.0
+        if floored:
+            lo = 0.0
+        outside = [v for v in values if not lo <= v <= hi]
+        if not outside:
+            return None
+        why = " (q~, test_stat 'qtilde', bounds the POI below at 0)" if floored else ""
+        return (
+            f"{field} value {outside[0]!r} lies outside the bounds [{lo!r}, {hi!r}] of the POI "
+            f"{layout.poi_name!r}{why}; pyhf refuses to start a fit there: test values inside "
+            "the bounds, or widen them in the measurement's parameters"
+        )
 
     @abstractmethod
     def run(self, model: HistFactoryModel, rows: EngineRows, options: OptionsT) -> list[RowResult]:

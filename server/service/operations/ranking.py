@@ -1,10 +1,12 @@
 """``POST /ranking``: nuisance-parameter impacts on the POI, pulls and constraints (cabinetry's
-``fit.ranking``): all ``4 x P`` refits of every row in one batched call."""
+``fit.ranking``): all ``4 x P`` refits of every row in one batched call. A patch that lacks a
+named parameter answers its own error; the other patches their rankings."""
 
 from __future__ import annotations
 
 from pyhf_gpu_server import inference
 from pyhf_gpu_server.engine import HistFactoryModel
+from pyhf_gpu_server.engine.layout import ElementLayout
 
 from ..schemas import RankingOptions, RankingResult
 from .base import EngineRows, Operation, RowResult, RowStatus
@@ -24,6 +26,18 @@ class Ranking(Operation[RankingOptions]):
     def row_cost(self, options: RankingOptions) -> float:
         ranked = 100 if options.parameters is None else len(options.parameters)
         return 2.0 + 4.0 * ranked
+
+    def element_problem(self, layout: ElementLayout, options: RankingOptions) -> str | None:
+        """No POI, or a named parameter this patch does not have (or that is its POI)."""
+        if layout.poi_name is None:
+            return "the model has no POI: no impacts to rank"
+        known = set(layout.par_names) | {parset.name for parset in layout.parameters}
+        for name in options.parameters or ():
+            if name not in known:
+                return f"parameter {name!r} is not in this model: it cannot be ranked"
+            if name in (layout.poi_name, layout.par_names[layout.poi_index]):
+                return f"the POI {layout.poi_name!r} cannot be ranked against itself"
+        return None
 
     def run(
         self, model: HistFactoryModel, rows: EngineRows, options: RankingOptions

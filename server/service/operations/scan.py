@@ -1,6 +1,8 @@
 """``POST /scan``: profile-likelihood scans (``-2 delta ln L``) of one parameter over a grid,
-or of two over a 2D grid (cabinetry's ``fit.scan``): one conditional fit per grid point, all
-points of every row and their free fits in one batched call."""
+or of two over a 2D grid (cabinetry's ``fit.scan``; without a grid its default, the best fit
++- 3 uncertainties per patch): one conditional fit per grid point, all points of every row and
+their free fits in one batched call. A patch that lacks a scanned parameter (or has it fixed,
+or the grid outside its bounds) answers its own error; the other patches their scans."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ from typing import Any
 
 from pyhf_gpu_server import inference
 from pyhf_gpu_server.engine import HistFactoryModel
+from pyhf_gpu_server.engine.layout import ElementLayout
+from pyhf_gpu_server.inference.scan import grid_problem
 
 from ..schemas import PatchError, Scan2DResult, ScanOptions, ScanResult
 from .base import EngineRows, Operation, RowResult, RowStatus
@@ -27,8 +31,30 @@ class Scan(Operation[ScanOptions]):
         return result | dict[str, result | PatchError]
 
     def row_cost(self, options: ScanOptions) -> float:
-        points = len(options.x.grid()) * (1 if options.y is None else len(options.y.grid()))
-        return 2.0 + points
+        return 2.0 + options.x.points * (1 if options.y is None else options.y.points)
+
+    def element_problem(self, layout: ElementLayout, options: ScanOptions) -> str | None:
+        """A scanned parameter this patch does not have free, or a grid outside its bounds."""
+        problem = super().element_problem(layout, options)
+        if problem is not None:
+            return problem
+        labels = layout.par_names
+        for axis in (options.x, options.y):
+            if axis is None:
+                continue
+            name = axis.parameter or layout.poi_name
+            if name is None:
+                return "the model has no POI: name the scanned parameter"
+            if name not in labels:
+                return f"parameter {name!r} is not in this model: it cannot be scanned"
+            column = labels.index(name)
+            if bool(layout.fixed[column]):
+                return f"parameter {name!r} is fixed: it cannot be scanned"
+            values = axis.grid()
+            problem = values and grid_problem(name, values, *map(float, layout.bounds[column]))
+            if problem:
+                return problem
+        return None
 
     def run(
         self, model: HistFactoryModel, rows: EngineRows, options: ScanOptions
@@ -36,7 +62,12 @@ class Scan(Operation[ScanOptions]):
         x = options.x.parameter or model.poi_name
         if options.y is None:
             result = inference.scan(
-                model, x, options.x.grid(), element=rows.element, options=rows.fit
+                model,
+                x,
+                options.x.grid(),
+                element=rows.element,
+                options=rows.fit,
+                steps=options.x.steps,
             )
         else:
             y = options.y.parameter or model.poi_name
@@ -47,6 +78,7 @@ class Scan(Operation[ScanOptions]):
                 options.y.grid(),
                 element=rows.element,
                 options=rows.fit,
+                steps=(options.x.steps, options.y.steps),
             )
         statuses = RowStatus.of(result, len(rows))
         return [
