@@ -123,8 +123,9 @@ def cold_server(data_dir: Path) -> ServerProcess:
     ).start()
 
 
-def command(name: str, file: str) -> dict[str, Any]:
-    """One cold server, one client command: seconds, results."""
+def command(name: str, file: str, client: Path = CLIENT) -> dict[str, Any]:
+    """One cold server, one client command (the console script ``client``): seconds,
+    results."""
     with tempfile.TemporaryDirectory() as tmp:
         server = cold_server(Path(tmp))
         try:
@@ -133,7 +134,7 @@ def command(name: str, file: str) -> dict[str, Any]:
             start = time.perf_counter()
             proc = subprocess.run(
                 [
-                    str(CLIENT),
+                    str(client),
                     "cls",
                     str(folder / "BkgOnly.json"),
                     "--patchset",
@@ -306,10 +307,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peer-python", default="/tmp/bench-venv/bin/python")
     parser.add_argument("--parts", nargs="*", default=["commands", "concurrent", "phases"])
+    parser.add_argument(
+        "--client",
+        action="append",
+        type=Path,
+        help="a pyhf-gpu-client console script to time (repeatable; default: this venv's). "
+        "A thin client as users install it: python3 -m venv V && V/bin/pip install .",
+    )
     args = parser.parse_args()
+    clients = args.client or [CLIENT]
     print(f"load average before: {os.getloadavg()[0]:.2f}", file=sys.stderr)
     if "commands" in args.parts:
-        ours = {case: command(*case) for case in COMMANDS}
+        runs = {c: {case: command(*case, client=c) for case in COMMANDS} for c in clients}
         peers = nextstat_loops(
             args.peer_python,
             [
@@ -317,23 +326,25 @@ def main() -> None:
                 for n, f in COMMANDS
             ],
         )
-        print(
-            "| workspace | patchset | patches | ours: client command, cold server | NextStat loop "
-            "| ratio | ours vs pyhf's reference points: max abs. CLs_obs diff (points) | points "
-            "NextStat failed or answered 0 | points we did not test |"
-        )
-        print("|---|---|---|---|---|---|---|---|---|")
-        for (name, file), peer in zip(COMMANDS, peers, strict=True):
-            mine = ours[(name, file)]
-            reference = pyhf_reference(name, file)
-            diffs = [abs(mine["results"][k]["CLs_obs"] - v) for k, v in reference.items()]
-            failed = sum(1 for v in peer["cls"].values() if isinstance(v, str) or v == 0.0)
-            worst = f"{max(diffs):.1e} ({len(diffs)})" if diffs else "-"
+        for client in clients:
+            print(f"\nclient: {client}")
             print(
-                f"| {name} | {file} | {len(peer['cls'])} | {mine['seconds']:.2f} s | "
-                f"{peer['seconds']:.2f} s | {peer['seconds'] / mine['seconds']:.1f}x | "
-                f"{worst} | {failed} | {mine['stderr'].count('was not tested')} |"
+                "| workspace | patchset | patches | ours: client command, cold server | NextStat "
+                "loop | ratio | ours vs pyhf's reference points: max abs. CLs_obs diff (points) "
+                "| points NextStat failed or answered 0 | points we did not test |"
             )
+            print("|---|---|---|---|---|---|---|---|---|")
+            for (name, file), peer in zip(COMMANDS, peers, strict=True):
+                mine = runs[client][(name, file)]
+                reference = pyhf_reference(name, file)
+                diffs = [abs(mine["results"][k]["CLs_obs"] - v) for k, v in reference.items()]
+                failed = sum(1 for v in peer["cls"].values() if isinstance(v, str) or v == 0.0)
+                worst = f"{max(diffs):.1e} ({len(diffs)})" if diffs else "-"
+                print(
+                    f"| {name} | {file} | {len(peer['cls'])} | {mine['seconds']:.2f} s | "
+                    f"{peer['seconds']:.2f} s | {peer['seconds'] / mine['seconds']:.1f}x | "
+                    f"{worst} | {failed} | {mine['stderr'].count('was not tested')} |"
+                )
     if "concurrent" in args.parts:
         print(
             "\n| concurrent clients, one distinct signal point each | ours | NextStat loop | "
