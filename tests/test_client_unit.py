@@ -1182,3 +1182,23 @@ def test_cli_plot_flag_runs_a_job(monkeypatch, tmp_path):
     assert len(service.requests) == sent
     assert "--plot" not in runner.invoke(cli.main, ["significance", "--help"]).output
     assert "--plot" not in runner.invoke(cli.main, ["jobs", "submit", "cls", "--help"]).output
+
+
+def test_a_command_starts_without_what_it_does_not_use():
+    """Every command pays its imports: asyncio (only AsyncClient sleeps), importlib.metadata
+    (only --version and ``__version__`` read it) and the CA certificates (a plain-http
+    server never speaks TLS) are not loaded by the command line (BENCHMARKS.md: ~40 ms)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; import pyhf_gpu_client.cli as cli; "
+        "c = cli.Client('http://127.0.0.1:1'); "
+        "print(sorted(m for m in ('asyncio', 'importlib.metadata') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stderr
+    plain = protocol.ClientConfig(server="http://gpu-node:8000").tls_verify()
+    assert plain.cert_store_stats()["x509_ca"] == 0  # no certificates loaded
+    assert protocol.ClientConfig(server="https://gpu-node").tls_verify() is True
+    assert pgc.__version__  # still there, read when asked
