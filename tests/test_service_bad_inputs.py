@@ -29,7 +29,9 @@ SETTINGS = "/measurements/0/config/parameters/0"  # the simple workspace's first
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     data_dir = tmp_path_factory.mktemp("bad-inputs")
     # a one-request queue that waits 1.5 s to fill a batch: back-pressure is easy to provoke
+    # a request waits out the whole delay (no early close): the queue-full test holds one
     args = ["--max-body-mb", "1", "--max-queue", "1", "--max-batch-delay-ms", "1500"]
+    args += ["--batch-gap-ms", "1500"]
     with running_server(data_dir, args) as started:
         yield started
 

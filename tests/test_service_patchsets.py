@@ -48,7 +48,8 @@ def hepdata_reference(name: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     data_dir = tmp_path_factory.mktemp("patchsets")
-    args = ["--max-batch-size", "256", "--max-batch-delay-ms", "200"]
+    # set to gather a burst of clients: arrivals up to 50 ms apart (2 loaded CI cores) join
+    args = ["--max-batch-size", "256", "--max-batch-delay-ms", "200", "--batch-gap-ms", "50"]
     with running_server(data_dir, args) as s:
         yield s
 

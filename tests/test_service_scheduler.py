@@ -12,7 +12,7 @@ import pytest
 
 from pyhf_gpu_server.service.errors import QueueFull, Unavailable
 from pyhf_gpu_server.service.metrics import Metrics
-from pyhf_gpu_server.service.scheduler import ARRIVAL_GAP_S, Scheduler, is_out_of_memory
+from pyhf_gpu_server.service.scheduler import Scheduler, is_out_of_memory
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -69,7 +69,7 @@ def test_concurrent_items_share_one_call_and_get_their_own_rows() -> None:
 
 
 def test_a_lone_item_does_not_wait_out_a_long_delay_but_a_stream_still_batches() -> None:
-    """The window closes once no rows arrived for ``ARRIVAL_GAP_S``, not at the 2 s delay;
+    """The window closes once no rows arrived for ``batch_gap_s`` (5 ms), not at the 2 s delay;
     items arriving closer together than that keep it open and share one call."""
 
     async def scenario() -> None:
@@ -82,7 +82,7 @@ def test_a_lone_item_does_not_wait_out_a_long_delay_but_a_stream_still_batches()
         items = []
         for i in range(8):
             items.append(scheduler.submit("stream", None, [i]))
-            await asyncio.sleep(ARRIVAL_GAP_S / 4)
+            await asyncio.sleep(scheduler.batch_gap_s / 4)
         await asyncio.gather(*(item.future for item in items))
         assert [len(rows) for _, rows in runner.calls] == [24, 8]
         assert batch_count(metrics) == 2

@@ -3,7 +3,7 @@
 Callers :meth:`Scheduler.submit` a :class:`WorkItem`: a batch key (same model, operation and
 options), a context (the model and options the runner needs) and rows (hypotheses). The
 dispatcher takes the oldest pending item, waits up to ``max_batch_delay`` for more rows with the
-same key (until ``max_batch_size`` rows are there, or none arrived for ``ARRIVAL_GAP_S``), and
+same key (until ``max_batch_size`` rows are there, or none arrived for ``batch_gap``), and
 runs the rows as ONE call of the runner on the device thread (a single worker that owns the
 device). Each caller gets its own rows' results back. An item larger than ``max_batch_size`` runs in several chunks, with progress
 reported after each.
@@ -66,8 +66,6 @@ ProgressCallback = Callable[[int, int], None]
 PRIOR_SECONDS_PER_COST = 2e-3
 # How many ``job_chunk_s`` the jobs lane may wait behind interactive work before it runs a chunk
 JOB_SHARE_ROUNDS = 4
-# A batch's window closes once no rows of its key arrived for this long (or at the delay)
-ARRIVAL_GAP_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -136,6 +134,7 @@ class Scheduler(Generic[WorkT, BatchT, RowT, ValueT]):
         max_batch_size: int,
         max_batch_delay_s: float,
         max_pending: int,
+        batch_gap_s: float = 0.005,
         job_chunk_s: float = 2.0,
         release_memory: Callable[[], None] = lambda: None,
         max_in_flight: int | Callable[[], int] = 1,
@@ -148,6 +147,7 @@ class Scheduler(Generic[WorkT, BatchT, RowT, ValueT]):
         self._metrics = metrics
         self.max_batch_size = max_batch_size
         self.max_batch_delay_s = max_batch_delay_s
+        self.batch_gap_s = batch_gap_s
         self.max_pending = max_pending
         self.job_chunk_s = job_chunk_s
         self._seconds_per_cost: dict[Hashable, float] = {}
@@ -293,11 +293,11 @@ class Scheduler(Generic[WorkT, BatchT, RowT, ValueT]):
 
     async def _fill(self, head: WorkItem) -> None:
         """Wait until ``max_batch_size`` rows share ``head``'s key, its delay is over, or no
-        rows with its key arrived for :data:`ARRIVAL_GAP_S` (a lone request, however many
-        rows it brings, does not wait out a long delay set to gather concurrent clients)."""
+        rows with its key arrived for ``batch_gap_s`` (a lone request, however many rows it
+        brings, does not wait out a long delay set to gather concurrent clients)."""
         deadline = head.enqueued_at + self.max_batch_delay_s
         rows = self._rows_with(head.key, head.lane)
-        quiet_until = time.monotonic() + ARRIVAL_GAP_S
+        quiet_until = time.monotonic() + self.batch_gap_s
         while rows < self.max_batch_size:
             remaining = min(deadline, quiet_until) - time.monotonic()
             if remaining <= 0:
@@ -307,7 +307,7 @@ class Scheduler(Generic[WorkT, BatchT, RowT, ValueT]):
                 await asyncio.wait_for(self._wakeup.wait(), remaining)
             arrived = self._rows_with(head.key, head.lane)
             if arrived != rows:
-                rows, quiet_until = arrived, time.monotonic() + ARRIVAL_GAP_S
+                rows, quiet_until = arrived, time.monotonic() + self.batch_gap_s
 
     def _rows_with(self, key: Hashable, lane: Lane) -> int:
         """Pending rows with batch key ``key`` in ``lane``."""

@@ -128,7 +128,14 @@ class Settings:
         default=64, metadata={"help": "most hypotheses in one engine call (1 turns batching off)"}
     )
     max_batch_delay_ms: float = field(
-        default=5.0, metadata={"help": "how long the scheduler waits to fill a batch"}
+        default=5.0, metadata={"help": "how long the scheduler waits to fill a batch, at most"}
+    )
+    batch_gap_ms: float = field(
+        default=5.0,
+        metadata={
+            "help": "stop waiting for a batch to fill once no rows arrived for this long (a "
+            "lone request does not wait out a long --max-batch-delay-ms)"
+        },
     )
     max_queue: int = field(
         default=256,
@@ -274,8 +281,9 @@ class Settings:
         ):
             if getattr(self, name) <= 0:
                 problems.append(f"{name} must be positive, not {getattr(self, name)}")
-        if self.max_batch_delay_ms < 0:
-            problems.append("max_batch_delay_ms must not be negative")
+        for name in ("max_batch_delay_ms", "batch_gap_ms"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name} must not be negative")
         if self.dask_scheduler is not None and not _is_address(self.dask_scheduler):
             problems.append(
                 f"dask_scheduler {self.dask_scheduler!r} is not an address like tcp://HOST:8786"
