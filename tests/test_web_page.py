@@ -36,7 +36,7 @@ webdriver = pytest.importorskip("selenium.webdriver", reason="selenium (the test
 from selenium.common.exceptions import TimeoutException  # noqa: E402
 from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
-from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
 
 ANALYSIS = WORKSPACES / "atlas-susy-2018-31-sbottom-B"
 WORKSPACE = ANALYSIS / "BkgOnly.json"
@@ -223,3 +223,32 @@ def test_page_asks_for_the_token_with_auth_on(browser, patchset_file, tmp_path) 
         wait_until(browser, PLOT_DRAWN, "the exclusion plot of the report, with auth on")
         assert_cls_results(browser)
         assert severe(browser) == []
+
+
+SCAN_PLOT_DRAWN = PLOT_DRAWN.replace('"exclusion"', '"scan"')
+
+
+def test_page_runs_a_scan_on_the_default_grid(browser, server, patchset_file) -> None:
+    """A scan job with no range given: each patch's best fit +- 3 uncertainties (within the
+    POI's bounds), 5 points, drawn and tabulated."""
+    browser.get(server.url + "/")
+    browser.find_element(By.ID, "workspace-file").send_keys(str(WORKSPACE))
+    browser.find_element(By.ID, "patchset-file").send_keys(str(patchset_file))
+    Select(browser.find_element(By.ID, "operation")).select_by_value("scan")
+    assert browser.find_element(By.ID, "scan-low").get_attribute("value") == ""
+    steps = browser.find_element(By.ID, "scan-steps")
+    steps.clear()
+    steps.send_keys("5")
+    browser.find_element(By.ID, "start-job").click()
+    wait_until(browser, SCAN_PLOT_DRAWN, "the scan plot", JOB_TIMEOUT_S)
+    assert len(results_rows(browser)) == 5
+    job_id = browser.find_element(By.ID, "report-link").get_attribute("href").split("/jobs/")[1]
+    with server.client() as client:
+        result = client.get(f"/jobs/{job_id.split('/')[0]}").json()["result"]
+    for name in PATCHES:
+        scan = result[name]
+        low = max(0.0, scan["bestfit"] - 3 * scan["uncertainty"])
+        high = min(10.0, scan["bestfit"] + 3 * scan["uncertainty"])
+        expected = [low + (high - low) * i / 4 for i in range(5)]
+        assert scan["parameter_values"] == pytest.approx(expected, abs=1e-12), name
+    assert severe(browser) == []

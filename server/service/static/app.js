@@ -183,10 +183,14 @@
     } else if (operation === "ranking") {
       if ($("ranking-top").value) options.top = Number($("ranking-top").value);
     } else if (operation === "scan") {
-      const axis = {
-        range: [Number($("scan-low").value), Number($("scan-high").value)],
-        steps: Number($("scan-steps").value),
-      };
+      // no range: the server's default grid, each patch's best fit +- 3 uncertainties
+      const axis = { steps: Number($("scan-steps").value) };
+      const low = $("scan-low").value.trim();
+      const high = $("scan-high").value.trim();
+      if (low || high) {
+        if (!low || !high) throw new Error("Give both ends of the scan, or neither (best fit ± 3σ)");
+        axis.range = [Number(low), Number(high)];
+      }
       if ($("scan-parameter").value.trim()) axis.parameter = $("scan-parameter").value.trim();
       options.x = axis;
     }
