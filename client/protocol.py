@@ -19,6 +19,7 @@ from __future__ import annotations
 import email.utils
 import gzip
 import json
+import os
 import random
 import ssl
 import time
@@ -151,6 +152,10 @@ def parse_retry_after(value: str | None, now: float | None = None) -> float | No
     return max(when.timestamp() - (time.time() if now is None else now), 0.0)
 
 
+#: environment variables that route a plain-http request through a proxy (httpx's trust_env)
+PROXY_VARIABLES = ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+
+
 @dataclass
 class ClientConfig:
     """Everything that shapes requests. Shared, read-only, by a client and its flows.
@@ -183,9 +188,11 @@ class ClientConfig:
 
     def tls_verify(self) -> ssl.SSLContext | bool:
         """httpx's ``verify``: its default (the system's CA certificates, ~20 ms to load) for an
-        ``https://`` server; for a plain ``http://`` one, where no TLS is ever spoken (redirects
-        are not followed), an empty client context that costs nothing to build."""
-        if self.server.startswith("https://"):
+        ``https://`` server or where a proxy may be reached over TLS; for a plain ``http://``
+        server without proxy settings, where no TLS is ever spoken (redirects are not
+        followed), an empty client context that costs nothing to build."""
+        proxied = any(os.environ.get(v) for v in PROXY_VARIABLES)
+        if self.server.startswith("https://") or proxied:
             return True
         return ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
 

@@ -1184,7 +1184,7 @@ def test_cli_plot_flag_runs_a_job(monkeypatch, tmp_path):
     assert "--plot" not in runner.invoke(cli.main, ["jobs", "submit", "cls", "--help"]).output
 
 
-def test_a_command_starts_without_what_it_does_not_use():
+def test_a_command_starts_without_what_it_does_not_use(monkeypatch):
     """Every command pays its imports: asyncio (only AsyncClient sleeps), importlib.metadata
     (only --version and ``__version__`` read it) and the CA certificates (a plain-http
     server never speaks TLS) are not loaded by the command line (BENCHMARKS.md: ~40 ms)."""
@@ -1198,7 +1198,11 @@ def test_a_command_starts_without_what_it_does_not_use():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stderr
+    for variable in protocol.PROXY_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
     plain = protocol.ClientConfig(server="http://gpu-node:8000").tls_verify()
     assert plain.cert_store_stats()["x509_ca"] == 0  # no certificates loaded
     assert protocol.ClientConfig(server="https://gpu-node").tls_verify() is True
+    monkeypatch.setenv("HTTP_PROXY", "https://proxy.example:3128")  # TLS to the proxy
+    assert protocol.ClientConfig(server="http://gpu-node:8000").tls_verify() is True
     assert pgc.__version__  # still there, read when asked
