@@ -262,10 +262,15 @@ def test_scans_run_on_fake_cuda(monkeypatch):
         model = small_patchset_model("cuda:0")
         one = scan(model, "mu_SIG", [0.0, 1.0, 2.0], options=options)
         two = scan2d(model, ("mu_SIG", "ttbar_Gen"), [0.0, 1.0], [-1.0, 0.0, 1.0], options=options)
-        for tensor in (one.delta_nlls, one.uncertainty, one.converged, two.delta_nlls, two.bestfit):
+        auto = scan2d(
+            model, ("mu_SIG", "ttbar_Gen"), None, [-1.0, 1.0], options=options, steps=(3, 3)
+        )
+        tensors = (one.delta_nlls, one.uncertainty, one.converged, two.delta_nlls, two.bestfit)
+        for tensor in (*tensors, auto.delta_nlls, *auto.parameter_values):
             assert isinstance(tensor, FakeTensor)
             assert tensor.device == torch.device("cuda:0")
         assert two.delta_nlls.shape == (model.n_elements, 2, 3)
+        assert auto.parameter_values[0].shape == (model.n_elements, 3)
 
 
 def test_docstring_examples():
