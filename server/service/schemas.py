@@ -87,6 +87,11 @@ class CalculatorOptions(_Strict):
         description="toy seed (toybased), an unsigned 64-bit integer as torch's generators take",
     )
 
+    @property
+    def toys(self) -> int:
+        """Toys per hypothesis: ``ntoys`` when toy-based, else 0."""
+        return self.ntoys if self.calctype == "toybased" else 0
+
 
 class ClsOptions(CalculatorOptions):
     """Options of a hypothesis test, named like `pyhf cls`'s."""

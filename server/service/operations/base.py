@@ -118,8 +118,8 @@ class Operation(ABC, Generic[OptionsT]):
         return False
 
     def toys(self, options: OptionsT) -> int:
-        """Toys per hypothesis (0: asymptotic formulae, no toys)."""
-        return 0
+        """Toys per hypothesis (0: asymptotic formulae, no toys): the calculator options'."""
+        return getattr(options, "toys", 0)
 
     def row_cost(self, options: OptionsT) -> float:
         """About how many fits a row runs (sizes the chunks of jobs by time)."""

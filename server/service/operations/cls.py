@@ -31,9 +31,6 @@ class Cls(Operation[ClsOptions]):
     def floors_poi(self, options: ClsOptions) -> bool:
         return options.test_stat == "qtilde"
 
-    def toys(self, options: ClsOptions) -> int:
-        return options.ntoys if options.calctype == "toybased" else 0
-
     def run(
         self, model: HistFactoryModel, rows: EngineRows, options: ClsOptions
     ) -> list[RowResult]:

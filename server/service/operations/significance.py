@@ -17,9 +17,6 @@ class Significance(Operation[SignificanceOptions]):
     options_model = SignificanceOptions
     result_model = SignificanceResult
 
-    def toys(self, options: SignificanceOptions) -> int:
-        return options.ntoys if options.calctype == "toybased" else 0
-
     def run(
         self, model: HistFactoryModel, rows: EngineRows, options: SignificanceOptions
     ) -> list[RowResult]:
