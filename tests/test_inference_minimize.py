@@ -19,6 +19,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 INFERENCE_MODULES = [
     "asymptotics",
+    "chord",
     "curvature",
     "hypotest",
     "minimize",

@@ -11,8 +11,10 @@ Then, for every ranked parameter of the row (each free, non-POI parameter of the
 element, or a named subset), the POI is refitted with that parameter fixed at
 ``theta_hat +/- sigma_pre`` and at ``theta_hat +/- sigma_post``; the impacts are those
 refits' POI less the best-fit POI. All these conditional fits, over every row and every
-parameter, run as ONE batched :func:`~pyhf_gpu_server.inference.mle.fit_rows` call, each
-started at its row's best fit. As cabinetry, a parameter with ``sigma_pre = 0`` gets pre-fit
+parameter, run batched: each starts at the minimum of its row's quadratic approximation at
+the best fit, takes chord Newton steps with the free fit's inverse Hessian
+(:mod:`~pyhf_gpu_server.inference.chord`), and the few that do not converge there finish in
+ONE :func:`~pyhf_gpu_server.inference.mle.fit_rows` call. As cabinetry, a parameter with ``sigma_pre = 0`` gets pre-fit
 impacts 0 without a fit. A fixed value outside the parameter's bounds (say, a post-fit
 ``theta_hat - sigma_post`` below 0 for a poorly constrained gamma) is moved onto the bound, as
 MINUIT moves it (pyhf, and so cabinetry's ranking, refuses such a start point with a
@@ -40,9 +42,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .chord import refine_conditional_starts
 from .constraints import constraint_centres, prefit_uncertainties
 from .errors import InferenceError
 from .mle import FitOptions, fit_rows, hessian_uncertainties, rows_data
+from .objective import TwiceNLL
 from .results import FittedRows
 from .rows import as_float
 from .starts import FitStatus
@@ -275,13 +279,15 @@ def ranking(
     # has a constraint term) and the post-fit pair; structure known on the host
     columns = _ranked_columns(model, elements, selected)
     constrained = _has_prefit(model, elements)
-    fit_row, fit_col, fit_kind = [], [], []
+    fit_row, fit_col, fit_kind, fits_per_row = [], [], [], []
     for b, (cols, has) in enumerate(zip(columns, constrained, strict=True)):
+        before = len(fit_row)
         for c in cols:
             for kind in (0, 1, 2, 3) if c in has else (2, 3):
                 fit_row.append(b)
                 fit_col.append(c)
                 fit_kind.append(kind)
+        fits_per_row.append(len(fit_row) - before)
     impacts = torch.full((B * P * 4,), torch.nan, dtype=model.dtype, device=model.device)
     fits_ok = torch.ones(B * P, dtype=torch.long, device=model.device)
     status = free.status
@@ -306,23 +312,25 @@ def ranking(
         init = torch.minimum(torch.maximum(init, box.select(-1, 0)), box.select(-1, 1))
         init = init.scatter(1, c, value.unsqueeze(1))
         pin = torch.zeros_like(init, dtype=torch.bool).scatter(1, c, True)
-        fixed = fixed_rows.index_select(0, r) | pin
-        cond = fit_rows(
+        cond, cond_status = _conditional_fits(
             model,
             rows.index_select(0, r),
             element.index_select(0, r),
-            init=init,
-            bounds=box,
-            fixed=fixed,
-            options=options,
+            init,
+            box,
+            fixed_rows.index_select(0, r) | pin,
+            c,
+            0.5 * response.view(B, P, P),
+            fits_per_row,
+            options,
         )
-        impact = cond.bestfit.select(1, k) - free.bestfit.select(1, k).index_select(0, r)
+        impact = cond.select(1, k) - free.bestfit.select(1, k).index_select(0, r)
         impact = torch.where(sigma == 0, torch.zeros_like(impact), impact)
         impact = torch.where(torch.isfinite(sigma), impact, torch.full_like(impact, torch.nan))
         flat = r * P + c.squeeze(1)
         impacts = impacts.index_copy(0, flat * 4 + kind, impact)
-        fits_ok = fits_ok.scatter_reduce(0, flat, cond.converged.long(), reduce="amin")
-        status = _combine_per_row(status, cond.status, r)
+        fits_ok = fits_ok.scatter_reduce(0, flat, cond_status.converged.long(), reduce="amin")
+        status = _combine_per_row(status, cond_status, r)
     impacts = impacts.view(B, P, 4)
     ranked = torch.zeros(B * P, dtype=torch.bool, device=model.device)
     ranked_flat = [b * P + c for b, cols in enumerate(columns) for c in cols]
@@ -359,6 +367,63 @@ def ranking(
         starts=status.starts,
         starts_agreed=status.agreed,
     )
+
+
+def _conditional_fits(
+    model,
+    rows: Tensor,
+    element: Tensor,
+    init: Tensor,
+    bounds: Tensor,
+    fixed: Tensor,
+    pinned: Tensor,
+    inverse_hessian: Tensor,
+    fits_per_row: list[int],
+    options: FitOptions,
+) -> tuple[Tensor, FitStatus]:
+    """The minima ``[F, P]`` of ``F`` conditional fits (``fixed`` includes the ``pinned``
+    column of each, ``[F, 1]``) and their status. Chord steps with the free fits' inverse
+    Hessians (:func:`~pyhf_gpu_server.inference.chord.refine_conditional_starts`) take most
+    of them to their minimum; the minimiser finishes the others. A model with kinked
+    parameters (for its extra starts), or options without host looks, send every fit
+    through :func:`~pyhf_gpu_server.inference.mle.fit_rows`, from the points reached."""
+    objective = TwiceNLL(model, rows, element, options.curvature)
+    # without host looks (``check_every=0``: a CUDA graph, FakeTensorMode) every fit goes on
+    shrink = options.minimize.check_every != 0
+    x, settled = refine_conditional_starts(
+        objective,
+        init,
+        inverse_hessian,
+        fits_per_row,
+        pinned,
+        bounds,
+        options.minimize.tol,
+        shrink=shrink,
+    )
+    F = x.shape[0]
+    ones = torch.ones(F, dtype=torch.long, device=x.device)
+    status = FitStatus(settled, ones, torch.ones_like(settled))
+    everyone = not shrink or (options.starts is not None and model.kinked_params.numel() > 0)
+    rest = torch.arange(F, device=x.device) if everyone else settled.logical_not().nonzero()
+    rest = rest.view(-1)
+    if rest.numel():
+        fits = fit_rows(
+            model,
+            rows.index_select(0, rest),
+            element.index_select(0, rest),
+            init=x.index_select(0, rest),
+            bounds=bounds.index_select(0, rest),
+            fixed=fixed.index_select(0, rest),
+            options=options,
+        )
+        x = x.index_copy(0, rest, fits.bestfit)
+        status = FitStatus(
+            *(
+                whole.index_copy(0, rest, part)
+                for whole, part in zip(status, fits.status, strict=True)
+            )
+        )
+    return x, status
 
 
 def _predicted_minima(base: Tensor, column: Tensor, c: Tensor, value: Tensor) -> Tensor:
