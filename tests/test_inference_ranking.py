@@ -332,68 +332,73 @@ def test_sorted_output_and_bad_parameters():
 
 
 # --------------------------------------------------------------------------- chord steps
-def post_fit_conditional_starts(model):
-    """The free fit of ``model``'s observations, its inverse Hessian ``[1, P, P]``, and the
-    post-fit conditional fits of a ranking (every free non-POI parameter at ``bestfit +/-
-    uncertainty``): start points (the linear response), pinned columns ``[F, 1]``, bounds."""
+def post_fit_conditional_fits(model):
+    """The free fit of ``model``'s observations and the post-fit conditional fits of its
+    ranking (every free non-POI parameter pinned at ``bestfit +/- uncertainty``, within
+    its bounds): ``(free fit, pinned columns [F, 1], their values [F, 1])``."""
     free = fit(model)
-    best, sigma = free.bestfit[0], free.uncertainty[0]
-    covariance = free.corr_mat[0] * sigma.unsqueeze(0) * sigma.unsqueeze(1)
-    columns = [
-        c for c in range(model.n_pars) if c != model.poi_index and not bool(model.fixed[0, c])
-    ]
-    starts, pinned = [], []
-    for c in columns:
+    best, sigma = free.bestfit[0].tolist(), free.uncertainty[0].tolist()
+    lo, hi = model.bounds[0, :, 0].tolist(), model.bounds[0, :, 1].tolist()
+    pinned, values = [], []
+    for c in range(model.n_pars):
+        if c == model.poi_index or bool(model.fixed[0, c]):
+            continue
         for sign in (1.0, -1.0):
-            value = min(
-                max(best[c] + sign * sigma[c], model.bounds[0, c, 0]), model.bounds[0, c, 1]
-            )
-            starts.append(best + covariance[:, c] * (value - best[c]) / covariance[c, c])
-            starts[-1][c] = value
             pinned.append([c])
-    init = torch.stack(starts).clamp(model.bounds[0, :, 0], model.bounds[0, :, 1])
-    pinned = torch.tensor(pinned, device=model.device)
-    bounds = model.bounds.expand(init.shape[0], -1, -1).clone()
-    return free, 0.5 * covariance.unsqueeze(0), init, pinned, bounds
+            values.append([min(max(best[c] + sign * sigma[c], lo[c]), hi[c])])
+    return (
+        free,
+        torch.tensor(pinned, device=model.device),
+        torch.tensor(values, dtype=model.dtype, device=model.device),
+    )
 
 
-def test_chord_steps_reach_the_minimisers_minima():
+@pytest.mark.parametrize(
+    ("name", "patch"),
+    [("atlas-susy-2018-31-sbottom-A", "sig_s1_x1"), ("atlas-susy-2018-31-sbottom-B", None)],
+    ids=["POI inside its bounds", "POI held at its bound 0"],
+)
+def test_chord_steps_reach_the_minimisers_minima(name, patch):
     """Most conditional fits of a ranking converge in the chord steps alone, at the minima
-    the minimiser finds from the same start points; a fit whose minimum lies beyond a bound
-    is not reported converged (the ranking gives it to the minimiser)."""
-    from pyhf_gpu_server.inference.chord import refine_conditional_starts
+    the minimiser finds from the same start points, also where the free fit holds the POI at
+    its bound; a fit whose minimum lies beyond a bound is not reported converged (the
+    ranking gives it to the minimiser)."""
+    from pyhf_gpu_server.inference.chord import chord_conditional_fits, held_at_bounds
     from pyhf_gpu_server.inference.mle import fit_rows
     from pyhf_gpu_server.inference.objective import TwiceNLL
 
-    model, _, _ = published("atlas-susy-2018-31-sbottom-A", "sig_s1_x1")
-    free, inverse, init, pinned, bounds = post_fit_conditional_starts(model)
-    F, k = init.shape[0], model.poi_index
-    # fit 0: the POI's upper bound just above the best fit, short of that fit's minimum
-    reference = fit_rows(
-        model,
-        model.observed.expand(F, -1),
-        torch.zeros(F, dtype=torch.long, device=model.device),
-        init=init,
-        bounds=bounds,
-        fixed=model.fixed.expand(F, -1).scatter(1, pinned, True),
-    )
-    moved = reference.bestfit[0, k] - free.bestfit[0, k]
-    assert abs(moved) > 1e-3
-    bounds[0, k, 1 if moved > 0 else 0] = free.bestfit[0, k] + 0.5 * moved
+    model, _, _ = published(name, patch)
+    free, pinned, values = post_fit_conditional_fits(model)
+    F, k = pinned.shape[0], model.poi_index
     element = torch.zeros(F, dtype=torch.long, device=model.device)
-    objective = TwiceNLL(model, model.observed.expand(F, -1), element)
-    x, converged = refine_conditional_starts(
-        objective, init, inverse, [F], pinned, bounds, tol=1e-10
+    data = model.observed.expand(F, -1)
+    start = free.bestfit.expand(F, -1).scatter(1, pinned, values)
+    bounds = model.bounds.expand(F, -1, -1).clone()
+    fixed = model.fixed.expand(F, -1).scatter(1, pinned, True)
+    reference = fit_rows(model, data, element, init=start, bounds=bounds, fixed=fixed)
+    assert reference.converged.all()
+    held = held_at_bounds(free.bestfit, model.bounds, model.fixed, 1e-12)
+    assert bool(held[0, k]) == (patch is None)  # sbottom-B's first patch: POI at 0
+    # a fit whose POI moves: its bound set halfway there, short of that fit's minimum
+    moved = (reference.bestfit[:, k] - free.bestfit[0, k]).abs()
+    blocked = int(moved.argmax())
+    shift = reference.bestfit[blocked, k] - free.bestfit[0, k]
+    assert abs(shift) > 1e-3
+    bounds[blocked, k, 1 if shift > 0 else 0] = free.bestfit[0, k] + 0.5 * shift
+    inverse = 0.5 * free.corr_mat * free.uncertainty.unsqueeze(2) * free.uncertainty.unsqueeze(1)
+    objective = TwiceNLL(model, data, element)
+    x, converged = chord_conditional_fits(
+        objective, free.bestfit.expand(F, -1), values, inverse, held, [F], pinned, bounds, 1e-10
     )
-    assert not converged[0]
-    assert bounds[0, k, 0] <= x[0, k] <= bounds[0, k, 1]
-    assert converged[1:].float().mean() >= 0.9, converged.tolist()
+    assert not converged[blocked]
+    assert bounds[blocked, k, 0] <= x[blocked, k] <= bounds[blocked, k, 1]
+    assert converged.float().mean() >= 0.9, converged.tolist()
     ours = objective.value(x, torch.arange(F))
     theirs = objective.value(reference.bestfit, torch.arange(F))
     ok = converged.nonzero().squeeze(1)
     assert torch.all(ours[ok] <= theirs[ok] + 1e-8)
     assert torch.allclose(x[ok, k], reference.bestfit[ok, k], rtol=0, atol=1e-5)
-    assert torch.equal(x.gather(1, pinned), init.gather(1, pinned))  # pinned stay pinned
+    assert torch.equal(x.gather(1, pinned), values)  # pinned stay pinned
 
 
 # --------------------------------------------------------------------------- devices

@@ -13,11 +13,15 @@ low-rank) solves with a Gauss-Newton curvature that has to learn its second-orde
 Chord steps alone converge linearly, at the rate at which ``H`` changes between
 ``theta_hat`` and the conditional minimum; the BFGS updates of the steps taken so far, applied
 around the chord's inverse (L-BFGS's two-loop recursion), make that superlinear.
-:func:`refine_conditional_starts` takes steps while they lower the objective, and stops each
-fit once its Newton decrement ``-g.p`` is below ``tol`` (converged) or its step does not lower
-the objective (a bound in the way, curvature that changed too much). The caller gives the
-fits that did not converge to the minimiser, from the points reached. On the stau ranking
-(468 conditional fits, 119 parameters) 98% converge here, in 1-8 steps.
+:func:`chord_conditional_fits` starts each fit at the minimum of the quadratic approximation
+at ``theta_hat``, takes steps while they lower the objective, and stops each fit once its
+Newton decrement ``-g.p`` is below ``tol`` (converged) or its step does not lower the
+objective (a bound in the way, curvature that changed too much). Parameters that the
+unconditional minimum holds on a bound (a POI at 0) stay there: ``H^-1`` is restricted to the
+others the same way, and the fit has converged only if their gradient still points out of
+the box. The caller gives the fits that did not converge to the minimiser, from the points
+reached. On the stau ranking (468 conditional fits, 119 parameters) 466 converge here, in
+1-12 steps.
 
 Example:
     >>> import torch
@@ -27,10 +31,12 @@ Example:
     ...         g = torch.stack([2 * x[:, 0] + x[:, 1], 2 * x[:, 1] + x[:, 0] + 0.4 * x[:, 1] ** 3], -1)
     ...         return f, g
     >>> hessian = torch.tensor([[[2.0, 1.0], [1.0, 2.0]]], dtype=torch.float64)  # at the minimum 0
-    >>> start = torch.tensor([[0.0, 0.5]], dtype=torch.float64)  # x1 pinned at 0.5
+    >>> best = torch.zeros(1, 2, dtype=torch.float64)
     >>> box = torch.tensor([[-5.0, 5.0], [-5.0, 5.0]], dtype=torch.float64).expand(1, 2, 2)
-    >>> x, converged = refine_conditional_starts(
-    ...     Quartic(), start, torch.inverse(hessian), [1], torch.tensor([[1]]), box, tol=1e-14)
+    >>> held = torch.zeros(1, 2, dtype=torch.bool)
+    >>> x, converged = chord_conditional_fits(  # x1 pinned at 0.5
+    ...     Quartic(), best, torch.tensor([[0.5]], dtype=torch.float64), torch.inverse(hessian),
+    ...     held, [1], torch.tensor([[1]]), box, tol=1e-14)
     >>> round(x[0, 0].item(), 6), x[0, 1].item(), converged.tolist()  # x0 = -x1 / 2
     (-0.25, 0.5, [True])
 """
@@ -42,29 +48,59 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["refine_conditional_starts"]
+__all__ = ["chord_conditional_fits", "held_at_bounds", "restricted_inverse"]
 
 
-def refine_conditional_starts(
+def held_at_bounds(x: Tensor, bounds: Tensor, fixed: Tensor, tol: float) -> Tensor:
+    """``[B, P]`` bool: the free parameters of minima ``x [B, P]`` that sit on a bound
+    (within ``tol``; at a converged minimum, their gradient points out of the box)."""
+    lo, hi = bounds.select(-1, 0), bounds.select(-1, 1)
+    return ((x <= lo + tol) | (x >= hi - tol)) & torch.logical_not(fixed)
+
+
+def restricted_inverse(inverse: Tensor, held: Tensor) -> Tensor:
+    """The inverse ``[B, P, P]`` of each Hessian restricted to the parameters not ``held``
+    (zero rows and columns for those), from the whole inverse by the Schur complement:
+    ``H^-1 - H^-1_{:A} (H^-1_{AA})^-1 H^-1_{A:}`` for the held set ``A``."""
+    m = held.to(inverse.dtype)
+    on_held = inverse * m.unsqueeze(1)  # H^-1 M
+    schur = on_held * m.unsqueeze(2) + torch.diag_embed(1 - m)  # M H^-1 M + (I - M)
+    restricted = inverse - on_held @ torch.linalg.solve(schur, on_held.mT)
+    free = torch.logical_not(held)
+    keep = free.unsqueeze(2) & free.unsqueeze(1)
+    return torch.where(keep, restricted, torch.zeros_like(restricted))
+
+
+def chord_conditional_fits(
     objective,
-    x: Tensor,
+    best: Tensor,
+    values: Tensor,
     inverse: Tensor,
+    held: Tensor,
     fits_per_row: Sequence[int],
     pinned: Tensor,
     bounds: Tensor,
     tol: float,
-    max_iter: int = 8,
+    max_iter: int = 12,
     shrink: bool = True,
 ) -> tuple[Tensor, Tensor]:
-    """Chord Newton steps for ``F`` conditional fits grouped by the row they belong to.
+    """``F`` conditional fits near their rows' unconditional minima, by chord steps.
+
+    Each fit starts at the minimum of its row's quadratic approximation with its columns
+    ``pinned`` at ``values`` (the best fit moved along the restricted inverse Hessian's
+    columns), then takes quasi-Newton steps (see the module doc).
 
     Args:
         objective: gives ``derivatives(x, fits)`` whose first two fields are the value ``[R]``
             and gradient ``[R, P]`` at ``x [R, P]`` of the fits ``fits`` (a
             :class:`~pyhf_gpu_server.inference.objective.TwiceNLL` over the ``F`` fits).
-        x: ``[F, P]`` start points, pinned parameters at their pinned values.
+        best: ``[F, P]`` the unconditional minimum of each fit's row.
+        values: ``[F, k]`` the values the fit pins its columns at.
         inverse: ``[B, P, P]`` the inverse Hessian at each row's unconditional minimum (zero
-            rows and columns for its fixed parameters); not finite: no refinement.
+            rows and columns for its fixed parameters); not finite: no chord steps.
+        held: ``[B, P]`` bool, parameters each row's minimum holds on a bound
+            (:func:`held_at_bounds`): they stay there, and a fit has converged only if
+            their gradient still points out of the box.
         fits_per_row: how many of the ``F`` fits belong to each of the ``B`` rows, in order.
         pinned: ``[F, k]`` the columns each fit pins.
         bounds: ``[F, P, 2]``.
@@ -76,17 +112,20 @@ def refine_conditional_starts(
             and no host synchronisation (as a CUDA graph or FakeTensorMode needs).
 
     Returns:
-        ``[F, P]`` the points reached (``x`` where no step helped), and ``[F]`` bool: the
-        fits that converged there.
+        ``[F, P]`` the points reached (start points for the minimiser where not converged),
+        and ``[F]`` bool: the fits that converged there.
     """
-    F, P = x.shape
-    device = x.device
+    F, P = best.shape
+    device = best.device
     counts = list(fits_per_row)
     row = torch.repeat_interleave(
         torch.arange(len(counts), device=device),
         torch.tensor(counts, dtype=torch.long, device=device),
         output_size=F,
     )
+    whole_diagonal = inverse.diagonal(dim1=-2, dim2=-1).index_select(0, row)
+    inverse = restricted_inverse(inverse, held)
+    held = held.index_select(0, row).scatter(1, pinned, False)
     # H^-1 restricted to each fit's free columns: H^-1 q - W^T (H^-1_CC)^-1 W q
     flat = inverse.reshape(-1, P)
     columns = flat.index_select(0, (row.unsqueeze(1) * P + pinned).flatten()).view(F, -1, P)
@@ -94,10 +133,16 @@ def refine_conditional_starts(
     block_inverse, info = torch.linalg.inv_ex(block)
     usable = (info == 0) & torch.isfinite(columns).flatten(1).all(-1)
     usable = usable & torch.isfinite(inverse).flatten(1).all(-1).index_select(0, row)
-    # the coordinates that move: free in the row's Hessian, not pinned
+    # the coordinates that move: free in the row's Hessian, not held, not pinned
     moving = (inverse.diagonal(dim1=-2, dim2=-1) > 0).index_select(0, row)
-    moving = moving.scatter(1, pinned, False).to(x.dtype)
+    moving = (moving & torch.logical_not(held)).scatter(1, pinned, False).to(best.dtype)
     lo, hi = bounds.select(-1, 0), bounds.select(-1, 1)
+    # the start: the quadratic approximation's minimum with the pinned columns at ``values``
+    shift = values - best.gather(1, pinned)
+    response = (columns.mT @ (block_inverse @ shift.unsqueeze(-1))).squeeze(-1)
+    x = torch.where(usable.unsqueeze(1) & torch.isfinite(response), best + response, best)
+    x = torch.minimum(torch.maximum(x, lo), hi).scatter(1, pinned, values)
+    at_lo = held & ((x - lo).abs() <= (hi - x).abs())
     converged = torch.zeros(F, dtype=torch.bool, device=device)
 
     # the working set: fits ``fits`` (ascending, so grouped by row) and their state
@@ -111,6 +156,7 @@ def refine_conditional_starts(
         active = torch.ones(fits.shape[0], dtype=torch.bool, device=device)
     point = x.index_select(0, fits)
     f, g = objective.derivatives(point, fits)[:2]
+    outward = _outward(g, held, at_lo, fits)
     g = g * moving.index_select(0, fits)
     pairs: list[tuple[Tensor, Tensor, Tensor]] = []  # (s, y, 1 / y.s or 0) of each step
     done = torch.zeros_like(active)
@@ -135,13 +181,17 @@ def refine_conditional_starts(
             r = r + (a - b).unsqueeze(1) * s_k
         step = -r * moving.index_select(0, fits) * active.unsqueeze(1)
         decrement = -(g * step).sum(-1)
-        done = active & (
-            decrement <= torch.clamp(64 * torch.finfo(f.dtype).eps * (1 + f.abs()), min=tol)
-        )
+        tol_f = torch.clamp(64 * torch.finfo(f.dtype).eps * (1 + f.abs()), min=tol)
+        stop = active & (decrement <= tol_f)
+        # a held parameter whose gradient turned inward could still lower the objective:
+        # by ``g_j^2 (H^-1)_jj`` alone, which must be within the tolerance too
+        inward = (outward.clamp(max=0) ** 2 * whole_diagonal.index_select(0, fits)).amax(-1)
+        done = stop & (inward <= tol_f)
         trial = torch.minimum(
             torch.maximum(point + step, lo.index_select(0, fits)), hi.index_select(0, fits)
         )
         f_trial, g_trial = objective.derivatives(trial, fits)[:2]
+        outward_trial = _outward(g_trial, held, at_lo, fits)
         g_trial = g_trial * moving.index_select(0, fits)
         better = active & torch.isfinite(f_trial) & (f_trial <= f) & (decrement > 0)
         s_k, y_k = trial - point, g_trial - g
@@ -154,15 +204,25 @@ def refine_conditional_starts(
         point = torch.where(better.unsqueeze(1), trial, point)
         f = torch.where(better, f_trial, f)
         g = torch.where(better.unsqueeze(1), g_trial, g)
+        outward = torch.where(better.unsqueeze(1), outward_trial, outward)
         converged = converged.index_copy(0, fits, converged.index_select(0, fits) | done)
-        active = better & torch.logical_not(done)
+        active = better & torch.logical_not(stop)
         if shrink:
             x = x.index_copy(0, fits, point)
             keep = active.nonzero().squeeze(1)
             if not keep.numel():
                 return x, converged
-            fits, point, f, g = (t.index_select(0, keep) for t in (fits, point, f, g))
+            fits, point, f, g, outward = (
+                t.index_select(0, keep) for t in (fits, point, f, g, outward)
+            )
             pairs = [tuple(t.index_select(0, keep) for t in pair) for pair in pairs]
             active = active.index_select(0, keep)
             counts = torch.bincount(row.index_select(0, fits), minlength=len(counts)).tolist()
     return x.index_copy(0, fits, point), converged
+
+
+def _outward(g: Tensor, held: Tensor, at_lo: Tensor, fits: Tensor) -> Tensor:
+    """``[R, P]`` the gradient of the held parameters of ``fits``, signed so that positive
+    points out of the box (up at a lower bound, down at an upper one); 0 elsewhere."""
+    held, at_lo = held.index_select(0, fits), at_lo.index_select(0, fits)
+    return torch.where(held, torch.where(at_lo, g, -g), torch.zeros_like(g))

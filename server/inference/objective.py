@@ -49,17 +49,17 @@ CURVATURES: tuple[str, ...] = ("hessian", "gauss-newton", "fisher")
 
 
 #: Per block of rows on the CPU, the elements of one of the engine's widest per-row
-#: intermediates (a row's normsys entries, then its sample-variant columns): a block's
-#: intermediates then stay in a core's L2 cache. Measured on the shared workspaces (one
-#: thread, 1 MiB L2): derivatives per row fastest at 48-64 rows for stau (654 normsys entries),
-#: 96-256 for sbottom-A (237), 128-512 for sbottom-B (79), 64-96 for 3l (797); 1.2-2x faster
-#: than blocks of 256 where the rows are wide.
+#: intermediates (a row's normsys entries, then its sample-variant columns), so that a block's
+#: intermediates stay near a core's L2 cache. Measured on the shared workspaces (one thread,
+#: 1 MiB L2): derivatives per row fastest at 48-128 rows for stau (654 normsys entries),
+#: 96-256 for sbottom-A (237), 128-512 for sbottom-B (79), 64-128 for 3l (797); fits, whose
+#: working sets shrink as rows converge, fastest at 96-128 rows for stau and 3l.
 CPU_BLOCK_ELEMENTS = 48 * 1024
 
 
 def cpu_block_rows(model) -> int:
     """Rows per engine call on the CPU: :data:`CPU_BLOCK_ELEMENTS` over the model's widest
-    per-row intermediate, in multiples of 16, between 48 and
+    per-row intermediate, in multiples of 16, between 64 and
     :data:`~pyhf_gpu_server.inference.curvature.CPU_BLOCK_ROWS`."""
     main = model.main
     width = (
@@ -68,7 +68,7 @@ def cpu_block_rows(model) -> int:
         + main.nominal.shape[-1]
         + main.own_nominal.shape[-1]
     )
-    return min(max(CPU_BLOCK_ELEMENTS // max(width, 1) // 16 * 16, 48), CPU_BLOCK_ROWS)
+    return min(max(CPU_BLOCK_ELEMENTS // max(width, 1) // 16 * 16, 64), CPU_BLOCK_ROWS)
 
 
 #: Rows x tangents per vectorised pass of the exact Hessian (:meth:`TwiceNLL.hessian`): all
@@ -109,9 +109,11 @@ class TwiceNLL:
         self.block_rows = block_rows
 
     def _blocks(self, x: Tensor, rows: Tensor) -> list[tuple[Tensor, Tensor]]:
-        size = x.shape[0] if self.block_rows is None else self.block_rows
-        if x.shape[0] <= size:
+        total = x.shape[0]
+        if self.block_rows is None or total <= self.block_rows:
             return [(x, rows)]
+        blocks = -(-total // self.block_rows)
+        size = -(-total // blocks)  # blocks of equal size: no small remainder
         return list(zip(x.split(size), rows.split(size), strict=True))
 
     def value(self, x: Tensor, rows: Tensor) -> Tensor:

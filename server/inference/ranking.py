@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .chord import refine_conditional_starts
+from .chord import chord_conditional_fits, held_at_bounds
 from .constraints import constraint_centres, prefit_uncertainties
 from .errors import InferenceError
 from .mle import FitOptions, fit_rows, hessian_uncertainties, rows_data
@@ -269,10 +269,7 @@ def ranking(
     free = fit_rows(model, rows, element, bounds=bounds, options=options)
     fixed_rows = model.fixed.index_select(0, element)
     postfit, corr = hessian_uncertainties(model, rows, element, free.bestfit, fixed_rows, options)
-    # covariance columns [B * P, P] (row-major: row b, column c): the linear response of the
-    # other parameters to a fixed one, which starts each conditional fit near its minimum
-    response = (corr * postfit.unsqueeze(2) * postfit.unsqueeze(1)).transpose(1, 2)
-    response = response.reshape(B * P, P)
+    covariance = corr * postfit.unsqueeze(2) * postfit.unsqueeze(1)  # 2 H^-1
     prefit = prefit_uncertainties(model).index_select(0, element)
 
     # the conditional fits: per row, per ranked column, the pre-fit pair (where the column
@@ -308,19 +305,18 @@ def ranking(
         hi = box.select(-1, 1).gather(1, c).squeeze(1)
         value = torch.minimum(torch.maximum(theta + sign * sigma, lo), hi)
         value = torch.where(torch.isfinite(value), value, theta)
-        init = _predicted_minima(base, response.index_select(0, r * P + c.squeeze(1)), c, value)
-        init = torch.minimum(torch.maximum(init, box.select(-1, 0)), box.select(-1, 1))
-        init = init.scatter(1, c, value.unsqueeze(1))
-        pin = torch.zeros_like(init, dtype=torch.bool).scatter(1, c, True)
+        pin = torch.zeros_like(base, dtype=torch.bool).scatter(1, c, True)
         cond, cond_status = _conditional_fits(
             model,
             rows.index_select(0, r),
             element.index_select(0, r),
-            init,
+            base,
+            value.unsqueeze(1),
             box,
             fixed_rows.index_select(0, r) | pin,
             c,
-            0.5 * response.view(B, P, P),
+            0.5 * covariance,
+            held_at_bounds(free.bestfit, bounds, fixed_rows, options.minimize.bound_tol),
             fits_per_row,
             options,
         )
@@ -373,27 +369,32 @@ def _conditional_fits(
     model,
     rows: Tensor,
     element: Tensor,
-    init: Tensor,
+    best: Tensor,
+    values: Tensor,
     bounds: Tensor,
     fixed: Tensor,
     pinned: Tensor,
     inverse_hessian: Tensor,
+    held: Tensor,
     fits_per_row: list[int],
     options: FitOptions,
 ) -> tuple[Tensor, FitStatus]:
     """The minima ``[F, P]`` of ``F`` conditional fits (``fixed`` includes the ``pinned``
-    column of each, ``[F, 1]``) and their status. Chord steps with the free fits' inverse
-    Hessians (:func:`~pyhf_gpu_server.inference.chord.refine_conditional_starts`) take most
-    of them to their minimum; the minimiser finishes the others. A model with kinked
-    parameters (for its extra starts), or options without host looks, send every fit
-    through :func:`~pyhf_gpu_server.inference.mle.fit_rows`, from the points reached."""
+    column of each, ``[F, 1]``, at ``values``) and their status. Chord steps from the
+    quadratic approximation at the free fits' minima ``best``
+    (:func:`~pyhf_gpu_server.inference.chord.chord_conditional_fits`) take most of them to
+    their minimum; the minimiser finishes the others. A model with kinked parameters (for its
+    extra starts), or options without host looks, send every fit through
+    :func:`~pyhf_gpu_server.inference.mle.fit_rows`, from the points reached."""
     objective = TwiceNLL(model, rows, element, options.curvature)
     # without host looks (``check_every=0``: a CUDA graph, FakeTensorMode) every fit goes on
     shrink = options.minimize.check_every != 0
-    x, settled = refine_conditional_starts(
+    x, settled = chord_conditional_fits(
         objective,
-        init,
+        best,
+        values,
         inverse_hessian,
+        held,
         fits_per_row,
         pinned,
         bounds,
@@ -424,18 +425,6 @@ def _conditional_fits(
             )
         )
     return x, status
-
-
-def _predicted_minima(base: Tensor, column: Tensor, c: Tensor, value: Tensor) -> Tensor:
-    """Start points ``[F, P]`` of the conditional fits: the best fits ``base`` moved along
-    the covariance ``column`` of the fixed parameter ``c`` as far as it is moved to ``value``
-    (the minimum of the quadratic approximation at the best fit; the unchanged best fit where
-    that is not finite)."""
-    theta = base.gather(1, c).squeeze(1)
-    variance = column.gather(1, c).squeeze(1)
-    step = (value - theta) / variance
-    moved = base + column * step.unsqueeze(1)
-    return torch.where(torch.isfinite(moved), moved, base)
 
 
 def _combine_per_row(status: FitStatus, extra: FitStatus, row: Tensor) -> FitStatus:
