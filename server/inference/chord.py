@@ -145,28 +145,26 @@ def chord_conditional_fits(
     at_lo = held & ((x - lo).abs() <= (hi - x).abs())
     converged = torch.zeros(F, dtype=torch.bool, device=device)
 
-    # the working set: fits ``fits`` (ascending, so grouped by row) and their state
+    # the working set (ascending fit indices, so grouped by row) and its state
     fits = torch.arange(F, device=device)
-    active = usable
     if shrink:
         fits = usable.nonzero().squeeze(1)
         if not fits.numel():
             return x, converged
-        counts = torch.bincount(row.index_select(0, fits), minlength=len(counts)).tolist()
-        active = torch.ones(fits.shape[0], dtype=torch.bool, device=device)
     point = x.index_select(0, fits)
     f, g = objective.derivatives(point, fits)[:2]
     outward = _outward(g, held, at_lo, fits)
     g = g * moving.index_select(0, fits)
-    pairs: list[tuple[Tensor, Tensor, Tensor]] = []  # (s, y, 1 / y.s or 0) of each step
-    done = torch.zeros_like(active)
+    work = _WorkingSet(fits, point, f, g, outward, usable.index_select(0, fits))
 
     for _ in range(max_iter):
+        fits, point, f, g = work.fits, work.point, work.f, work.g
+        counts = list(fits_per_row) if not shrink else work.counts(row, len(fits_per_row))
         # the BFGS updates of the steps so far, applied around the chord's inverse (L-BFGS's
         # two-loop recursion): the chord's linear convergence becomes superlinear
         q = g
         alphas = []
-        for s_k, y_k, rho_k in reversed(pairs):
+        for s_k, y_k, rho_k in reversed(work.pairs):
             a = rho_k * (s_k * q).sum(-1)
             q = q - a.unsqueeze(1) * y_k
             alphas.append(a)
@@ -176,49 +174,74 @@ def chord_conditional_fits(
         w = columns.index_select(0, fits)
         schur = w.mT @ (block_inverse.index_select(0, fits) @ (w @ q.unsqueeze(-1)))
         r = torch.cat(products) - schur.squeeze(-1)
-        for (s_k, y_k, rho_k), a in zip(pairs, reversed(alphas), strict=True):
+        for (s_k, y_k, rho_k), a in zip(work.pairs, reversed(alphas), strict=True):
             b = rho_k * (y_k * r).sum(-1)
             r = r + (a - b).unsqueeze(1) * s_k
-        step = -r * moving.index_select(0, fits) * active.unsqueeze(1)
+        step = -r * moving.index_select(0, fits) * work.active.unsqueeze(1)
         decrement = -(g * step).sum(-1)
         tol_f = torch.clamp(64 * torch.finfo(f.dtype).eps * (1 + f.abs()), min=tol)
-        stop = active & (decrement <= tol_f)
+        stop = work.active & (decrement <= tol_f)
         # a held parameter whose gradient turned inward could still lower the objective:
         # by ``g_j^2 (H^-1)_jj`` alone, which must be within the tolerance too
-        inward = (outward.clamp(max=0) ** 2 * whole_diagonal.index_select(0, fits)).amax(-1)
-        done = stop & (inward <= tol_f)
+        inward = (work.outward.clamp(max=0) ** 2 * whole_diagonal.index_select(0, fits)).amax(-1)
+        converged = converged.index_copy(
+            0, fits, converged.index_select(0, fits) | (stop & (inward <= tol_f))
+        )
+        work.active = work.active & torch.logical_not(stop)
+        if shrink:  # the fits that stop here take no trial step
+            x = x.index_copy(0, fits, point)
+            keep = work.active.nonzero().squeeze(1)
+            if not keep.numel():
+                return x, converged
+            work.keep(keep)
+            step, decrement = step.index_select(0, keep), decrement.index_select(0, keep)
+            fits, point, f, g = work.fits, work.point, work.f, work.g
         trial = torch.minimum(
             torch.maximum(point + step, lo.index_select(0, fits)), hi.index_select(0, fits)
         )
         f_trial, g_trial = objective.derivatives(trial, fits)[:2]
         outward_trial = _outward(g_trial, held, at_lo, fits)
         g_trial = g_trial * moving.index_select(0, fits)
-        better = active & torch.isfinite(f_trial) & (f_trial <= f) & (decrement > 0)
+        better = work.active & torch.isfinite(f_trial) & (f_trial <= f) & (decrement > 0)
         s_k, y_k = trial - point, g_trial - g
         sy = (s_k * y_k).sum(-1)
         ok = better & (sy > 1e-12 * s_k.norm(dim=-1) * y_k.norm(dim=-1))
-        rho_k = torch.where(
-            ok, 1.0 / torch.where(ok, sy, torch.ones_like(sy)), torch.zeros_like(sy)
-        )
-        pairs.append((s_k, y_k, rho_k))
-        point = torch.where(better.unsqueeze(1), trial, point)
-        f = torch.where(better, f_trial, f)
-        g = torch.where(better.unsqueeze(1), g_trial, g)
-        outward = torch.where(better.unsqueeze(1), outward_trial, outward)
-        converged = converged.index_copy(0, fits, converged.index_select(0, fits) | done)
-        active = better & torch.logical_not(stop)
+        one = torch.ones_like(sy)
+        work.pairs.append((s_k, y_k, torch.where(ok, one / torch.where(ok, sy, one), 0 * one)))
+        work.point = torch.where(better.unsqueeze(1), trial, point)
+        work.f = torch.where(better, f_trial, f)
+        work.g = torch.where(better.unsqueeze(1), g_trial, g)
+        work.outward = torch.where(better.unsqueeze(1), outward_trial, work.outward)
+        work.active = better
         if shrink:
-            x = x.index_copy(0, fits, point)
-            keep = active.nonzero().squeeze(1)
+            x = x.index_copy(0, fits, work.point)
+            keep = better.nonzero().squeeze(1)
             if not keep.numel():
                 return x, converged
-            fits, point, f, g, outward = (
-                t.index_select(0, keep) for t in (fits, point, f, g, outward)
-            )
-            pairs = [tuple(t.index_select(0, keep) for t in pair) for pair in pairs]
-            active = active.index_select(0, keep)
-            counts = torch.bincount(row.index_select(0, fits), minlength=len(counts)).tolist()
-    return x.index_copy(0, fits, point), converged
+            work.keep(keep)
+    return x.index_copy(0, work.fits, work.point), converged
+
+
+class _WorkingSet:
+    """The fits still stepping (``fits``, ascending) and their state: point, value,
+    gradient on the moving coordinates, the held coordinates' outward gradient, the step
+    pairs so far, and whether each is active (without host looks, finished fits stay in the
+    set, inactive)."""
+
+    def __init__(self, fits, point, f, g, outward, active) -> None:
+        self.fits, self.point, self.f, self.g = fits, point, f, g
+        self.outward, self.active = outward, active
+        self.pairs: list[tuple[Tensor, Tensor, Tensor]] = []
+
+    def keep(self, index: Tensor) -> None:
+        """Only the members at ``index``."""
+        for name in ("fits", "point", "f", "g", "active", "outward"):
+            setattr(self, name, getattr(self, name).index_select(0, index))
+        self.pairs = [tuple(t.index_select(0, index) for t in pair) for pair in self.pairs]
+
+    def counts(self, row: Tensor, rows: int) -> list[int]:
+        """How many members belong to each of ``rows`` rows (a host look)."""
+        return torch.bincount(row.index_select(0, self.fits), minlength=rows).tolist()
 
 
 def _outward(g: Tensor, held: Tensor, at_lo: Tensor, fits: Tensor) -> Tensor:
