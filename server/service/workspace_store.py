@@ -139,8 +139,9 @@ class WorkspaceStore:
         if not known and not self._path(digest).exists():
             validate_workspace(spec)
         if persist and not self._path(digest).exists():
-            self._make_room(len(json.dumps(spec)))
-            self._write(digest, spec)
+            text = json.dumps(spec)  # one string: its size, then the file (json.dump is 4x slower)
+            self._make_room(len(text))
+            self._write(digest, text)
         elif persist:
             self._touch(digest)
         self._remember(digest, spec)
@@ -232,13 +233,14 @@ class WorkspaceStore:
         """Where workspace ``digest`` is stored."""
         return self.directory / f"{digest}.json"
 
-    def _write(self, digest: str, spec: dict[str, Any]) -> None:
-        """Write atomically (temporary file, fsync, rename); 503 if the directory refuses."""
+    def _write(self, digest: str, text: str) -> None:
+        """Write ``text`` atomically (temporary file, fsync, rename); 503 if the directory
+        refuses."""
         target = self._path(digest)
         tmp = target.with_suffix(f".tmp{threading.get_ident()}")
         try:
             with tmp.open("w") as handle:
-                json.dump(spec, handle)
+                handle.write(text)
                 handle.flush()
                 os.fsync(handle.fileno())
             os.replace(tmp, target)
