@@ -33,6 +33,7 @@ import pyhf
 import torch
 
 from pyhf_gpu_server import inference
+from pyhf_gpu_server.allocator import tune_cpu_allocator
 from pyhf_gpu_server.engine import HistFactoryModel, KernelCache
 from pyhf_gpu_server.inference.objective import TwiceNLL
 
@@ -265,6 +266,7 @@ def main() -> None:
     folders = sorted(p.parent for p in WORKSPACES.glob("*/reference.json"))
     if args.workspaces:
         folders = [f for f in folders if f.name in args.workspaces]
+    tune_cpu_allocator()  # as pyhf-gpu-server's process: in-process times match it
     if args.fit:
         torch.set_num_threads(args.threads)
         rows = []

@@ -44,6 +44,7 @@ ALL = sorted(p.parent.name for p in WORKSPACES.glob("*/reference.json"))
 PATCH = "sig_s1_x1"
 SCAN = [0.05 + i * (5.0 - 0.05) / 63 for i in range(64)]
 
+from pyhf_gpu_server.allocator import tune_cpu_allocator  # noqa: E402
 from pyhf_gpu_server.engine import HistFactoryModel  # noqa: E402
 from pyhf_gpu_server.inference import hypotest, upper_limit  # noqa: E402
 
@@ -363,6 +364,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
+    tune_cpu_allocator()  # as pyhf-gpu-server's process: in-process times match it
     tasks = set(args.tasks)
     broad, detail = tasks & {"a", "c"}, tasks - {"a", "c"}
     our = ours(args.workspaces, broad, device, args.ntoys)

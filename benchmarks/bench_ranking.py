@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from bench_inference import THREAD_VARIABLES, WORKSPACES, load, timed
 from service_support import running_server
 
+from pyhf_gpu_server.allocator import tune_cpu_allocator
 from pyhf_gpu_server.engine import HistFactoryModel
 from pyhf_gpu_server.inference import ranking, scan2d
 
@@ -178,6 +179,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
+    tune_cpu_allocator()  # as pyhf-gpu-server's process: in-process times match it
     for variable in THREAD_VARIABLES:
         os.environ[variable] = str(args.threads)
     workspace, patchset = load(STAU)

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import uvicorn
 
+from pyhf_gpu_server.allocator import tune_cpu_allocator
 from pyhf_gpu_server.service.app import create_app
 from pyhf_gpu_server.service.dependencies import with_file_token
 from pyhf_gpu_server.service.jobstore import StoreError, preflight
@@ -40,6 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"pyhf-gpu-server: error: {exc}", file=sys.stderr)
         return 1
     gc.set_threshold(*GC_THRESHOLDS)
+    tune_cpu_allocator()  # freed tensor memory reused, not page-faulted in again
     uvicorn.run(
         create_app(settings),
         host=settings.host,

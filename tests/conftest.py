@@ -10,6 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from pyhf_gpu_server.allocator import tune_cpu_allocator
+
+tune_cpu_allocator()  # the test process allocates as the server's does (faster CPU fits)
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKSPACES_DIR = Path(
     os.environ.get("PYHF_GPU_SHARED_WORKSPACES", REPO_ROOT.parent / "shared" / "workspaces")

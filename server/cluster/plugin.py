@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from distributed import WorkerPlugin
 
+from pyhf_gpu_server.allocator import tune_cpu_allocator
 from pyhf_gpu_server.service import warmup
 from pyhf_gpu_server.service.admission import FitMemory
 from pyhf_gpu_server.service.dispatch import ModelRecipe
@@ -61,6 +62,7 @@ class WorkerModels(WorkerPlugin):
         self.device_name = device_name(self.device)
         if self.torch_threads > 0:
             torch.set_num_threads(self.torch_threads)
+        tune_cpu_allocator()  # as pyhf-gpu-server does
         self.address = worker.address
         self.warm = WarmModels(self.max_items, self.max_bytes)
         self.memory = FitMemory(release=host_memory_releaser(self.device))

@@ -42,33 +42,10 @@ from torch import Tensor
 from .curvature import CPU_BLOCK_ROWS, Derivatives
 from .errors import InferenceError
 
-__all__ = ["CPU_BLOCK_ELEMENTS", "CURVATURES", "Curvature", "TwiceNLL", "cpu_block_rows"]
+__all__ = ["CURVATURES", "Curvature", "TwiceNLL"]
 
 Curvature = Literal["hessian", "gauss-newton", "fisher"]
 CURVATURES: tuple[str, ...] = ("hessian", "gauss-newton", "fisher")
-
-
-#: Per block of rows on the CPU, the elements of one of the engine's widest per-row
-#: intermediates (a row's normsys entries, then its sample-variant columns), so that a block's
-#: intermediates stay near a core's L2 cache. Measured on the shared workspaces (one thread,
-#: 1 MiB L2): derivatives per row fastest at 48-128 rows for stau (654 normsys entries),
-#: 96-256 for sbottom-A (237), 128-512 for sbottom-B (79), 64-128 for 3l (797); fits, whose
-#: working sets shrink as rows converge, fastest at 96-128 rows for stau and 3l.
-CPU_BLOCK_ELEMENTS = 48 * 1024
-
-
-def cpu_block_rows(model) -> int:
-    """Rows per engine call on the CPU: :data:`CPU_BLOCK_ELEMENTS` over the model's widest
-    per-row intermediate, in multiples of 16, between 64 and
-    :data:`~pyhf_gpu_server.inference.curvature.CPU_BLOCK_ROWS`."""
-    main = model.main
-    width = (
-        main.normsys_param.shape[-1]
-        + main.own_normsys_param.shape[-1]
-        + main.nominal.shape[-1]
-        + main.own_nominal.shape[-1]
-    )
-    return min(max(CPU_BLOCK_ELEMENTS // max(width, 1) // 16 * 16, 64), CPU_BLOCK_ROWS)
 
 
 #: Rows up to which the exact Hessian is forward mode over the closed-form gradient
@@ -85,8 +62,8 @@ class TwiceNLL:
         element: ``[B]`` LongTensor, the model element (patch) of each row.
         curvature: ``"hessian"``, ``"gauss-newton"`` or ``"fisher"`` (see the module doc).
         block_rows: evaluate at most this many rows per engine call (``None``: all at once).
-            The default: :func:`cpu_block_rows` on the CPU (cache-sized blocks), unlimited
-            elsewhere.
+            The default: :data:`~pyhf_gpu_server.inference.curvature.CPU_BLOCK_ROWS` on the
+            CPU (cache-sized blocks, of equal size), unlimited elsewhere.
     """
 
     def __init__(
@@ -105,7 +82,7 @@ class TwiceNLL:
         self.curvature = curvature
         self.flat = torch.cat([model.unconstrained, model.poisson_constrained])
         if block_rows == "auto":
-            block_rows = cpu_block_rows(model) if model.device.type == "cpu" else None
+            block_rows = CPU_BLOCK_ROWS if model.device.type == "cpu" else None
         self.block_rows = block_rows
 
     def _blocks(self, x: Tensor, rows: Tensor) -> list[tuple[Tensor, Tensor]]:

@@ -1,0 +1,56 @@
+"""glibc ``malloc`` thresholds for the engine's CPU tensors: a process setting.
+
+A CPU fit allocates and frees intermediates of a few hundred kilobytes to a few megabytes per
+operation (``[rows, normsys entries]`` arrays, Jacobians). glibc serves allocations above its
+``mmap`` threshold (128 KiB, adjusted upwards as such blocks are freed) with fresh ``mmap``
+pages and returns freed heap memory above its trim threshold to the system, so the engine
+keeps paying page faults for memory it just gave back. With the thresholds raised, freed
+blocks are reused instead. Measured on this repository's 2-core CPU (one thread): the stau
+derivatives of 468 rows 8.7-9.5 ms instead of 20-24 ms, the stau ranking 83-89 ms instead of
+103-121 ms, a 24-patch stau hypotest 76 instead of 88 ms; smaller models (sbottom, 3l) alike
+within noise. The price: up to :data:`TRIM_THRESHOLD` of freed memory stays with the process.
+
+The server (``pyhf-gpu-server``) and the Dask worker plugin apply it at start-up, as they set
+the garbage collector's thresholds; a library user may call :func:`tune_cpu_allocator`.
+Nothing else in the package touches process-wide state.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import sys
+
+__all__ = ["MMAP_THRESHOLD", "TOP_PAD", "TRIM_THRESHOLD", "tune_cpu_allocator"]
+
+# mallopt(3) parameters (glibc's malloc.h)
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+
+MMAP_THRESHOLD = 64 << 20
+"""Allocations below this come from the heap (glibc's most for the main arena's heaps)."""
+TRIM_THRESHOLD = 256 << 20
+"""Freed memory at the top of the heap is returned to the system only beyond this."""
+TOP_PAD = 64 << 20
+"""The heap grows in steps of this."""
+
+
+def tune_cpu_allocator() -> bool:
+    """Raise glibc's ``malloc`` thresholds (:data:`MMAP_THRESHOLD`, :data:`TRIM_THRESHOLD`,
+    :data:`TOP_PAD`); whether it applied (False off Linux or without glibc's ``mallopt``).
+
+    >>> isinstance(tune_cpu_allocator(), bool)
+    True
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):  # no libc to load, or one without mallopt (musl)
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    settings = (
+        (_M_MMAP_THRESHOLD, MMAP_THRESHOLD),
+        (_M_TRIM_THRESHOLD, TRIM_THRESHOLD),
+        (_M_TOP_PAD, TOP_PAD),
+    )
+    return all(mallopt(parameter, value) == 1 for parameter, value in settings)
