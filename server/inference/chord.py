@@ -28,8 +28,9 @@ Example:
     >>> class Quartic:  # f(x) = x0^2 + x1^2 + x0 x1 + 0.1 x1^4 per row
     ...     def derivatives(self, x, rows):
     ...         f = (x**2).sum(-1) + x[:, 0] * x[:, 1] + 0.1 * x[:, 1] ** 4
-    ...         g = torch.stack([2 * x[:, 0] + x[:, 1], 2 * x[:, 1] + x[:, 0] + 0.4 * x[:, 1] ** 3], -1)
-    ...         return f, g
+    ...         g0 = 2 * x[:, 0] + x[:, 1]
+    ...         g1 = 2 * x[:, 1] + x[:, 0] + 0.4 * x[:, 1] ** 3
+    ...         return f, torch.stack([g0, g1], -1)
     >>> hessian = torch.tensor([[[2.0, 1.0], [1.0, 2.0]]], dtype=torch.float64)  # at the minimum 0
     >>> best = torch.zeros(1, 2, dtype=torch.float64)
     >>> box = torch.tensor([[-5.0, 5.0], [-5.0, 5.0]], dtype=torch.float64).expand(1, 2, 2)

@@ -14,11 +14,11 @@ refits' POI less the best-fit POI. All these conditional fits, over every row an
 parameter, run batched: each starts at the minimum of its row's quadratic approximation at
 the best fit, takes chord Newton steps with the free fit's inverse Hessian
 (:mod:`~pyhf_gpu_server.inference.chord`), and the few that do not converge there finish in
-ONE :func:`~pyhf_gpu_server.inference.mle.fit_rows` call. As cabinetry, a parameter with ``sigma_pre = 0`` gets pre-fit
-impacts 0 without a fit. A fixed value outside the parameter's bounds (say, a post-fit
-``theta_hat - sigma_post`` below 0 for a poorly constrained gamma) is moved onto the bound, as
-MINUIT moves it (pyhf, and so cabinetry's ranking, refuses such a start point with a
-ValueError).
+ONE :func:`~pyhf_gpu_server.inference.mle.fit_rows` call. As cabinetry, a parameter with
+``sigma_pre = 0`` gets pre-fit impacts 0 without a fit. A fixed value outside the parameter's
+bounds (say, a post-fit ``theta_hat - sigma_post`` below 0 for a poorly constrained gamma) is
+moved onto the bound, as MINUIT moves it (pyhf, and so cabinetry's ranking, refuses such a
+start point with a ValueError).
 
 Example:
     >>> import pyhf
