@@ -21,7 +21,7 @@ import ctypes
 import ctypes.util
 import sys
 
-__all__ = ["MMAP_THRESHOLD", "TOP_PAD", "TRIM_THRESHOLD", "tune_cpu_allocator"]
+__all__ = ["MMAP_THRESHOLD", "TOP_PAD", "TRIM_THRESHOLD", "glibc_function", "tune_cpu_allocator"]
 
 # mallopt(3) parameters (glibc's malloc.h)
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
@@ -34,6 +34,17 @@ TOP_PAD = 64 << 20
 """The heap grows in steps of this."""
 
 
+def glibc_function(name: str):
+    """The C library's function ``name`` (``mallopt``, ``malloc_trim``), or None off Linux,
+    without a C library to load, or where it has no such function (musl)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    except (OSError, AttributeError):
+        return None
+
+
 def tune_cpu_allocator() -> bool:
     """Raise glibc's ``malloc`` thresholds (:data:`MMAP_THRESHOLD`, :data:`TRIM_THRESHOLD`,
     :data:`TOP_PAD`); whether it applied (False off Linux or without glibc's ``mallopt``).
@@ -41,11 +52,8 @@ def tune_cpu_allocator() -> bool:
     >>> isinstance(tune_cpu_allocator(), bool)
     True
     """
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
-    except (OSError, AttributeError):  # no libc to load, or one without mallopt (musl)
+    mallopt = glibc_function("mallopt")
+    if mallopt is None:
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     settings = (

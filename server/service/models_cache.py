@@ -8,7 +8,6 @@ Evicting a model drops the cache's reference and asks the device to release cach
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import hashlib
 import time
 from collections import OrderedDict
@@ -18,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from pyhf_gpu_server.allocator import glibc_function
 
 from .metrics import Metrics
 
@@ -205,11 +206,8 @@ class ModelCache:
 def host_memory_releaser(device: str) -> Callable[[], None]:
     """What hands the memory a large CPU fit freed back to the system (glibc's
     ``malloc_trim``; nothing on CUDA, whose caching allocator reuses it, or without glibc)."""
-    if device.startswith("cuda"):
-        return lambda: None
-    try:
-        trim = ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):
+    trim = None if device.startswith("cuda") else glibc_function("malloc_trim")
+    if trim is None:
         return lambda: None
     return lambda: trim(0)
 
