@@ -17,6 +17,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -53,6 +54,7 @@ __all__ = [
     "main",
     "parse_plot_options",
     "parse_test_poi",
+    "run",
 ]
 
 EXIT_FAILED = 1
@@ -1103,3 +1105,28 @@ def info() -> None:
 
 if __name__ == "__main__":  # pragma: no cover
     main()
+
+
+def run() -> None:
+    """The console script: :func:`main`, then exit at once with its status.
+
+    A command's answer is printed and flushed by then; tearing the interpreter down would
+    only free the workspace and patchset objects one by one (30 ms on a 218-patch command).
+    """
+    try:
+        main()
+    except SystemExit as exc:
+        status = exc.code
+    else:  # pragma: no cover - click's standalone mode always exits
+        status = 0
+    if not isinstance(status, int):
+        if status is not None:
+            sys.stderr.write(f"{status}\n")
+        status = 0 if status is None else EXIT_FAILED
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except BrokenPipeError:  # a reader that stopped early (| head): as Python itself exits
+        status = status or 120
+    os._exit(status)
+
