@@ -9,10 +9,12 @@ Three parts, in one run, on this machine (prints markdown for BENCHMARKS.md):
    ``nextstat.hypotest(1.0, model)`` per patch: CLs_obs only, where we also compute the
    expected band). Patchsets: the generated uniform and heterogeneous ones and the published
    HEPData points (217 and 218, one of which adds no signal and answers its own error).
-2. **Concurrent clients**: 32 clients at once, each POSTing its own signal point
-   (``workspace_id`` + ``patches``) on one uploaded background (published sbottom points; 3l
-   heterogeneous and uniform signals); wall time, engine calls (from ``/metrics``), against
-   the NextStat loop over the same 32 points. Default server settings but for the batch size.
+2. **Concurrent clients**: 32 clients at once (threads, each its own ``pyhf_gpu_client.Client``),
+   each posting its own signal point on one uploaded background (``client.cls(workspace_id,
+   patches=[patch])``, the id a :class:`WorkspaceId` from ``upload_workspace``; published
+   sbottom points; 3l heterogeneous and uniform signals); wall time, engine calls (from
+   ``/metrics``), against the NextStat loop over the same 32 points. Default server settings
+   but for the batch size and delay (512 rows, 50 ms).
 3. **Host cost per phase** (in-process, one thread): parse, validate, translate, patch,
    tensors, compute, for a new patch on a warm background and a new ~330-parameter workspace
    (stau, 3l, sbottom A and B combined), and the first ``POST /cls`` of that bare workspace on
@@ -40,6 +42,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from pyhf_gpu_client import Client, CLsResult
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from service_support import ServerProcess, metric_value
@@ -160,29 +164,25 @@ def concurrent_clients(name: str, files: tuple[str, ...], count: int) -> dict[st
     with tempfile.TemporaryDirectory() as tmp:
         server = cold_server(Path(tmp))
         try:
-            with httpx.Client(base_url=server.url, timeout=600) as client:
-                background = read(folder / "BkgOnly.json")
-                workspace_id = client.post("/workspaces", json=background).json()["workspace_id"]
-                before = metric_value(client.get("/metrics").text, "pyhf_gpu_batch_size_count")
+            with Client(server.url, timeout=600) as client:
+                workspace_id = client.upload_workspace(folder / "BkgOnly.json")
+                before = metric_value(client.metrics(), "pyhf_gpu_batch_size_count")
 
-                def post(patch: tuple[str, list]) -> dict[str, Any]:
-                    with httpx.Client(base_url=server.url, timeout=600) as own:
-                        body = {"workspace_id": workspace_id, "patches": [patch[1]]}
-                        response = own.post("/cls", json=body)
-                        response.raise_for_status()
-                        return response.json()
+                def post(patch: tuple[str, list]) -> CLsResult:
+                    with Client(server.url, timeout=600) as own:
+                        return own.cls(workspace_id, patches=[patch[1]])
 
                 start = time.perf_counter()
                 with ThreadPoolExecutor(count) as pool:
                     answers = list(pool.map(post, chosen))
                 seconds = time.perf_counter() - start
-                calls = metric_value(client.get("/metrics").text, "pyhf_gpu_batch_size_count")
+                calls = metric_value(client.metrics(), "pyhf_gpu_batch_size_count")
         finally:
             server.stop()
     return {
         "seconds": seconds,
         "calls": calls - before,
-        "converged": sum(bool(a["meta"]["converged"]) for a in answers),
+        "converged": sum(bool(a.meta["converged"]) for a in answers),
         "patches": chosen,
     }
 

@@ -48,7 +48,7 @@ from .results import (
     patch_errors,
     result_to_json,
 )
-from .workspace import digest, load_json
+from .workspace import WorkspaceId, digest, load_json
 
 
 def __getattr__(name: str) -> str:
@@ -94,6 +94,7 @@ __all__ = [
     "UpperLimitResult",
     "WaitTimeoutError",
     "WorkspaceError",
+    "WorkspaceId",
     "YieldsResult",
     "__version__",
     "digest",

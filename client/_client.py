@@ -21,7 +21,7 @@ import httpx
 from . import protocol as p
 from .exceptions import TransportError
 from .results import Job, Result
-from .workspace import JSONSource, load_json
+from .workspace import JSONSource, WorkspaceId, load_json
 
 __all__ = ["AsyncClient", "Client"]
 
@@ -481,8 +481,9 @@ class _ClientBase:
         )
 
     @_api
-    def upload_workspace(self, workspace: JSONSource) -> p.Flow[str]:
-        """Upload ``workspace`` unless the server holds it already; its content-addressed id."""
+    def upload_workspace(self, workspace: JSONSource) -> p.Flow[WorkspaceId]:
+        """Upload ``workspace`` unless the server holds it already; its content-addressed id,
+        a :class:`WorkspaceId` to pass instead of the workspace from then on."""
         return p.upload_workspace(load_json(workspace), self.config, self.state)
 
     @_api

@@ -1129,4 +1129,3 @@ def run() -> None:
     except BrokenPipeError:  # a reader that stopped early (| head): as Python itself exits
         status = status or 120
     os._exit(status)
-

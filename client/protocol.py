@@ -46,7 +46,7 @@ from .exceptions import (
     format_detail,
 )
 from .results import OPERATIONS, Job, Result, parse_result
-from .workspace import JSONSource, digest, load_json, load_patches
+from .workspace import JSONSource, WorkspaceId, digest, load_json, load_patches
 
 __all__ = [
     "DEFAULT_SERVER",
@@ -366,9 +366,9 @@ def resolve_workspace(
 
 def upload_workspace(
     workspace: Any, config: ClientConfig, state: ClientState, check: bool = True
-) -> Flow[str]:
+) -> Flow[WorkspaceId]:
     """Make sure the server holds ``workspace``; return its id (skip the upload if it has it)."""
-    wid = digest(workspace)
+    wid = WorkspaceId(digest(workspace))
     if wid in state.known_workspaces:
         return wid
     if check:
@@ -381,7 +381,18 @@ def upload_workspace(
     )
     server_id = str(data.get("id") or data.get("workspace_id") or data.get("digest") or wid)
     state.known_workspaces.add(server_id)
-    return server_id
+    return WorkspaceId(server_id)
+
+
+def workspace_reference(
+    workspace: JSONSource | WorkspaceId, config: ClientConfig, state: ClientState
+) -> Flow[tuple[dict[str, Any], Any]]:
+    """The request fields naming ``workspace`` (:func:`resolve_workspace`), and its spec:
+    ``None`` for a :class:`WorkspaceId`, which is named as it is."""
+    if isinstance(workspace, WorkspaceId):
+        return {"workspace_id": str(workspace)}, None
+    spec = load_json(workspace, "workspace")
+    return (yield from resolve_workspace(spec, config, state)), spec
 
 
 def has_workspace(workspace_id: str, config: ClientConfig) -> Flow[bool]:
@@ -516,19 +527,20 @@ def post_operation(
 ) -> Flow[httpx.Response]:
     """``POST /<operation>`` with the workspace (inline or by id) and ``options``; the answer.
 
-    If the server forgot an uploaded workspace (404 on a ``workspace_id``), upload it again once.
+    If the server forgot an uploaded workspace (404 on a ``workspace_id``), upload it again once
+    (not a :class:`WorkspaceId`: the client does not have that workspace).
     """
-    spec = load_json(workspace, "workspace")
     path = OPERATIONS[operation]
     for attempt in (1, 2):
-        ref = yield from resolve_workspace(spec, config, state)
+        ref, spec = yield from workspace_reference(workspace, config, state)
         request = Request("POST", path, body={**ref, **options}, has_body=True, accept=accept)
         try:
             return (yield from call(request, config.retry))
         except NotFoundError:
-            if "workspace_id" not in ref or attempt == 2:
+            if spec is None or "workspace_id" not in ref or attempt == 2:
                 raise
             state.known_workspaces.discard(ref["workspace_id"])
+            workspace = spec
     raise AssertionError("unreachable")  # pragma: no cover
 
 
@@ -552,8 +564,7 @@ def submit_flow(
     state: ClientState,
 ) -> Flow[Job]:
     """``POST /jobs`` with ``{"operation": ..., workspace ref, options}``: the queued :class:`Job`."""
-    spec = load_json(workspace, "workspace")
-    ref = yield from resolve_workspace(spec, config, state)
+    ref, _ = yield from workspace_reference(workspace, config, state)
     body = {"operation": operation, **ref, **options}
     request = Request("POST", "/jobs", body=body, has_body=True, idempotent=False)
     data = yield from call_json(request, config.retry)

@@ -13,12 +13,29 @@ from typing import IO, Any, Union
 
 from .exceptions import WorkspaceError
 
-__all__ = ["JSONSource", "digest", "load_json", "load_patches", "to_jsonable"]
+__all__ = ["JSONSource", "WorkspaceId", "digest", "load_json", "load_patches", "to_jsonable"]
 
 #: anything the client accepts as a workspace / patchset / patch: a mapping (a dict or a
 #: ``pyhf.Workspace``/``pyhf.PatchSet``-like object), a path, ``"-"`` for stdin, a text stream,
-#: or JSON text/bytes.
+#: or JSON text/bytes; as a workspace also a :class:`WorkspaceId` (one the server holds).
 JSONSource = Union[Mapping[str, Any], str, "os.PathLike[str]", IO[str], IO[bytes], bytes]
+
+
+class WorkspaceId(str):
+    """The id of a workspace the server holds, as :meth:`Client.upload_workspace` returns it.
+
+    Pass it wherever a workspace goes: the request names the workspace by id, and the client
+    neither reads, hashes nor uploads it again (a reinterpretation tool posting thousands of
+    signal patches on one background pays for its background once). A plain string is a
+    path or JSON text; ``WorkspaceId("...")`` names an id of your own. A server that no
+    longer holds the workspace answers 404 (:class:`NotFoundError`): upload it again.
+
+    >>> wid = WorkspaceId("e7d3")
+    >>> wid == "e7d3", isinstance(wid, str)
+    (True, True)
+    """
+
+    __slots__ = ()
 
 
 def digest(obj: Any, algorithm: str = "sha256") -> str:

@@ -245,6 +245,38 @@ def test_forgotten_workspace_is_uploaded_again():
     ]
 
 
+def test_workspace_id_names_an_uploaded_workspace():
+    """``upload_workspace`` gives a WorkspaceId; passed as the workspace, requests carry only
+    the id (no hashing, no lookup, no upload); a server that forgot it answers 404, which the
+    client cannot mend by uploading."""
+    service = FakeService()
+    ws = simple_workspace()
+    patch = [{"op": "replace", "path": "/channels/0/samples/0/data", "value": [6.0]}]
+    with make_client(service) as client:
+        wid = client.upload_workspace(ws)
+        assert isinstance(wid, pgc.WorkspaceId) and wid == pgc.digest(ws)
+        client.cls(wid, patches=[patch])
+        client.cls(wid, test_poi=0.5)
+        service.workspaces.clear()
+        with pytest.raises(pgc.NotFoundError):
+            client.cls(wid)
+    assert service.paths() == [
+        f"GET /workspaces/{wid}",
+        "POST /workspaces",
+        "POST /cls",
+        "POST /cls",
+        "POST /cls",
+    ]
+    assert body_of(service.requests[2])["workspace_id"] == wid
+    assert body_of(service.requests[2])["patches"] == [patch]
+    assert body_of(service.requests[3]) == {
+        "workspace_id": wid,
+        "test_poi": 0.5,
+        "test_stat": "qtilde",
+        "calctype": "asymptotics",
+    }
+
+
 def test_patchset_batch_shape(tmp_path):
     service = FakeService()
     patchset = {
