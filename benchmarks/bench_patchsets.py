@@ -9,7 +9,8 @@ Three parts, in one run, on this machine (prints markdown for BENCHMARKS.md):
    ``nextstat.hypotest(1.0, model)`` per patch: CLs_obs only, where we also compute the
    expected band). Patchsets: the generated uniform and heterogeneous ones and the published
    HEPData points (217 and 218, one of which adds no signal and answers its own error).
-2. **Concurrent clients**: 32 clients at once (threads, each its own ``pyhf_gpu_client.Client``),
+2. **Concurrent clients**: 32 clients at once (threads, each its own ``pyhf_gpu_client.Client``,
+   made before the clock starts; they post together at a barrier),
    each posting its own signal point on one uploaded background (``client.cls(workspace_id,
    patches=[patch])``, the id a :class:`WorkspaceId` from ``upload_workspace``; published
    sbottom points; 3l heterogeneous and uniform signals); wall time, engine calls (from
@@ -36,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -168,13 +170,21 @@ def concurrent_clients(name: str, files: tuple[str, ...], count: int) -> dict[st
                 workspace_id = client.upload_workspace(folder / "BkgOnly.json")
                 before = metric_value(client.metrics(), "pyhf_gpu_batch_size_count")
 
-                def post(patch: tuple[str, list]) -> CLsResult:
-                    with Client(server.url, timeout=600) as own:
+                clients = [Client(server.url, timeout=600) for _ in chosen]
+                ready = threading.Barrier(len(chosen) + 1)
+
+                def post(own: Client, patch: tuple[str, list]) -> CLsResult:
+                    ready.wait()
+                    with own:
                         return own.cls(workspace_id, patches=[patch[1]])
 
-                start = time.perf_counter()
                 with ThreadPoolExecutor(count) as pool:
-                    answers = list(pool.map(post, chosen))
+                    futures = [
+                        pool.submit(post, *pair) for pair in zip(clients, chosen, strict=True)
+                    ]
+                    ready.wait()  # every client is up: they post at once
+                    start = time.perf_counter()
+                    answers = [future.result() for future in futures]
                 seconds = time.perf_counter() - start
                 calls = metric_value(client.metrics(), "pyhf_gpu_batch_size_count")
         finally:

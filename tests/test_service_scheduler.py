@@ -91,6 +91,51 @@ def test_a_lone_item_does_not_wait_out_a_long_delay_but_a_stream_still_batches()
     asyncio.run(scenario())
 
 
+def test_a_batch_waits_for_rows_of_its_group_still_being_prepared_within_a_bound() -> None:
+    """Rows of requests still arriving (``arriving``) or being prepared (``preparing``) join
+    the batch of their group, well after the delay and the gap, instead of running in a
+    second call; a preparation that takes longer holds the batch for ``prepare_wait_s`` at
+    most."""
+
+    async def scenario() -> None:
+        runner = Recorder()
+        scheduler, metrics = make(runner, prepare_wait_s=2.0)
+
+        async def prepared(row: int, seconds: float):
+            with scheduler.preparing("background"):
+                await asyncio.sleep(seconds)
+                return scheduler.submit("key", None, [row], group="background")
+
+        async def arrives(row: int, seconds: float):  # read and checked, then prepared
+            with scheduler.arriving():
+                await asyncio.sleep(seconds)
+                task = asyncio.ensure_future(prepared(row, seconds))
+                await asyncio.sleep(0)  # its preparation is announced before the arrival ends
+            return await task
+
+        first = scheduler.submit("key", None, [0], group="background")
+        late = await asyncio.gather(prepared(1, 0.1), prepared(2, 0.2), arrives(5, 0.1))
+        await asyncio.gather(first.future, *(item.future for item in late))
+        assert [rows for _, rows in runner.calls] == [[0, 1, 2, 5]]
+
+        scheduler.prepare_wait_s = 0.3
+        start = time.monotonic()
+        with scheduler.preparing("background"):
+            lone = scheduler.submit("key", None, [3], group="background")
+            await lone.future
+            waited = time.monotonic() - start
+        assert 0.3 <= waited < 1.5
+        ungrouped = scheduler.submit("key", None, [4])
+        with scheduler.preparing("background"):
+            start = time.monotonic()
+            await ungrouped.future
+            assert time.monotonic() - start < 0.25
+        assert batch_count(metrics) == 3
+        await scheduler.stop()
+
+    asyncio.run(scenario())
+
+
 def test_different_keys_do_not_mix_and_large_items_are_chunked() -> None:
     async def scenario() -> None:
         runner = Recorder()

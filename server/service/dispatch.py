@@ -243,36 +243,8 @@ class Dispatcher:
         only when none can."""
         self.admit(plan)
         start = time.perf_counter()
-        submissions: list[_Submission] = []
         try:
-            elements = await asyncio.get_running_loop().run_in_executor(
-                self.build_executor, self.elements.elements, plan.background, plan.patches
-            )
-            elements = [self._admitted(plan.checked(e)) for e in elements]
-            translate_s = time.perf_counter() - start
-            valid = [e for e in elements if e.layout is not None]
-            if not valid:
-                if not plan.named:
-                    raise elements[0].error
-                raise Unprocessable(
-                    "no patch can be tested: "
-                    + "; ".join(f"{e.patch.name}: {e.error.detail}" for e in elements[:10])
-                )
-            groups = [[valid[i] for i in group] for group in partition([e.layout for e in valid])]
-            rows = [plan.rows([e.patch for e in members]) for members in groups]
-            progress = _Progress(sum(len(r) for r in rows), on_progress)
-            for members, group_rows in zip(groups, rows, strict=True):
-                context = WorkContext(
-                    plan.background.key, plan.operation, plan.options, tuple(members), plan.row_cost
-                )
-                key = plan.batch_key(members[0].layout.stack_key)
-                item = self.scheduler.submit(
-                    key, context, group_rows, lane, progress.callback(), plan.row_cost
-                )
-                reason = None
-                if members is not groups[0]:
-                    reason = split_reason(groups[0][0].layout, members[0].layout)
-                submissions.append(_Submission(members, group_rows, item, reason))
+            elements, submissions, translate_s = await self._submit(plan, lane, on_progress)
             try:
                 outcomes = await asyncio.gather(*(s.item.future for s in submissions))
             except BaseException:
@@ -301,6 +273,51 @@ class Dispatcher:
                 results.extend(by_element[element.patch.digest][:per_element])
                 del by_element[element.patch.digest][:per_element]
         return assemble(plan, results)
+
+    async def _submit(
+        self, plan: Plan, lane: Lane, on_progress: Callable[[int, int], None] | None
+    ) -> tuple[list[Element], list[_Submission], float]:
+        """Translate the plan's patches (build thread) and queue their rows, one item per
+        stackable group: the elements, the submissions, the seconds translating took. Batches
+        of the plan's group queued meanwhile wait for these rows (:meth:`Scheduler.preparing`).
+        """
+        start = time.perf_counter()
+        with self.scheduler.preparing(plan.batch_group, lane):
+            elements = await asyncio.get_running_loop().run_in_executor(
+                self.build_executor, self.elements.elements, plan.background, plan.patches
+            )
+            elements = [self._admitted(plan.checked(e)) for e in elements]
+            translate_s = time.perf_counter() - start
+            valid = [e for e in elements if e.layout is not None]
+            if not valid:
+                if not plan.named:
+                    raise elements[0].error
+                raise Unprocessable(
+                    "no patch can be tested: "
+                    + "; ".join(f"{e.patch.name}: {e.error.detail}" for e in elements[:10])
+                )
+            groups = [[valid[i] for i in group] for group in partition([e.layout for e in valid])]
+            rows = [plan.rows([e.patch for e in members]) for members in groups]
+            progress = _Progress(sum(len(r) for r in rows), on_progress)
+            submissions = []
+            for members, group_rows in zip(groups, rows, strict=True):
+                context = WorkContext(
+                    plan.background.key, plan.operation, plan.options, tuple(members), plan.row_cost
+                )
+                item = self.scheduler.submit(
+                    plan.batch_key(members[0].layout.stack_key),
+                    context,
+                    group_rows,
+                    lane,
+                    progress.callback(),
+                    plan.row_cost,
+                    plan.batch_group,
+                )
+                reason = None
+                if members is not groups[0]:
+                    reason = split_reason(groups[0][0].layout, members[0].layout)
+                submissions.append(_Submission(members, group_rows, item, reason))
+        return elements, submissions, translate_s
 
     def admit(self, plan: Plan) -> None:
         """422 before any work when the plan asks for more than the limits allow in all."""

@@ -198,18 +198,24 @@ class Plan:
             return element
         return replace(element, layout=None, error=Unprocessable(problem))
 
-    def batch_key(self, stack_key: str) -> tuple[Any, ...]:
-        """Rows with equal keys may share an engine call: the same background, stackable
-        elements (channels, bins, POI, interpolation codes), operation and options (the
-        tested POI values aside: they are the rows'), whatever their patches and requests.
-
-        Toy-based tests batch only within one request: their toys are drawn per call, so a
-        request gives the same numbers alone or in company.
-        """
+    @property
+    def batch_group(self) -> tuple[Any, ...] | None:
+        """What the rows of requests that may share an engine call have in common before
+        their patches are read: the background, operation and options (the tested POI values
+        aside: they are the rows'). None for toy-based tests: their toys are drawn per call,
+        so they batch only within their request, and a request gives the same numbers alone
+        or in company."""
+        if self.operation.toys(self.options):
+            return None
         pois = {self.operation.pois_field} if self.operation.pois_field else set()
         options = self.options.model_dump_json(exclude=pois)
-        private = uuid.uuid4().hex if self.operation.toys(self.options) else None
-        return (self.background.key, stack_key, self.operation.name, options, private)
+        return (self.background.key, self.operation.name, options)
+
+    def batch_key(self, stack_key: str) -> tuple[Any, ...]:
+        """Rows with equal keys share an engine call: the same :attr:`batch_group` and
+        stackable elements (channels, bins, POI, interpolation codes), whatever their patches
+        and requests; toy-based rows only with the rows of their own request."""
+        return (self.batch_group or uuid.uuid4().hex, stack_key)
 
 
 def plan_request(

@@ -8,6 +8,15 @@ runs the rows as ONE call of the runner on the device thread (a single worker th
 device). Each caller gets its own rows' results back. An item larger than ``max_batch_size`` runs in several chunks, with progress
 reported after each.
 
+Callers announce interactive work on its way: requests being read and checked, whose batch
+group is not known yet (:meth:`Scheduler.arriving`), then work being prepared
+(:meth:`Scheduler.preparing`: a request whose patches are being translated) by its batch
+group, what items whose rows may share a call have in common before their rows exist (the
+background, operation and options). While such work is under way, an interactive batch
+waits for it (arriving work, or prepared work of its group), up to ``prepare_wait`` after
+its oldest item was queued: those rows would otherwise wait for the whole engine call, which
+lasts as long as its slowest fit however few rows it has, and run in a second one.
+
 Two lanes: ``interactive`` (HTTP requests) is always served before ``jobs`` (asynchronous jobs,
 not delayed for batching), and jobs run in chunks sized by time: as many rows as fit in
 ``job_chunk_s`` at the measured seconds per unit of row cost of their batch key (each item says
@@ -35,8 +44,8 @@ import itertools
 import logging
 import math
 import time
-from collections import deque
-from collections.abc import Awaitable, Callable, Hashable, Sequence
+from collections import Counter, deque
+from collections.abc import Awaitable, Callable, Hashable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
@@ -88,6 +97,7 @@ class WorkItem(Generic[WorkT, RowT, ValueT]):
     future: asyncio.Future[list[RowOutcome[ValueT]]]
     on_progress: ProgressCallback | None = None
     row_cost: float = 1.0  # what one row costs, in about fits (sizes the chunks of jobs)
+    group: Hashable | None = None  # its batch group (see Scheduler.preparing); None: its own
     enqueued_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None
     taken: int = 0
@@ -135,6 +145,7 @@ class Scheduler(Generic[WorkT, BatchT, RowT, ValueT]):
         max_batch_delay_s: float,
         max_pending: int,
         batch_gap_s: float = 0.005,
+        prepare_wait_s: float = 0.0,
         job_chunk_s: float = 2.0,
         release_memory: Callable[[], None] = lambda: None,
         max_in_flight: int | Callable[[], int] = 1,
@@ -148,6 +159,9 @@ class Scheduler(Generic[WorkT, BatchT, RowT, ValueT]):
         self.max_batch_size = max_batch_size
         self.max_batch_delay_s = max_batch_delay_s
         self.batch_gap_s = batch_gap_s
+        self.prepare_wait_s = prepare_wait_s
+        self._preparing: Counter[tuple[Lane, Hashable]] = Counter()
+        self._arriving = 0
         self.max_pending = max_pending
         self.job_chunk_s = job_chunk_s
         self._seconds_per_cost: dict[Hashable, float] = {}
@@ -193,9 +207,10 @@ class Scheduler(Generic[WorkT, BatchT, RowT, ValueT]):
         lane: Lane = "interactive",
         on_progress: ProgressCallback | None = None,
         row_cost: float = 1.0,
+        group: Hashable | None = None,
     ) -> WorkItem:
-        """Queue ``rows`` (each costing ``row_cost``, about fits); await ``item.future`` for
-        their outcomes (in order).
+        """Queue ``rows`` (each costing ``row_cost``, about fits; of batch ``group``, see
+        :meth:`preparing`); await ``item.future`` for their outcomes (in order).
 
         Raises :class:`QueueFull` (429) when ``max_pending`` interactive items are waiting.
         """
@@ -205,7 +220,7 @@ class Scheduler(Generic[WorkT, BatchT, RowT, ValueT]):
                 f"(--max-queue {self.max_pending}); retry later or submit a job"
             )
         future: asyncio.Future[list[RowOutcome]] = asyncio.get_running_loop().create_future()
-        item = WorkItem(key, context, rows, lane, future, on_progress, row_cost)
+        item = WorkItem(key, context, rows, lane, future, on_progress, row_cost, group)
         item.outcomes = [None] * len(rows)
         if not rows:
             future.set_result([])
@@ -214,6 +229,36 @@ class Scheduler(Generic[WorkT, BatchT, RowT, ValueT]):
         self._update_depth()
         self._wakeup.set()
         return item
+
+    @contextlib.contextmanager
+    def preparing(self, group: Hashable | None, lane: Lane = "interactive") -> Iterator[None]:
+        """Announce, for the duration of the block, work of batch ``group`` being prepared in
+        ``lane`` (its items are submitted within the block): batches of that group wait for
+        it, up to ``prepare_wait_s`` (``group`` None announces nothing)."""
+        if group is None:
+            yield
+            return
+        self._preparing[lane, group] += 1
+        try:
+            yield
+        finally:
+            self._preparing[lane, group] -= 1
+            if not self._preparing[lane, group]:
+                del self._preparing[lane, group]
+            self._wakeup.set()
+
+    @contextlib.contextmanager
+    def arriving(self) -> Iterator[None]:
+        """Announce, for the duration of the block, an interactive request being read and
+        checked (its batch group not known yet; the block ends once its own
+        :meth:`preparing` has begun): interactive batches wait for it, up to
+        ``prepare_wait_s``."""
+        self._arriving += 1
+        try:
+            yield
+        finally:
+            self._arriving -= 1
+            self._wakeup.set()
 
     def cancel(self, item: WorkItem) -> None:
         """Drop the item's rows not yet run (its current chunk still finishes)."""
@@ -294,12 +339,18 @@ class Scheduler(Generic[WorkT, BatchT, RowT, ValueT]):
     async def _fill(self, head: WorkItem) -> None:
         """Wait until ``max_batch_size`` rows share ``head``'s key, its delay is over, or no
         rows with its key arrived for ``batch_gap_s`` (a lone request, however many rows it
-        brings, does not wait out a long delay set to gather concurrent clients)."""
+        brings, does not wait out a long delay set to gather concurrent clients); while
+        interactive requests are arriving or work of ``head``'s group is being prepared, until
+        that work is in or ``prepare_wait_s`` after ``head`` was queued."""
         deadline = head.enqueued_at + self.max_batch_delay_s
+        patience = head.enqueued_at + max(self.prepare_wait_s, self.max_batch_delay_s)
         rows = self._rows_with(head.key, head.lane)
         quiet_until = time.monotonic() + self.batch_gap_s
         while rows < self.max_batch_size:
-            remaining = min(deadline, quiet_until) - time.monotonic()
+            end = min(deadline, quiet_until)
+            if self._coming(head):
+                end = max(end, patience)
+            remaining = end - time.monotonic()
             if remaining <= 0:
                 return
             self._wakeup.clear()
@@ -308,6 +359,13 @@ class Scheduler(Generic[WorkT, BatchT, RowT, ValueT]):
             arrived = self._rows_with(head.key, head.lane)
             if arrived != rows:
                 rows, quiet_until = arrived, time.monotonic() + self.batch_gap_s
+
+    def _coming(self, head: WorkItem) -> bool:
+        """Whether rows that may join ``head``'s batch are on their way: interactive requests
+        arriving, or work of its group being prepared."""
+        if head.lane == "interactive" and self._arriving:
+            return True
+        return head.group is not None and bool(self._preparing[head.lane, head.group])
 
     def _rows_with(self, key: Hashable, lane: Lane) -> int:
         """Pending rows with batch key ``key`` in ``lane``."""

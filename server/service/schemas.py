@@ -506,6 +506,7 @@ class Limits(_Declared):
     max_batch_size: int
     max_batch_delay_ms: float
     batch_gap_ms: float
+    prepare_wait_ms: float
     max_queue: int
     request_timeout_s: float
     result_ttl_hours: float

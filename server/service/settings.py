@@ -137,6 +137,14 @@ class Settings:
             "lone request does not wait out a long --max-batch-delay-ms)"
         },
     )
+    prepare_wait_ms: float = field(
+        default=200.0,
+        metadata={
+            "help": "how long a batch waits, at most, for requests on their way: being read "
+            "and checked, or on its background and being translated (they would otherwise "
+            "wait for its whole engine call and run in another; 0: never)"
+        },
+    )
     max_queue: int = field(
         default=256,
         metadata={"help": "pending interactive requests (and queued jobs) before 429"},
@@ -281,7 +289,7 @@ class Settings:
         ):
             if getattr(self, name) <= 0:
                 problems.append(f"{name} must be positive, not {getattr(self, name)}")
-        for name in ("max_batch_delay_ms", "batch_gap_ms"):
+        for name in ("max_batch_delay_ms", "batch_gap_ms", "prepare_wait_ms"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must not be negative")
         if self.dask_scheduler is not None and not _is_address(self.dask_scheduler):

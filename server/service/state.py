@@ -148,6 +148,7 @@ class ServiceState:
             max_batch_size=settings.max_batch_size,
             max_batch_delay_s=settings.max_batch_delay_ms / 1000,
             batch_gap_s=settings.batch_gap_ms / 1000,
+            prepare_wait_s=settings.prepare_wait_ms / 1000,
             max_pending=settings.max_queue,
             job_chunk_s=settings.job_chunk_s,
             release_memory=release,

@@ -87,6 +87,7 @@ async def info(state: StateDep) -> dict[str, Any]:
             "max_batch_size": settings.max_batch_size,
             "max_batch_delay_ms": settings.max_batch_delay_ms,
             "batch_gap_ms": settings.batch_gap_ms,
+            "prepare_wait_ms": settings.prepare_wait_ms,
             "max_queue": settings.max_queue,
             "request_timeout_s": settings.request_timeout_s,
             "result_ttl_hours": settings.result_ttl_hours,

@@ -104,9 +104,11 @@ def _endpoint(operation: Operation):
     """The handler of POST /<operation>."""
 
     async def endpoint(request: Request, state: StateDep) -> Any:
-        plan, plot, envelope = await plan_from_http(request, operation, state)
+        with state.scheduler.arriving():  # batches wait for this request's rows (bounded)
+            plan, plot, envelope = await plan_from_http(request, operation, state)
+            run = asyncio.ensure_future(state.dispatcher.run(plan))
+            await asyncio.sleep(0)  # the run announces its own preparation before this ends
         timeout = state.settings.request_timeout_s
-        run = asyncio.ensure_future(state.dispatcher.run(plan))
         gone = asyncio.ensure_future(_disconnected(request))
         done, _ = await asyncio.wait({run, gone}, timeout=timeout, return_when=FIRST_COMPLETED)
         gone.cancel()
