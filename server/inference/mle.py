@@ -358,7 +358,9 @@ def fit_rows(
         unc, corr = hessian_uncertainties(model, data, element, x, fixed, options)
     else:
         unc = torch.full_like(x, torch.nan)
-        corr = torch.full((B, P, P), torch.nan, dtype=x.dtype, device=x.device)
+        # a view of one NaN: B x P x P numbers would be held for nothing (69 MB for 6 rows of
+        # a 1201-parameter model, at the memory peak of the fit that made them)
+        corr = x.new_full((1, 1, 1), torch.nan).expand(B, P, P)
     return FitResults(
         bestfit=x,
         uncertainty=unc,
