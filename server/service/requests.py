@@ -13,6 +13,7 @@ import math
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any
 
 import pydantic
@@ -198,7 +199,7 @@ class Plan:
             return element
         return replace(element, layout=None, error=Unprocessable(problem))
 
-    @property
+    @cached_property
     def batch_group(self) -> tuple[Any, ...] | None:
         """What the rows of requests that may share an engine call have in common before
         their patches are read: the background, operation and options (the tested POI values
