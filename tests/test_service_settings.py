@@ -7,7 +7,10 @@ import logging
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from pyhf_gpu_server.service import requests
 from pyhf_gpu_server.service.errors import BadRequest, Unprocessable
 from pyhf_gpu_server.service.logs import JsonFormatter
 from pyhf_gpu_server.service.operations import OPERATIONS
@@ -72,6 +75,46 @@ def test_parser_rejects_non_finite_and_deep_json() -> None:
         parse_json(b"[[[[1]]]]", 3)
     with pytest.raises(BadRequest):
         parse_json(b"{", 64)
+
+
+def _depth(node: object) -> int:
+    if isinstance(node, dict):
+        node = list(node.values())
+    if not isinstance(node, list):
+        return 0
+    return 1 + max(map(_depth, node), default=0)
+
+
+# texts full of what could fool a byte scan: brackets, quotes, backslashes, escapes, non-ASCII
+_TEXTS = st.text(alphabet=st.sampled_from('[]{}"\\/,: aé\u2028\n\x00'), max_size=6)
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.floats(allow_nan=False, allow_infinity=False) | _TEXTS,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_TEXTS, inner, max_size=4),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    document=st.lists(_JSON, max_size=3) | st.dictionaries(_TEXTS, _JSON, max_size=3),
+    indent=st.booleans(),
+)
+def test_the_depth_read_off_the_bytes_is_the_documents(document: object, indent: bool) -> None:
+    body = json.dumps(document, indent=1 if indent else None, ensure_ascii=False).encode()
+    depth = requests.text_depth(body)
+    if b"\\" in body:
+        assert depth is None
+    else:
+        assert depth == _depth(document)
+    for limit in {0, 1, _depth(document) - 1, _depth(document)}:
+        too_deep = requests._too_deep(body, json.loads(body), limit)
+        assert too_deep == (_depth(document) > limit) == requests._exceeds_depth(document, limit)
+
+
+def test_the_depth_scan_carries_strings_and_levels_across_chunks(monkeypatch) -> None:
+    monkeypatch.setattr(requests, "_DEPTH_CHUNK", 3)
+    body = b'[{"a]": [[1, "x[[[["]], "b": {"c": []}}, "\xc3\xa9]"]'
+    assert requests.text_depth(body) == _depth(json.loads(body)) == 4
 
 
 def test_envelope_from_bare_workspace_and_query() -> None:

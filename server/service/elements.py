@@ -53,7 +53,7 @@ class PatchSpec:
     """One element: the background with these JSON-patch operations applied."""
 
     name: str
-    digest: str  # pyhf's digest of the operations ("" for the bare background)
+    digest: str  # the operations' id (requests.patch_digest; "" for the bare background)
     operations: tuple[dict[str, Any], ...]
 
 

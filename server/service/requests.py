@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import uuid
@@ -16,6 +17,8 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
+import numpy as np
+import orjson
 import pydantic
 import pyhf
 from pydantic import BaseModel
@@ -45,6 +48,11 @@ def _finite_float(text: str) -> float:
 
 
 _SCALARS = frozenset({int, float, str, bool, type(None)})
+_STEPS = np.zeros(256, dtype=np.int32)  # the nesting step of each byte: [ { up, ] } down
+_STEPS[[ord("["), ord("{")]] = 1
+_STEPS[[ord("]"), ord("}")]] = -1
+_NOT_STRUCTURE = bytes(sorted(set(range(256)) - set(b'[]{}"')))  # the bytes a depth ignores
+_DEPTH_CHUNK = 1 << 24  # bytes of body scanned at once (bounds the scan's arrays)
 
 
 def _exceeds_depth(document: Any, limit: int) -> bool:
@@ -61,6 +69,33 @@ def _exceeds_depth(document: Any, limit: int) -> bool:
     return False
 
 
+def text_depth(body: bytes) -> int | None:
+    """How deep the JSON text ``body`` (valid JSON) nests lists and objects, read off its
+    bytes: the brackets outside strings, once all other bytes are dropped (a 2.6 MB patchset
+    in ~6 ms, 6x walking the parsed document); None when it holds a backslash, whose escapes
+    could hide where a string ends.
+
+    Example:
+        >>> text_depth(b'{"a": [[1], {"b": "]]}"}]}'), text_depth(b'["\\\\""]')
+        (3, None)
+    """
+    if b"\\" in body:
+        return None
+    deepest, depth, in_string = 0, 0, 0
+    for start in range(0, len(body), _DEPTH_CHUNK):
+        marks = body[start : start + _DEPTH_CHUNK].translate(None, _NOT_STRUCTURE)
+        if not marks:
+            continue
+        raw = np.frombuffer(marks, dtype=np.uint8)
+        quotes = np.cumsum(raw == ord('"'), dtype=np.int64) + in_string
+        steps = _STEPS[raw]
+        steps[(quotes & 1).astype(bool)] = 0  # inside a string (a quote's own byte: no step)
+        levels = np.cumsum(steps, dtype=np.int64) + depth
+        deepest = max(deepest, int(levels.max()))
+        depth, in_string = int(levels[-1]), int(quotes[-1]) & 1
+    return deepest
+
+
 def parse_json(body: bytes, max_depth: int) -> Any:
     """The JSON document in ``body``: 400 if malformed, 422 if non-finite or nested too deep.
 
@@ -75,9 +110,15 @@ def parse_json(body: bytes, max_depth: int) -> Any:
         raise Unprocessable(f"{type(exc).__name__}: {exc}") from None
     except ValueError:
         document = _parse_to_explain(body, max_depth)
-    if isinstance(document, (dict, list)) and _exceeds_depth(document, max_depth):
+    if isinstance(document, (dict, list)) and _too_deep(body, document, max_depth):
         raise Unprocessable(f"the JSON is nested deeper than {max_depth} levels")
     return document
+
+
+def _too_deep(body: bytes, document: Any, limit: int) -> bool:
+    """Whether the parsed ``body`` nests deeper than ``limit`` (its bytes when they tell)."""
+    depth = text_depth(body)
+    return _exceeds_depth(document, limit) if depth is None else depth > limit
 
 
 def _parse_to_explain(body: bytes, max_depth: int) -> Any:
@@ -258,16 +299,28 @@ def resolve_source(
         patchset = _load_patchset(request.patchset, digest)
         names = _patch_names(patchset, request.patch_names)
         patches = tuple(
-            PatchSpec(name, pyhf.utils.digest(patchset[name]), tuple(patchset[name]))
-            for name in names
+            PatchSpec(name, patch_digest(patchset[name]), tuple(patchset[name])) for name in names
         )
         return background, patches, True
     operations = [
         op for i, p in enumerate(request.patches) for op in _patch_operations(p, f"patches[{i}]")
     ]
     name = "patch" if operations else "nominal"
-    digest = pyhf.utils.digest(operations) if operations else ""
+    digest = patch_digest(operations) if operations else ""
     return background, (PatchSpec(name, digest, tuple(operations)),), False
+
+
+def patch_digest(operations: list[dict[str, Any]]) -> str:
+    """The id of a patch's operations on its background: sha256 of their JSON, keys sorted
+    (orjson: 10x ``pyhf.utils.digest``, whose spelling it need not match: patches are
+    named by this id only inside the server).
+
+    Example:
+        >>> patch_digest([{"op": "remove", "path": "/channels/1"}]) == patch_digest(
+        ...     [{"path": "/channels/1", "op": "remove"}])
+        True
+    """
+    return hashlib.sha256(orjson.dumps(operations, option=orjson.OPT_SORT_KEYS)).hexdigest()
 
 
 def _measurement(spec: dict[str, Any], name: str | None) -> str:
