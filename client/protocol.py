@@ -46,7 +46,15 @@ from .exceptions import (
     format_detail,
 )
 from .results import OPERATIONS, Job, Result, parse_result
-from .workspace import JSONSource, WorkspaceId, digest, load_json, load_patches
+from .workspace import (
+    JSONFile,
+    JSONSource,
+    WorkspaceId,
+    digest,
+    load_json,
+    load_patches,
+    read_json_file,
+)
 
 __all__ = [
     "DEFAULT_SERVER",
@@ -207,16 +215,13 @@ class ClientConfig:
         """The extra headers and body bytes of ``request`` (JSON, gzip when large enough)."""
         if not request.has_body:
             return {}, None
-        try:
-            text = json.dumps(request.body, separators=(",", ":"), allow_nan=False)
-        except ValueError as exc:  # NaN / Infinity: not JSON, and no likelihood can use them
-            raise WorkspaceError(f"the request contains a non-finite number: {exc}") from exc
-        content = text.encode("utf-8")
+        parts = json_parts(request.body)
         headers = {"Content-Type": "application/json"}
-        if self.compress and len(content) >= self.compress_min_bytes:
-            content = gzip.compress(content, compresslevel=6, mtime=0)
-            headers["Content-Encoding"] = "gzip"
-        return headers, content
+        size = sum(len(p if isinstance(p, bytes) else p.text) for p in parts)
+        if not (self.compress and size >= self.compress_min_bytes):
+            return headers, b"".join(p if isinstance(p, bytes) else p.text for p in parts)
+        headers["Content-Encoding"] = "gzip"
+        return headers, b"".join(map(_gzip_member, parts))
 
     def httpx_arguments(self, request: Request) -> dict[str, Any]:
         """Keyword arguments of ``httpx.(Async)Client.request`` for ``request``."""
@@ -233,6 +238,54 @@ class ClientConfig:
             "headers": headers,
             "params": params,
         }
+
+
+def json_parts(body: Any) -> list[bytes | JSONFile]:
+    """``body`` as JSON, in pieces: encoded text, and the :class:`JSONFile` values of a
+    top-level object as they are (joined, the pieces are the body's JSON).
+
+    Example:
+        >>> part = JSONFile("patchset", "ps.json", b'{"patches": []}')
+        >>> pieces = json_parts({"workspace_id": "e7", "patchset": part, "test_poi": 1.0})
+        >>> b"".join(p if isinstance(p, bytes) else p.text for p in pieces)
+        b'{"workspace_id":"e7","patchset":{"patches": []},"test_poi":1.0}'
+    """
+    if not (isinstance(body, dict) and any(isinstance(v, JSONFile) for v in body.values())):
+        return [_dumps(body)]
+    parts: list[bytes | JSONFile] = []
+    text = b"{"
+    for i, (key, value) in enumerate(body.items()):
+        text += (b"," if i else b"") + _dumps(key) + b":"
+        if isinstance(value, JSONFile):
+            parts += [text, value]
+            text = b""
+        else:
+            text += _dumps(value)
+    return [*parts, text + b"}"]
+
+
+def _dumps(value: Any) -> bytes:
+    """Compact JSON of ``value`` (non-finite numbers refused: no likelihood can use them)."""
+    try:
+        return json.dumps(value, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    except ValueError as exc:  # NaN / Infinity: not JSON
+        raise WorkspaceError(f"the request contains a non-finite number: {exc}") from exc
+
+
+def _gzip_member(part: bytes | JSONFile) -> bytes:
+    """One gzip member of a body: a file's own gzip bytes, else the part compressed."""
+    if isinstance(part, JSONFile):
+        return part.compressed or gzip.compress(part.text, compresslevel=6, mtime=0)
+    return gzip.compress(part, compresslevel=6, mtime=0)
+
+
+def explain_malformed(body: Any, error: BadRequestError) -> None:
+    """Raise the :class:`WorkspaceError` of a :class:`JSONFile` in ``body`` that is not JSON
+    when the server answered ``error`` (400: the body's JSON is malformed)."""
+    if error.status == 400 and isinstance(body, dict):
+        for value in body.values():
+            if isinstance(value, JSONFile):
+                value.parsed()
 
 
 def _param(value: Any) -> Any:
@@ -501,7 +554,7 @@ def build_options(
     if loaded:
         body["patches"] = loaded
     if patchset is not None:
-        body["patchset"] = load_json(patchset, "patchset")
+        body["patchset"] = read_json_file(patchset, "patchset")
     if patch_names:
         if patchset is None:
             raise ValueError("patch_names needs a patchset")
@@ -536,7 +589,10 @@ def post_operation(
         request = Request("POST", path, body={**ref, **options}, has_body=True, accept=accept)
         try:
             return (yield from call(request, config.retry))
-        except NotFoundError:
+        except BadRequestError as exc:
+            explain_malformed(request.body, exc)
+            if not isinstance(exc, NotFoundError):
+                raise
             if spec is None or "workspace_id" not in ref or attempt == 2:
                 raise
             state.known_workspaces.discard(ref["workspace_id"])
@@ -567,7 +623,11 @@ def submit_flow(
     ref, _ = yield from workspace_reference(workspace, config, state)
     body = {"operation": operation, **ref, **options}
     request = Request("POST", "/jobs", body=body, has_body=True, idempotent=False)
-    data = yield from call_json(request, config.retry)
+    try:
+        data = yield from call_json(request, config.retry)
+    except BadRequestError as exc:
+        explain_malformed(body, exc)
+        raise
     return Job.from_json(data, operation=operation)
 
 

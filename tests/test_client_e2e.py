@@ -9,6 +9,7 @@ where pyhf has the same command, ``pyhf`` itself on the same input: same keys, s
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import math
 import os
@@ -92,6 +93,7 @@ def files(tmp_path_factory):
     bad["channels"][0]["samples"][0]["modifiers"][0]["type"] = "notamodifier"
     (d / "bad.json").write_text(json.dumps(bad))
     (d / "broken.json").write_text('{"channels": [')
+    (d / "broken.json.gz").write_bytes(gzip.compress(b'{"patches": ['))
     return d
 
 
@@ -387,6 +389,10 @@ def test_bad_workspace_is_a_clear_error(server, files):
     assert "Traceback" not in res.output
     res = client_cli(server, "cls", str(files / "broken.json"))
     assert res.exit_code == 1 and "not valid JSON" in res.output
+    for broken in ("broken.json", "broken.json.gz"):  # sent as read; the server's 400 explained
+        res = client_cli(server, "cls", str(files / "ws.json"), "--patchset", str(files / broken))
+        assert res.exit_code == 1 and "Traceback" not in res.output
+        assert f"patchset {files / broken} is not valid JSON" in res.output
     res = client_cli(server, "cls", str(files / "ws.json"), "--measurement", "nope")
     assert res.exit_code == 1 and "nope" in res.output
 

@@ -201,6 +201,48 @@ def test_envelope_auth_and_gzip():
     assert "content-encoding" not in service.requests[-1].headers
 
 
+@pytest.mark.parametrize("compressed", [True, False], ids=["json.gz", "json"])
+def test_a_patchset_file_is_sent_as_read(tmp_path: Path, compressed: bool):
+    ws = simple_workspace()
+    patchset = {
+        "metadata": {"name": "p", "digests": {"sha256": pgc.digest(ws)}, "labels": ["m"]},
+        "patches": [{"metadata": {"name": "a", "values": [1]}, "patch": []}],
+        "version": "1.0.0",
+    }
+    text = json.dumps(patchset, indent=1).encode()  # not the client's own spelling
+    path = tmp_path / ("ps.json.gz" if compressed else "ps.json")
+    path.write_bytes(gzip.compress(text) if compressed else text)
+    service = FakeService()
+    with make_client(service) as client:
+        client.config.compress_min_bytes = 10
+        client.cls(ws, patchset=path, test_poi=0.5)
+    request = service.requests[0]
+    assert request.headers["content-encoding"] == "gzip"
+    assert (path.read_bytes() in request.content) is compressed  # the file's own gzip member
+    body = json.loads(gzip.decompress(request.content))  # every member, one JSON document
+    assert body["patchset"] == patchset and body["workspace"] == ws and body["test_poi"] == 0.5
+    assert text in gzip.decompress(request.content)  # not parsed and written again
+    plain = FakeService()
+    with make_client(plain) as client:  # small bodies go uncompressed, as they are
+        client.config.compress_min_bytes = 1 << 20
+        client.cls(ws, patchset=path)
+    assert "content-encoding" not in plain.requests[0].headers
+    assert text in plain.requests[0].content
+
+
+def test_a_malformed_patchset_file_is_named_when_the_server_refuses_the_body(tmp_path: Path):
+    path = tmp_path / "ps.json.gz"
+    path.write_bytes(gzip.compress(b'{"patches": ['))
+    refused = httpx.Response(400, json={"detail": "malformed JSON: Expecting value"})
+    service = FakeService(script={"POST /cls": [refused]})
+    with make_client(service) as client, pytest.raises(pgc.WorkspaceError) as info:
+        client.cls(simple_workspace(), patchset=path)
+    assert str(path) in str(info.value) and "not valid JSON" in str(info.value)
+    path.write_bytes(b"\x1f\x8b broken")
+    with make_client(FakeService()) as client, pytest.raises(pgc.WorkspaceError, match="cannot"):
+        client.cls(simple_workspace(), patchset=path)
+
+
 def test_large_workspace_uploaded_once_and_patches_sent_alone():
     service = FakeService()
     ws = simple_workspace()

@@ -203,6 +203,12 @@ def test_gzip_body_is_accepted(client: httpx.Client) -> None:
     response = client.post("/cls", content=gzip.compress(raw), headers={"Content-Encoding": "gzip"})
     assert response.status_code == 200, response.text
     assert 0 <= response.json()["CLs_obs"] <= 1
+    members = b"".join(gzip.compress(raw[i : i + 50]) for i in range(0, len(raw), 50))
+    again = client.post("/cls", content=members, headers={"Content-Encoding": "gzip"})
+    assert again.status_code == 200, again.text  # several gzip members: one body (RFC 1952)
+    assert again.json()["CLs_obs"] == response.json()["CLs_obs"]
+    cut = client.post("/cls", content=members[:-3], headers={"Content-Encoding": "gzip"})
+    assert cut.status_code == 400 and "gzip" in cut.json()["detail"]
 
 
 def test_job_for_a_patchset_with_events_and_listing(

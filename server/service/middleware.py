@@ -209,14 +209,21 @@ class BodyLimitMiddleware:
         return b"".join(chunks)
 
     def _gunzip(self, body: bytes) -> bytes | None:
-        """Decompressed ``body``, or ``None`` when it would pass the limit."""
-        inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)
-        out = inflater.decompress(body, self.max_bytes + 1)
-        if len(out) > self.max_bytes or inflater.unconsumed_tail:
-            return None
-        if not inflater.eof:
-            raise zlib.error("truncated gzip stream")
-        return out
+        """Decompressed ``body``, or ``None`` when it would pass the limit. Its members one
+        after the other (RFC 1952: the client sends a gzip file it read as one of them)."""
+        out: list[bytes] = []
+        size, rest = 0, body
+        while True:
+            inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)
+            out.append(inflater.decompress(rest, self.max_bytes + 1 - size))
+            size += len(out[-1])
+            if size > self.max_bytes or inflater.unconsumed_tail:
+                return None
+            if not inflater.eof:
+                raise zlib.error("truncated gzip stream")
+            rest = inflater.unused_data
+            if not rest:
+                return b"".join(out)
 
     def _too_large(self, what: str) -> JSONResponse:
         """The 413 answer."""
