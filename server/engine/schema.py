@@ -93,8 +93,12 @@ def compiled(schema_name: str) -> Callable[[Any], bool]:
 
 
 def conforms(instance: Any, schema_name: str) -> bool:
-    """Whether the compiled check passes (pyhf may still accept what it refuses)."""
-    return compiled(schema_name)(instance)
+    """Whether the compiled check passes (pyhf may still accept what it refuses, such as the
+    numpy arrays the compiled check cannot read)."""
+    try:
+        return compiled(schema_name)(instance)
+    except (ValueError, TypeError):  # "Unsupported type": not a JSON value
+        return False
 
 
 def validate(instance: Any, schema_name: str) -> None:
