@@ -216,3 +216,42 @@ def test_solvers_and_trial_rules_find_the_same_histfactory_minima():
         assert result.converged.sum() >= 0.9 * toys.shape[0]
         both = result.converged & reference.converged
         assert torch.allclose(result.fun[both], reference.fun[both], rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("solver", ["dense", "low-rank"])
+def test_the_last_rows_of_a_call_iterate_on_a_grid_to_the_same_minima(monkeypatch, solver):
+    """Once at most ``tail_rows`` rows run, the iterations try the tail's grid of damped and
+    stretched steps (an iteration of a few rows costs its dispatch, not its arithmetic); the
+    minima are those of the plain damped steps, and as many rows converge."""
+    from hand_built import all_modifiers_workspace
+
+    from pyhf_gpu_server.engine import HistFactoryModel
+    from pyhf_gpu_server.inference.objective import TwiceNLL
+    from pyhf_gpu_server.inference.toys import sample_toys
+
+    module = importlib.import_module("pyhf_gpu_server.inference.minimize")
+    model = HistFactoryModel.from_workspace(all_modifiers_workspace(), device=DEVICE)
+    element = torch.zeros(1, dtype=torch.long, device=DEVICE)
+    toys = sample_toys(model, model.init, element, 64, torch.Generator(DEVICE).manual_seed(7))[0]
+    rows = torch.zeros(toys.shape[0], dtype=torch.long, device=DEVICE)
+    init = model.init.expand(toys.shape[0], -1)
+    calls: list[tuple[str, int]] = []
+    iterate = module._iterate
+
+    def recorded(objective, s, lo, hi, free, options, constants):
+        calls.append((options.trials, s.rows.numel()))
+        return iterate(objective, s, lo, hi, free, options, constants)
+
+    monkeypatch.setattr(module, "_iterate", recorded)
+    found = {}
+    for tail_rows in (0, 16):
+        calls.clear()
+        options = MinimizeOptions(solver=solver, secant_memory=3, tail_rows=tail_rows)
+        objective = TwiceNLL(model, toys, rows, "gauss-newton")
+        found[tail_rows] = minimize(objective, init, model.bounds[0], model.fixed[0], options)
+        grid = [n for trials, n in calls if trials == "grid"]
+        assert (len(grid) > 0) is (tail_rows > 0) and all(n <= tail_rows for n in grid)
+    plain, tail = found[0], found[16]
+    assert tail.converged.sum() >= plain.converged.sum() >= 0.9 * toys.shape[0]
+    both = plain.converged & tail.converged
+    assert torch.allclose(tail.fun[both], plain.fun[both], rtol=0, atol=1e-7)
