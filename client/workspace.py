@@ -125,9 +125,8 @@ def load_json(source: JSONSource, what: str = "workspace") -> Any:
 class JSONFile:
     """A JSON file as read from disk, to be sent as it is: not parsed, not written again.
 
-    A published 218-point patchset is 2.6 MB of JSON: parsing and writing it again would
-    cost the client ~80 ms and compressing it ~20 ms more, and the server parses and checks it
-    anyway. ``text`` is the JSON (UTF-8); ``compressed`` the file's own gzip bytes when it came
+    A published patchset is megabytes of JSON: parsing, writing and compressing it again is
+    most of what the client spends on a command, and the server parses and checks it anyway. ``text`` is the JSON (UTF-8); ``compressed`` the file's own gzip bytes when it came
     gzip-compressed (HEPData's ``.json.gz``): they go into a gzip request body as they are,
     as a member of it (a gzip stream may hold several, RFC 1952). Where the server finds the
     body's JSON malformed, :meth:`parsed` says what is wrong in the file.

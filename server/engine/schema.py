@@ -3,8 +3,8 @@
 ``pyhf.schema.validate`` builds a jsonschema validator on every call and walks the instance
 in Python: 0.2-0.6 s for a published workspace. Here each schema of pyhf
 (``pyhf/schemas/1.0.0``, ``$ref`` to ``defs.json`` resolved locally) is compiled once by
-``jsonschema-rs`` (Rust; a 300-parameter workspace in about 0.2 ms, 14x the Python code
-``fastjsonschema`` generates). A valid instance costs only the compiled check; when it fails, pyhf's
+``jsonschema-rs`` (Rust; an order of magnitude faster than the Python code ``fastjsonschema``
+generates, see BENCHMARKS.md). A valid instance costs only the compiled check; when it fails, pyhf's
 validator runs on the instance, so :func:`validate` raises exactly pyhf's
 :class:`~pyhf.exceptions.InvalidSpecification` (message, JSON path, schema name) and accepts
 whatever pyhf accepts (pyhf also takes booleans as numbers and numpy arrays as arrays).

@@ -118,9 +118,8 @@ class MinimizeOptions:
             ``tail_step_lengths``: an iteration of a few rows costs its operations' dispatch,
             not their arithmetic, so ten trial points cost about what one does, and the slow
             fits that set the length of a call (conditional fits of excluded signals, down a
-            curved valley where the damped step falls short) need fewer iterations: on the
-            published sbottom points, the slowest 131 -> 86 (region B) and 200, unconverged,
-            -> 109 (region A). ``0``: never.
+            curved valley where the damped step falls short) need fewer iterations
+            (BENCHMARKS.md). ``0``: never.
         tail_damping_factors: the tail's damped candidates, as multiples of ``lambda``.
         tail_step_lengths: the tail's fractions (and multiples) of each candidate step.
     """

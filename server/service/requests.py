@@ -71,9 +71,9 @@ def _exceeds_depth(document: Any, limit: int) -> bool:
 
 def text_depth(body: bytes) -> int | None:
     """How deep the JSON text ``body`` (valid JSON) nests lists and objects, read off its
-    bytes: the brackets outside strings, once all other bytes are dropped (a 2.6 MB patchset
-    in ~6 ms, 6x walking the parsed document); None when it holds a backslash, whose escapes
-    could hide where a string ends.
+    bytes: the brackets outside strings, once all other bytes are dropped (a few array passes
+    over what is left, instead of a Python walk over every list and object); None when it
+    holds a backslash, whose escapes could hide where a string ends.
 
     Example:
         >>> text_depth(b'{"a": [[1], {"b": "]]}"}]}'), text_depth(b'["\\\\""]')
@@ -312,8 +312,8 @@ def resolve_source(
 
 def patch_digest(operations: list[dict[str, Any]]) -> str:
     """The id of a patch's operations on its background: sha256 of their JSON, keys sorted
-    (orjson: 10x ``pyhf.utils.digest``, whose spelling it need not match: patches are
-    named by this id only inside the server).
+    (orjson, not ``pyhf.utils.digest``'s ``json.dumps``: patches are named by this id only
+    inside the server, so its spelling need not be pyhf's).
 
     Example:
         >>> patch_digest([{"op": "remove", "path": "/channels/1"}]) == patch_digest(
