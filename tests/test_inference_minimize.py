@@ -220,9 +220,10 @@ def test_solvers_and_trial_rules_find_the_same_histfactory_minima():
 
 @pytest.mark.parametrize("solver", ["dense", "low-rank"])
 def test_the_last_rows_of_a_call_iterate_on_a_grid_to_the_same_minima(monkeypatch, solver):
-    """Once at most ``tail_rows`` rows run, the iterations try the tail's grid of damped and
-    stretched steps (an iteration of a few rows costs its dispatch, not its arithmetic); the
-    minima are those of the plain damped steps, and as many rows converge."""
+    """Once at most ``tail_rows`` rows run after ``tail_after`` iterations, the iterations try
+    the tail's grid of damped and stretched steps (an iteration of a few rows costs its
+    dispatch, not its arithmetic); the minima are those of the plain damped steps, and as many
+    rows converge."""
     from hand_built import all_modifiers_workspace
 
     from pyhf_gpu_server.engine import HistFactoryModel
@@ -249,8 +250,9 @@ def test_the_last_rows_of_a_call_iterate_on_a_grid_to_the_same_minima(monkeypatc
         options = MinimizeOptions(solver=solver, secant_memory=3, tail_rows=tail_rows)
         objective = TwiceNLL(model, toys, rows, "gauss-newton")
         found[tail_rows] = minimize(objective, init, model.bounds[0], model.fixed[0], options)
-        grid = [n for trials, n in calls if trials == "grid"]
-        assert (len(grid) > 0) is (tail_rows > 0) and all(n <= tail_rows for n in grid)
+        grid = [(i, n) for i, (trials, n) in enumerate(calls, 1) if trials == "grid"]
+        assert (len(grid) > 0) is (tail_rows > 0)
+        assert all(n <= tail_rows and i > options.tail_after for i, n in grid)
     plain, tail = found[0], found[16]
     assert tail.converged.sum() >= plain.converged.sum() >= 0.9 * toys.shape[0]
     both = plain.converged & tail.converged

@@ -113,13 +113,15 @@ class MinimizeOptions:
             ``"low-rank"`` (Woodbury, for objectives that give the low-rank pieces) or
             ``"auto"``.
         secant_memory: secant pairs the low-rank curvature keeps.
-        tail_rows: once at most this many rows still run (and the host looks, see
-            ``check_every``), iterate with ``"grid"`` trials over ``tail_damping_factors`` x
+        tail_rows: once at most this many rows still run after ``tail_after`` iterations
+            (and the host looks, see ``check_every``), iterate with ``"grid"`` trials over ``tail_damping_factors`` x
             ``tail_step_lengths``: an iteration of a few rows costs its operations' dispatch,
             not their arithmetic, so ten trial points cost about what one does, and the slow
             fits that set the length of a call (conditional fits of excluded signals, down a
             curved valley where the damped step falls short) need fewer iterations
             (BENCHMARKS.md). ``0``: never.
+        tail_after: iterations before the tail may start: a fit that converges sooner (most
+            do) never pays for the grid's extra trial points and factorisations.
         tail_damping_factors: the tail's damped candidates, as multiples of ``lambda``.
         tail_step_lengths: the tail's fractions (and multiples) of each candidate step.
     """
@@ -138,6 +140,7 @@ class MinimizeOptions:
     solver: Literal["auto", "dense", "low-rank"] = "auto"
     secant_memory: int = 8
     tail_rows: int = 16
+    tail_after: int = 20
     tail_damping_factors: tuple[float, ...] = (0.125, 1.0, 8.0)
     tail_step_lengths: tuple[float, ...] = (3.0, 1.5, 0.6)
 
@@ -420,7 +423,11 @@ def minimize(
             if 8 * done >= finished.numel():
                 flush(s.select(finished))
                 s = s.select(torch.logical_not(finished))
-            if step_options is options and finished.numel() - done <= options.tail_rows:
+            if (
+                step_options is options
+                and it >= options.tail_after
+                and finished.numel() - done <= options.tail_rows
+            ):
                 step_options = options.tail()
                 constants = step_options.constants(device, dtype)
     flush(s)
