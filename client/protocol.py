@@ -241,8 +241,9 @@ class ClientConfig:
 
 
 def json_parts(body: Any) -> list[bytes | JSONFile]:
-    """``body`` as JSON, in pieces: encoded text, and the :class:`JSONFile` values of a
-    top-level object as they are (joined, the pieces are the body's JSON).
+    """``body`` as JSON, in pieces: encoded text, and a :class:`JSONFile` body or the
+    :class:`JSONFile` values of a top-level object as they are (joined, the pieces are the
+    body's JSON).
 
     Example:
         >>> part = JSONFile("patchset", "ps.json", b'{"patches": []}')
@@ -250,6 +251,8 @@ def json_parts(body: Any) -> list[bytes | JSONFile]:
         >>> b"".join(p if isinstance(p, bytes) else p.text for p in pieces)
         b'{"workspace_id":"e7","patchset":{"patches": []},"test_poi":1.0}'
     """
+    if isinstance(body, JSONFile):
+        return [body]
     if not (isinstance(body, dict) and any(isinstance(v, JSONFile) for v in body.values())):
         return [_dumps(body)]
     parts: list[bytes | JSONFile] = []
@@ -410,17 +413,22 @@ def resolve_workspace(
     A large workspace is uploaded only when the server does not hold it yet: its id is pyhf's
     digest, checked with ``GET /workspaces/{id}``; ids seen by this client are not re-checked.
     """
-    size = len(json.dumps(workspace, separators=(",", ":")))
-    if size < config.upload_threshold and not force_upload:
+    text = _dumps(workspace)
+    if len(text) < config.upload_threshold and not force_upload:
         return {"workspace": workspace}
-    wid = yield from upload_workspace(workspace, config, state)
+    wid = yield from upload_workspace(workspace, config, state, text=text)
     return {"workspace_id": wid}
 
 
 def upload_workspace(
-    workspace: Any, config: ClientConfig, state: ClientState, check: bool = True
+    workspace: Any,
+    config: ClientConfig,
+    state: ClientState,
+    check: bool = True,
+    text: bytes | None = None,
 ) -> Flow[WorkspaceId]:
-    """Make sure the server holds ``workspace``; return its id (skip the upload if it has it)."""
+    """Make sure the server holds ``workspace``; return its id (skip the upload if it has it).
+    ``text``: its JSON, where the caller has it already."""
     wid = WorkspaceId(digest(workspace))
     if wid in state.known_workspaces:
         return wid
@@ -429,8 +437,9 @@ def upload_workspace(
         if exists:
             state.known_workspaces.add(wid)
             return wid
+    body = workspace if text is None else JSONFile("workspace", "<workspace>", text)
     data = yield from call_json(
-        Request("POST", "/workspaces", body=workspace, has_body=True), config.retry
+        Request("POST", "/workspaces", body=body, has_body=True), config.retry
     )
     server_id = str(data.get("id") or data.get("workspace_id") or data.get("digest") or wid)
     state.known_workspaces.add(server_id)

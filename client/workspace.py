@@ -55,8 +55,13 @@ def digest(obj: Any, algorithm: str = "sha256") -> str:
     equal to the ``digests`` a pyhf ``PatchSet`` records for its background workspace.
     """
     try:
-        text = json.dumps(to_jsonable(obj), sort_keys=True, ensure_ascii=False)
-    except (TypeError, ValueError) as exc:
+        text = json.dumps(obj, sort_keys=True, ensure_ascii=False)  # parsed JSON as it is
+    except TypeError:  # numpy values, a pyhf.PatchSet: their JSON form first
+        try:
+            text = json.dumps(to_jsonable(obj), sort_keys=True, ensure_ascii=False)
+        except (TypeError, ValueError) as exc:
+            raise WorkspaceError(f"object is not JSON-serialisable: {exc}") from exc
+    except ValueError as exc:
         raise WorkspaceError(f"object is not JSON-serialisable: {exc}") from exc
     try:
         hasher = hashlib.new(algorithm)
