@@ -208,10 +208,14 @@ class StackLayout:
         variant_of: dict[bytes, int] = {}
         variants: list[dict[str, np.ndarray]] = []
         members: list[list[int]] = []
+        position = np.full(self.n_pars + 1, -1, dtype=np.int64)  # column -> histosys slot
+        position[self.histosys_params] = np.arange(len(self.histosys_params))
         for element, columns in zip(self.elements, self.columns, strict=True):
             used = []
+            histosys_slots = position[columns[element.histosys_params]]
+            normsys_columns = columns[np.asarray(element.normsys_params, dtype=np.int64)]
             for sample in element.samples:
-                remapped = self._remap(sample, element, columns)
+                remapped = self._remap(sample, columns, histosys_slots, normsys_columns)
                 key = _fingerprint(remapped)
                 if key not in variant_of:
                     variant_of[key] = len(variants)
@@ -235,17 +239,20 @@ class StackLayout:
         self.own = self._block([[variants[u] for u in o] for o in own], self.n_slots)
 
     def _remap(
-        self, sample: SampleLayout, element: ElementLayout, columns: np.ndarray
+        self,
+        sample: SampleLayout,
+        columns: np.ndarray,
+        histosys_slots: np.ndarray,
+        normsys_columns: np.ndarray,
     ) -> dict[str, np.ndarray]:
         """One sample in the stack's numbering: histosys over the stack's histosys
-        parameters, parameter indices as stack columns, multipliers padded to a matrix."""
+        parameters, parameter indices as stack columns, multipliers padded to a matrix.
+        ``columns``: the element's parameters' stack columns; ``histosys_slots`` and
+        ``normsys_columns``: where its histosys and normsys parameters go in the stack."""
         n_basis = sample.histosys.shape[0]
         histosys = np.zeros((n_basis, len(self.histosys_params), self.n_main))
         if sample.histosys.shape[1]:
-            position = {c: j for j, c in enumerate(self.histosys_params.tolist())}
-            target = [position[c] for c in columns[element.histosys_params].tolist()]
-            histosys[:, target] = sample.histosys
-        normsys_params = np.asarray(element.normsys_params, dtype=np.int64)
+            histosys[:, histosys_slots] = sample.histosys
         depth = max((len(m) for m in sample.multipliers), default=0)
         multipliers = np.full((depth, self.n_main), self.n_pars, dtype=np.int64)
         for b, indices in enumerate(sample.multipliers):
@@ -253,7 +260,7 @@ class StackLayout:
         return {
             "nominal": sample.nominal,
             "histosys": histosys,
-            "normsys_param": columns[normsys_params[sample.normsys_param]]
+            "normsys_param": normsys_columns[sample.normsys_param]
             if len(sample.normsys_param)
             else np.zeros(0, dtype=np.int64),
             "normsys_bin": sample.normsys_bin,
