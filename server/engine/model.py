@@ -355,12 +355,9 @@ class HistFactoryModel:
         stack = self.stack
         variant_of: dict[bytes, int] = {}
         members = []
-        for element, columns in zip(stack.elements, stack.columns, strict=True):
-            used = []
-            for sample in element.samples:
-                key = _fingerprint(stack._remap(sample, element, columns))
-                used.append(variant_of.setdefault(key, len(variant_of)))
-            members.append(used)
+        for samples in stack.remapped_samples():
+            keys = [_fingerprint(remapped) for remapped in samples]
+            members.append([variant_of.setdefault(key, len(variant_of)) for key in keys])
         everywhere = set.intersection(*(set(m) for m in members))
         common = {u: i for i, u in enumerate(sorted(everywhere))}
         n_common = len(common)

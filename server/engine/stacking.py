@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -208,14 +208,9 @@ class StackLayout:
         variant_of: dict[bytes, int] = {}
         variants: list[dict[str, np.ndarray]] = []
         members: list[list[int]] = []
-        position = np.full(self.n_pars + 1, -1, dtype=np.int64)  # column -> histosys slot
-        position[self.histosys_params] = np.arange(len(self.histosys_params))
-        for element, columns in zip(self.elements, self.columns, strict=True):
+        for samples in self.remapped_samples():
             used = []
-            histosys_slots = position[columns[element.histosys_params]]
-            normsys_columns = columns[np.asarray(element.normsys_params, dtype=np.int64)]
-            for sample in element.samples:
-                remapped = self._remap(sample, columns, histosys_slots, normsys_columns)
+            for remapped in samples:
                 key = _fingerprint(remapped)
                 if key not in variant_of:
                     variant_of[key] = len(variants)
@@ -237,6 +232,18 @@ class StackLayout:
         self.n_slots = max((len(o) for o in own), default=0)
         self.common = self._block([[variants[u] for u in common]])
         self.own = self._block([[variants[u] for u in o] for o in own], self.n_slots)
+
+    def remapped_samples(self) -> Iterator[list[dict[str, np.ndarray]]]:
+        """Per element, its samples in the stack's numbering (:meth:`_remap`)."""
+        position = np.full(self.n_pars + 1, -1, dtype=np.int64)  # column -> histosys slot
+        position[self.histosys_params] = np.arange(len(self.histosys_params))
+        for element, columns in zip(self.elements, self.columns, strict=True):
+            histosys_slots = position[columns[element.histosys_params]]
+            normsys_columns = columns[np.asarray(element.normsys_params, dtype=np.int64)]
+            yield [
+                self._remap(sample, columns, histosys_slots, normsys_columns)
+                for sample in element.samples
+            ]
 
     def _remap(
         self,
