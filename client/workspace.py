@@ -131,7 +131,8 @@ class JSONFile:
     """A JSON file as read from disk, to be sent as it is: not parsed, not written again.
 
     A published patchset is megabytes of JSON: parsing, writing and compressing it again is
-    most of what the client spends on a command, and the server parses and checks it anyway. ``text`` is the JSON (UTF-8); ``compressed`` the file's own gzip bytes when it came
+    most of what the client spends on a command, and the server parses and checks it anyway.
+    ``text`` is the JSON (UTF-8); ``compressed`` the file's own gzip bytes when it came
     gzip-compressed (HEPData's ``.json.gz``): they go into a gzip request body as they are,
     as a member of it (a gzip stream may hold several, RFC 1952). Where the server finds the
     body's JSON malformed, :meth:`parsed` says what is wrong in the file.
@@ -144,7 +145,7 @@ class JSONFile:
 
     def parsed(self) -> Any:
         """The file's JSON (:class:`WorkspaceError` naming the file if it is not JSON)."""
-        return _parse(self.text.decode("utf-8"), self.what, self.name)
+        return _parse(self.text, self.what, self.name)  # UTF-8, checked when read
 
 
 def read_json_file(source: JSONSource, what: str) -> JSONFile | Any:
@@ -196,7 +197,7 @@ def _utf8(raw: bytes, what: str, name: str) -> bytes:
     return raw
 
 
-def _parse(text: str, what: str, name: str) -> Any:
+def _parse(text: str | bytes, what: str, name: str) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:

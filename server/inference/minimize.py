@@ -114,12 +114,12 @@ class MinimizeOptions:
             ``"auto"``.
         secant_memory: secant pairs the low-rank curvature keeps.
         tail_rows: once at most this many rows still run after ``tail_after`` iterations
-            (and the host looks, see ``check_every``), iterate with ``"grid"`` trials over ``tail_damping_factors`` x
-            ``tail_step_lengths``: an iteration of a few rows costs its operations' dispatch,
-            not their arithmetic, so ten trial points cost about what one does, and the slow
-            fits that set the length of a call (conditional fits of excluded signals, down a
-            curved valley where the damped step falls short) need fewer iterations
-            (BENCHMARKS.md). ``0``: never.
+            (and the host looks, see ``check_every``), iterate with ``"grid"`` trials over
+            ``tail_damping_factors`` x ``tail_step_lengths``: an iteration of a few rows
+            costs its operations' dispatch, not their arithmetic, so ten trial points cost
+            about what one does, and the slow fits that set the length of a call
+            (conditional fits of excluded signals, down a curved valley where the damped
+            step falls short) need fewer iterations (BENCHMARKS.md). ``0``: never.
         tail_after: iterations before the tail may start: a fit that converges sooner (most
             do) never pays for the grid's extra trial points and factorisations.
         tail_damping_factors: the tail's damped candidates, as multiples of ``lambda``.
