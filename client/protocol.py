@@ -217,9 +217,9 @@ class ClientConfig:
             return {}, None
         parts = json_parts(request.body)
         headers = {"Content-Type": "application/json"}
-        size = sum(len(p if isinstance(p, bytes) else p.text) for p in parts)
-        if not (self.compress and size >= self.compress_min_bytes):
-            return headers, b"".join(p if isinstance(p, bytes) else p.text for p in parts)
+        texts = [part if isinstance(part, bytes) else part.text for part in parts]
+        if not (self.compress and sum(map(len, texts)) >= self.compress_min_bytes):
+            return headers, b"".join(texts)
         headers["Content-Encoding"] = "gzip"
         return headers, b"".join(map(_gzip_member, parts))
 
