@@ -8,13 +8,16 @@ Three parts, in one run, on this machine (prints markdown for BENCHMARKS.md):
    same patches in the peers' virtual environment (``jsonpatch`` apply, ``nextstat.from_pyhf``,
    ``nextstat.hypotest(1.0, model)`` per patch: CLs_obs only, where we also compute the
    expected band). Patchsets: the generated uniform and heterogeneous ones and the published
-   HEPData points (217 and 218, one of which adds no signal and answers its own error).
+   HEPData points (217 and 218, one of which adds no signal and answers its own error); and
+   larger likelihoods: the stau heterogeneous signals on published backgrounds combined
+   (stau + 3l: 235 parameters; with sbottom A and B: 333).
 2. **Concurrent clients**: 32 clients at once (processes, each its own ``pyhf_gpu_client.Client``,
    connected before the clock starts; they post together at a barrier: threads of one Python
    process would send their requests one GIL slice after another, over ~70 ms),
    each posting its own signal point on one uploaded background (``client.cls(workspace_id,
    patches=[patch])``, the id a :class:`WorkspaceId` from ``upload_workspace``; published
-   sbottom points; 3l heterogeneous and uniform signals); wall time, engine calls (from
+   sbottom points; 3l heterogeneous and uniform signals; the stau signals on the combined
+   stau + 3l background of 235 parameters); wall time, engine calls (from
    ``/metrics``), against the NextStat loop over the same 32 points. Default server settings
    but for the batch size and delay (512 rows, 50 ms).
 3. **Host cost per phase** (in-process, one thread): parse, validate, translate, patch,
@@ -53,6 +56,8 @@ from service_support import ServerProcess, metric_value
 
 WORKSPACES = Path(__file__).resolve().parents[2] / "shared" / "workspaces"
 CLIENT = Path(sys.executable).with_name("pyhf-gpu-client")
+# (workspace, patchset) in the shared folder; the combined likelihoods of 235 and 333
+# parameters (`large_cases`) are added at run time
 COMMANDS = [
     ("atlas-susy-2018-04-stau", "patchset.json"),
     ("atlas-susy-2018-04-stau", "patchset.heterogeneous.json"),
@@ -63,11 +68,19 @@ COMMANDS = [
     ("atlas-susy-2018-31-sbottom-B", "patchset.json"),
     ("atlas-susy-2018-31-sbottom-B", "patchset.hepdata.json.gz"),
 ]
-# (workspace, patchsets whose patches the clients post, clients): distinct signal points only
+ANALYSES = (
+    "atlas-susy-2018-04-stau",
+    "atlas-susy-2019-09-3l-onshell",
+    "atlas-susy-2018-31-sbottom-A",
+    "atlas-susy-2018-31-sbottom-B",
+)
+# (workspace, patchsets whose patches the clients post): distinct signal points only, 32
+# clients; and the stau signals on the combined stau + 3l background (`concurrent_cases`)
 CONCURRENT = [
-    ("atlas-susy-2018-31-sbottom-A", ("patchset.hepdata.json.gz",), 32),
-    ("atlas-susy-2019-09-3l-onshell", ("patchset.heterogeneous.json", "patchset.json"), 32),
+    ("atlas-susy-2018-31-sbottom-A", ("patchset.hepdata.json.gz",)),
+    ("atlas-susy-2019-09-3l-onshell", ("patchset.heterogeneous.json", "patchset.json")),
 ]
+CLIENTS = 32
 
 PEER = r"""
 import json, sys, time, copy
@@ -98,9 +111,12 @@ def patches_of(name: str, file: str) -> list[tuple[str, list]]:
     return [(p["metadata"]["name"], p["patch"]) for p in read(WORKSPACES / name / file)["patches"]]
 
 
-def pyhf_reference(name: str, file: str) -> dict[str, float]:
-    """pyhf's CLs_obs at mu=1 for the points of ``file`` that the shared folder has."""
-    folder = WORKSPACES / name
+def pyhf_reference(background: Path, patchset: Path) -> dict[str, float]:
+    """pyhf's CLs_obs at mu=1 for the points of ``patchset`` that its folder has references
+    for (the shared folders only)."""
+    folder, file = background.parent, patchset.name
+    if not (folder / "reference.json").exists():
+        return {}
     if file == "patchset.hepdata.json.gz":
         results = read(folder / "reference.hepdata.json")["results"]
         return {k: v["CLs_obs"] for k, v in results.items()}
@@ -130,23 +146,16 @@ def cold_server(data_dir: Path) -> ServerProcess:
     ).start()
 
 
-def command(name: str, file: str, client: Path = CLIENT) -> dict[str, Any]:
+def command(background: Path, patchset: Path, client: Path = CLIENT) -> dict[str, Any]:
     """One cold server, one client command (the console script ``client``): seconds,
     results."""
     with tempfile.TemporaryDirectory() as tmp:
         server = cold_server(Path(tmp))
         try:
             env = {**os.environ, "PYHF_GPU_SERVER": server.url}
-            folder = WORKSPACES / name
             start = time.perf_counter()
             proc = subprocess.run(
-                [
-                    str(client),
-                    "cls",
-                    str(folder / "BkgOnly.json"),
-                    "--patchset",
-                    str(folder / file),
-                ],
+                [str(client), "cls", str(background), "--patchset", str(patchset)],
                 capture_output=True,
                 text=True,
                 env=env,
@@ -170,17 +179,14 @@ def one_client(url: str, workspace_id: str, ops: list, ready: Any, answers: Any)
         answers.put((start, time.perf_counter(), bool(meta["converged"])))
 
 
-def concurrent_clients(name: str, files: tuple[str, ...], count: int) -> dict[str, Any]:
-    """``count`` client processes at once on an uploaded background: seconds, engine calls,
-    fits converged."""
-    folder = WORKSPACES / name
-    signals = [p for file in files for p in patches_of(name, file) if len(p[1]) > 1]
-    chosen = signals[:count]
+def concurrent_clients(background: Path, chosen: list[tuple[str, list]]) -> dict[str, Any]:
+    """A client process per signal point, at once, on an uploaded background: seconds, engine
+    calls, fits converged."""
     with tempfile.TemporaryDirectory() as tmp:
         server = cold_server(Path(tmp))
         try:
             with Client(server.url, timeout=600) as client:
-                workspace_id = client.upload_workspace(folder / "BkgOnly.json")
+                workspace_id = client.upload_workspace(background)
                 before = metric_value(client.metrics(), "pyhf_gpu_batch_size_count")
 
                 forked = multiprocessing.get_context("fork")
@@ -206,8 +212,30 @@ def concurrent_clients(name: str, files: tuple[str, ...], count: int) -> dict[st
         "seconds": seconds,
         "calls": calls - before,
         "converged": sum(o[2] for o in outcomes),
-        "patches": chosen,
     }
+
+
+def concurrent_cases(folder: Path) -> list[tuple[str, Path, list[tuple[str, list]]]]:
+    """(label, background, the clients' signal points): the published ones of ``CONCURRENT``
+    (points that add a signal), and the 48 stau signals on the stau + 3l background (235
+    pars), written to ``folder``."""
+    cases = []
+    for name, files in CONCURRENT:
+        signals = [p for file in files for p in patches_of(name, file) if len(p[1]) > 1]
+        label = f"{name} ({' + '.join(files)})"
+        cases.append((label, WORKSPACES / name / "BkgOnly.json", signals[:CLIENTS]))
+    spec, text = combined_workspace(ANALYSES[:2])
+    background = folder / "stau+3l.BkgOnly.json"
+    background.write_bytes(text)
+    signals = [
+        p
+        for file in ("patchset.heterogeneous.json", "patchset.json")
+        for p in stau_signals_on(spec, file)
+    ]
+    cases.append(
+        ("stau+3l, 235 pars (stau heterogeneous + uniform signals)", background, signals[:CLIENTS])
+    )
+    return cases
 
 
 def host_phases() -> str:
@@ -281,27 +309,26 @@ def host_phases() -> str:
     return header + "\n".join(rows)
 
 
-def combined_workspace() -> tuple[dict[str, Any], bytes]:
-    """stau + 3l + sbottom A (with one signal each) and sbottom B renamed apart: ~330 pars."""
+def combined_workspace(analyses: tuple[str, ...] = ANALYSES) -> tuple[dict[str, Any], bytes]:
+    """Published background-only workspaces combined into one likelihood: stau + 3l (235
+    pars), or with sbottom A (with one signal each, as stau and 3l then) and sbottom B
+    renamed apart (333 pars)."""
     import pyhf
 
+    with_signal = "atlas-susy-2018-31-sbottom-A" in analyses
     parts = []
-    for name in (
-        "atlas-susy-2018-04-stau",
-        "atlas-susy-2019-09-3l-onshell",
-        "atlas-susy-2018-31-sbottom-A",
-        "atlas-susy-2018-31-sbottom-B",
-    ):
+    for name in analyses:
         ws = pyhf.Workspace(read(WORKSPACES / name / "BkgOnly.json"))
-        parts.append(
-            pyhf.PatchSet(read(WORKSPACES / name / "patchset.json")).apply(ws, "sig_s1_x1")
+        if with_signal:
+            ws = pyhf.PatchSet(read(WORKSPACES / name / "patchset.json")).apply(ws, "sig_s1_x1")
+        parts.append(ws)
+    if "atlas-susy-2018-31-sbottom-B" in analyses:
+        last = parts[-1]
+        names = last.model().config.par_order
+        parts[-1] = last.rename(
+            channels={c: f"B_{c}" for c in last.channels},
+            modifiers={m: m if m in ("mu_SIG", "lumi") else f"B_{m}" for m in names},
         )
-    last = parts[-1]
-    names = last.model().config.par_order
-    parts[-1] = last.rename(
-        channels={c: f"B_{c}" for c in last.channels},
-        modifiers={m: m if m in ("mu_SIG", "lumi") else f"B_{m}" for m in names},
-    )
     combined = parts[0]
     for part in parts[1:]:
         combined = pyhf.Workspace.combine(combined, part, join="left outer")
@@ -309,13 +336,15 @@ def combined_workspace() -> tuple[dict[str, Any], bytes]:
     return spec, json.dumps(spec).encode()
 
 
-def stau_signals_on(combined: dict[str, Any]) -> list[tuple[str, list]]:
-    """The stau heterogeneous signal points as patches of the combined workspace: their
-    samples appended to the stau channels (renamed apart from the signal already there)."""
+def stau_signals_on(
+    combined: dict[str, Any], file: str = "patchset.heterogeneous.json"
+) -> list[tuple[str, list]]:
+    """The stau signal points of ``file`` as patches of the combined workspace: their
+    samples appended to the stau channels (renamed apart from any signal already there)."""
     stau = read(WORKSPACES / "atlas-susy-2018-04-stau" / "BkgOnly.json")
     index = {channel["name"]: i for i, channel in enumerate(combined["channels"])}
     out = []
-    for name, operations in patches_of("atlas-susy-2018-04-stau", "patchset.heterogeneous.json"):
+    for name, operations in patches_of("atlas-susy-2018-04-stau", file):
         moved = []
         for op in operations:
             channel = stau["channels"][int(op["path"].split("/")[2])]["name"]
@@ -323,6 +352,34 @@ def stau_signals_on(combined: dict[str, Any]) -> list[tuple[str, list]]:
             moved.append({**op, "path": f"/channels/{index[channel]}/samples/-", "value": value})
         out.append((name, moved))
     return out
+
+
+def large_cases(folder: Path) -> list[tuple[str, Path, Path]]:
+    """The 24 stau heterogeneous signals on the two combined likelihoods (235 and 333 pars),
+    written to ``folder`` as a background and a patchset (pyhf's format, its digest)."""
+    import pyhf
+
+    template = read(WORKSPACES / "atlas-susy-2018-04-stau" / "patchset.heterogeneous.json")
+    cases = []
+    for label, analyses in (("stau+3l", ANALYSES[:2]), ("stau+3l+sbottom A+B", ANALYSES)):
+        spec, text = combined_workspace(analyses)
+        background = folder / f"{label}.BkgOnly.json"
+        background.write_bytes(text)
+        metadata = {**template["metadata"], "digests": {"sha256": pyhf.utils.digest(spec)}}
+        patchset = {
+            "metadata": metadata,
+            "version": template["version"],
+            "patches": [
+                {"metadata": original["metadata"], "patch": operations}
+                for original, (_, operations) in zip(
+                    template["patches"], stau_signals_on(spec), strict=True
+                )
+            ],
+        }
+        path = folder / f"{label}.patchset.json"
+        path.write_text(json.dumps(patchset))
+        cases.append((label, background, path))
+    return cases
 
 
 def first_request(peer_python: str) -> str:
@@ -353,6 +410,61 @@ def first_request(peer_python: str) -> str:
     )
 
 
+def print_commands(
+    cases: list[tuple[str, Path, Path]], clients: list[Path], peer_python: str
+) -> None:
+    """The commands table: each case a cold server and a client command, against a NextStat
+    loop over the same patches."""
+    runs = {c: [command(bg, patchset, c) for _, bg, patchset in cases] for c in clients}
+    peers = nextstat_loops(
+        peer_python,
+        [
+            {
+                "background": str(background),
+                "patches": [(p["metadata"]["name"], p["patch"]) for p in read(patchset)["patches"]],
+            }
+            for _, background, patchset in cases
+        ],
+    )
+    for client in clients:
+        print(f"\nclient: {client}")
+        print(
+            "| workspace | pars | patchset | patches | ours: client command, cold server | "
+            "NextStat loop | ratio | ours vs pyhf's reference points: max abs. CLs_obs diff "
+            "(points) | ours vs NextStat: max abs. CLs_obs diff | points NextStat failed or "
+            "answered 0 | points we did not test |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        for (label, background, patchset), peer, mine in zip(
+            cases, peers, runs[client], strict=True
+        ):
+            reference = pyhf_reference(background, patchset)
+            diffs = [abs(mine["results"][k]["CLs_obs"] - v) for k, v in reference.items()]
+            worst = f"{max(diffs):.1e} ({len(diffs)})" if diffs else "-"
+            failed = sum(1 for v in peer["cls"].values() if isinstance(v, str) or v == 0.0)
+            versus = max(
+                abs(mine["results"][k]["CLs_obs"] - v)
+                for k, v in peer["cls"].items()
+                if not isinstance(v, str) and v != 0.0 and "CLs_obs" in mine["results"].get(k, {})
+            )
+            print(
+                f"| {label} | {parameters(background, patchset)} | {patchset.name} | {len(peer['cls'])} | "
+                f"{mine['seconds']:.2f} s | {peer['seconds']:.2f} s | "
+                f"{peer['seconds'] / mine['seconds']:.1f}x | {worst} | {versus:.1e} | {failed} | "
+                f"{mine['stderr'].count('was not tested')} |"
+            )
+
+
+def parameters(background: Path, patchset: Path) -> int:
+    """The parameters of the model of the patchset's first signal point (our translator's
+    count, equal to pyhf's: tested)."""
+    from pyhf_gpu_server.engine.translate import WorkspaceTranslator
+
+    first = read(patchset)["patches"][0]
+    element = WorkspaceTranslator(read(background)).element(first["patch"], "first")
+    return sum(parameter_set.n_parameters for parameter_set in element.parameters)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peer-python", default="/tmp/bench-venv/bin/python")
@@ -368,49 +480,28 @@ def main() -> None:
     clients = args.client or [CLIENT]
     print(f"load average before: {os.getloadavg()[0]:.2f}", file=sys.stderr)
     if "commands" in args.parts:
-        runs = {c: {case: command(*case, client=c) for case in COMMANDS} for c in clients}
-        peers = nextstat_loops(
-            args.peer_python,
-            [
-                {"background": str(WORKSPACES / n / "BkgOnly.json"), "patches": patches_of(n, f)}
-                for n, f in COMMANDS
-            ],
-        )
-        for client in clients:
-            print(f"\nclient: {client}")
-            print(
-                "| workspace | patchset | patches | ours: client command, cold server | NextStat "
-                "loop | ratio | ours vs pyhf's reference points: max abs. CLs_obs diff (points) "
-                "| points NextStat failed or answered 0 | points we did not test |"
-            )
-            print("|---|---|---|---|---|---|---|---|---|")
-            for (name, file), peer in zip(COMMANDS, peers, strict=True):
-                mine = runs[client][(name, file)]
-                reference = pyhf_reference(name, file)
-                diffs = [abs(mine["results"][k]["CLs_obs"] - v) for k, v in reference.items()]
-                failed = sum(1 for v in peer["cls"].values() if isinstance(v, str) or v == 0.0)
-                worst = f"{max(diffs):.1e} ({len(diffs)})" if diffs else "-"
-                print(
-                    f"| {name} | {file} | {len(peer['cls'])} | {mine['seconds']:.2f} s | "
-                    f"{peer['seconds']:.2f} s | {peer['seconds'] / mine['seconds']:.1f}x | "
-                    f"{worst} | {failed} | {mine['stderr'].count('was not tested')} |"
-                )
+        with tempfile.TemporaryDirectory() as tmp:
+            cases = [
+                (name, WORKSPACES / name / "BkgOnly.json", WORKSPACES / name / file)
+                for name, file in COMMANDS
+            ] + large_cases(Path(tmp))
+            print_commands(cases, clients, args.peer_python)
     if "concurrent" in args.parts:
         print(
             "\n| concurrent clients, one distinct signal point each | ours | NextStat loop | "
             "ratio | engine calls | fits converged |\n|---|---|---|---|---|---|"
         )
-        for name, files, count in CONCURRENT:
-            mine = concurrent_clients(name, files, count)
-            background = str(WORKSPACES / name / "BkgOnly.json")
-            peer = nextstat_loops(
-                args.peer_python, [{"background": background, "patches": mine["patches"]}]
-            )[0]
-            print(
-                f"| {count} on {name} ({' + '.join(files)}) | {mine['seconds']:.2f} s | "
-                f"{peer['seconds']:.2f} s | {peer['seconds'] / mine['seconds']:.1f}x | "
-                f"{mine['calls']:.0f} | {mine['converged']}/{count} |"
-            )
+        with tempfile.TemporaryDirectory() as tmp:
+            for label, background, signals in concurrent_cases(Path(tmp)):
+                mine = concurrent_clients(background, signals)
+                peer = nextstat_loops(
+                    args.peer_python, [{"background": str(background), "patches": signals}]
+                )[0]
+                print(
+                    f"| {len(signals)} on {label} | {mine['seconds']:.2f} s | "
+                    f"{peer['seconds']:.2f} s | {peer['seconds'] / mine['seconds']:.1f}x | "
+                    f"{mine['calls']:.0f} | {mine['converged']}/{len(signals)} |"
+                )
     if "phases" in args.parts:
         print()
         print(host_phases())
