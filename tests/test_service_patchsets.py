@@ -5,7 +5,9 @@
   error entry while every other point gets its result;
 - distinct signal patches posted by concurrent clients on one uploaded background: few engine
   calls (from ``/metrics``), each answer equal to the same patch run alone;
-- a job over a patchset records its failed patches.
+- a job over a patchset records its failed patches;
+- a published point whose free fit has two basins, the lower one at the POI's upper bound:
+  answered at the global minimum, as pyhf with MINUIT (pyhf's default scipy stops in the other).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 SBOTTOM_B = "atlas-susy-2018-31-sbottom-B"
 STAU = "atlas-susy-2018-04-stau"
 NO_SIGNAL = "sbottom_1500_1495_60"  # its patch only removes a channel: no POI is left
+# its free fit to data: a basin at mu_SIG ~ 1 and a lower one at mu_SIG's upper bound (10)
+TWO_BASINS = "sbottom_1200_250_60"
 
 
 def hepdata_patchset(name: str) -> dict[str, Any]:
@@ -136,6 +140,41 @@ def test_distinct_signals_from_concurrent_clients_share_engine_calls(
         alone = post(patch)  # after the burst: one request, one engine call
         assert answer["CLs_obs"] == pytest.approx(alone["CLs_obs"], rel=1e-9, abs=1e-12)
         assert answer["CLs_exp"] == pytest.approx(alone["CLs_exp"], rel=1e-9, abs=1e-12)
+
+
+def test_a_published_point_with_two_basins_is_answered_at_the_global_minimum(
+    client: httpx.Client,
+) -> None:
+    patchset = hepdata_patchset(SBOTTOM_B)
+    workspace = pyhf.PatchSet(patchset).apply(
+        pyhf.Workspace(load(SBOTTOM_B, "BkgOnly.json")), TWO_BASINS
+    )
+    model = workspace.model()
+    data = workspace.data(model)
+    previous = pyhf.get_backend()
+    pyhf.set_backend("numpy", pyhf.optimize.minuit_optimizer(tolerance=1e-5))
+    try:
+        bestfit, twice_nll = pyhf.infer.mle.fit(data, model, return_fitted_val=True)
+        cls_obs, cls_exp = pyhf.infer.hypotest(
+            1.0, data, model, test_stat="qtilde", return_expected_set=True
+        )
+    finally:
+        pyhf.set_backend(*previous)
+    poi = model.config.poi_index
+    assert bestfit[poi] == pytest.approx(10.0)  # MINUIT's minimum: on the upper bound
+
+    body = {"workspace_id": upload(client, SBOTTOM_B), "patchset": patchset}
+    fit = client.post("/fit", json={**body, "patch_names": [TWO_BASINS]})
+    assert fit.status_code == 200, fit.text
+    ours = fit.json()[TWO_BASINS]
+    assert ours["mle_parameters"]["mu_SIG"][0] == pytest.approx(10.0)
+    assert ours["twice_nll"] <= float(twice_nll) + 1e-6
+    answer = client.post("/cls", json={**body, "patch_names": [TWO_BASINS]})
+    assert answer.status_code == 200, answer.text
+    ours = answer.json()[TWO_BASINS]
+    assert ours["meta"]["converged"]
+    assert ours["CLs_obs"] == pytest.approx(float(cls_obs), abs=5e-5)
+    assert ours["CLs_exp"] == pytest.approx([float(v) for v in cls_exp], abs=5e-5)
 
 
 def test_patchset_job_counts_its_failed_patches(client: httpx.Client) -> None:
