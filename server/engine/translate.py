@@ -55,7 +55,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Mapping
 from functools import cached_property
-from operator import attrgetter
+from operator import attrgetter, is_
 from typing import Any
 
 import numpy as np
@@ -99,7 +99,6 @@ _FIXED_REQUIREMENTS = {
     mtype: REQUIRED_PARSET[mtype](None, None)
     for mtype in ("histosys", "lumi", "normfactor", "normsys")
 }
-_FIXED_REQUIREMENT_IDS = {id(r) for r in _FIXED_REQUIREMENTS.values()}
 # small valid items of the workspace schema's arrays
 _STAND_INS = {
     "samples": {"name": "", "data": [0.0], "modifiers": []},
@@ -198,7 +197,7 @@ class WorkspaceTranslator:
             for key in ("channels", "observations", "measurements")
         }
         self._background_ids["samples"] = set(self._readings)
-        self._paramsets: dict[tuple, tuple[dict | None, Paramset]] = {}
+        self._paramsets: dict[tuple, tuple[dict | None, tuple[dict, ...], Paramset]] = {}
         self._kept_values: dict[str, dict[tuple, Any]] = {"normsys": {}, "staterror": {}}
 
     def element(
@@ -247,17 +246,18 @@ class WorkspaceTranslator:
     def _paramset(
         self, name: str, requirements: list[dict[str, Any]], config: dict[str, Any] | None
     ) -> Paramset:
-        """The parameter set of ``name``; kept for requirements that depend on no sample."""
-        if not all(id(r) in _FIXED_REQUIREMENT_IDS for r in requirements):
-            return build_paramset(name, reduce_requirements(name, requirements, config or {}))
+        """The parameter set of ``name``, kept for the same requirement and config objects
+        (the fixed ones, and those kept for the background's samples: a staterror's widths);
+        an entry holds them, so their ids in its key stay theirs."""
         key = (name, *map(id, requirements), id(config))
         kept = self._paramsets.get(key)
-        if kept is None or kept[0] is not config:  # the config is kept alive with the entry
-            if len(self._paramsets) > 8 * len(self._readings):
-                self._paramsets.clear()
-            paramset = build_paramset(name, reduce_requirements(name, requirements, config or {}))
-            kept = self._paramsets[key] = (config, paramset)
-        return kept[1]
+        if kept is not None and kept[0] is config and all(map(is_, kept[1], requirements)):
+            return kept[2]
+        if len(self._paramsets) > 8 * len(self._readings):
+            self._paramsets.clear()
+        paramset = build_paramset(name, reduce_requirements(name, requirements, config or {}))
+        self._paramsets[key] = (config, tuple(requirements), paramset)
+        return paramset
 
     def _kept(self, kind: str, key: tuple, readings: list[SampleReading], compute: Callable):
         """``compute()``, kept under ``key`` if it depends on background ``readings`` only
