@@ -55,7 +55,8 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Mapping
 from functools import cached_property
-from operator import attrgetter, is_
+from itertools import groupby
+from operator import attrgetter, is_, itemgetter
 from typing import Any
 
 import numpy as np
@@ -198,7 +199,11 @@ class WorkspaceTranslator:
         }
         self._background_ids["samples"] = set(self._readings)
         self._paramsets: dict[tuple, tuple[dict | None, tuple[dict, ...], Paramset]] = {}
-        self._kept_values: dict[str, dict[tuple, Any]] = {"normsys": {}, "staterror": {}}
+        self._kept_values: dict[str, dict[tuple, Any]] = {
+            "keys": {},
+            "normsys": {},
+            "staterror": {},
+        }
 
     def element(
         self, patch_operations: list[dict[str, Any]], name: str = "nominal"
@@ -320,8 +325,8 @@ class _Assembly:
         (channel, sample, name) in sorted order, except staterror (sorted by name); with the
         first sample where they appear for shapefactor and shapesys."""
         keys: dict[tuple[str, str], None] = {}
-        for _, reading in self.walk:
-            keys.update(reading.sorted_keys)
+        for _, readings in groupby(self.walk, key=itemgetter(0)):
+            keys.update(self._channel_keys([reading for _, reading in readings]))
         order: dict[str, dict[str, SampleReading | None]] = {t: {} for t in MODIFIER_TYPES}
         for mtype, mname in keys:
             order.setdefault(mtype, {})[mname] = None
@@ -332,6 +337,19 @@ class _Assembly:
                     if key[0] == mtype and order[mtype][key[1]] is None:
                         order[mtype][key[1]] = reading
         return order
+
+    def _channel_keys(self, readings: list[SampleReading]) -> dict[tuple[str, str], None]:
+        """The (type, name) keys of one channel's ``readings`` (in walk order) by first
+        appearance; kept while they are the background's (one merge per channel, not one
+        per sample, for the patches that leave the channel alone)."""
+
+        def merged() -> dict[tuple[str, str], None]:
+            keys: dict[tuple[str, str], None] = {}
+            for reading in readings:
+                keys.update(reading.sorted_keys)
+            return keys
+
+        return self.translator._kept("keys", tuple(map(id, readings)), readings, merged)
 
     def layout(self, name: str) -> ElementLayout:
         self._check_modifier_types()
