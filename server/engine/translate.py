@@ -100,6 +100,8 @@ _FIXED_REQUIREMENTS = {
     mtype: REQUIRED_PARSET[mtype](None, None)
     for mtype in ("histosys", "lumi", "normfactor", "normsys")
 }
+# histosys numberings whose background arrays a translator keeps (see _kept_histosys)
+KEPT_HISTOSYS_NUMBERINGS = 2
 # small valid items of the workspace schema's arrays
 _STAND_INS = {
     "samples": {"name": "", "data": [0.0], "modifiers": []},
@@ -204,6 +206,9 @@ class WorkspaceTranslator:
             "normsys": {},
             "staterror": {},
         }
+        # histosys numbering (the model's histosys names, its bins) -> the background samples'
+        # arrays, for the last KEPT_HISTOSYS_NUMBERINGS numberings only
+        self._histosys_arrays: dict[tuple, dict[tuple, np.ndarray]] = {}
 
     def element(
         self, patch_operations: list[dict[str, Any]], name: str = "nominal"
@@ -263,6 +268,17 @@ class WorkspaceTranslator:
         paramset = build_paramset(name, reduce_requirements(name, requirements, config or {}))
         self._paramsets[key] = (config, tuple(requirements), paramset)
         return paramset
+
+    def _kept_histosys(self, numbering: tuple) -> dict[tuple, np.ndarray]:
+        """The background samples' histosys arrays kept for ``numbering`` (most recent
+        ``KEPT_HISTOSYS_NUMBERINGS`` numberings: a stream of signals with their own histosys
+        names makes a new one each time)."""
+        kept = self._histosys_arrays.pop(numbering, None)
+        kept = {} if kept is None else kept
+        self._histosys_arrays[numbering] = kept
+        while len(self._histosys_arrays) > KEPT_HISTOSYS_NUMBERINGS:
+            del self._histosys_arrays[next(iter(self._histosys_arrays))]
+        return kept
 
     def _kept(self, kind: str, key: tuple, readings: list[SampleReading], compute: Callable):
         """``compute()``, kept under ``key`` if it depends on background ``readings`` only
@@ -634,8 +650,7 @@ class _Assembly:
             for cname, channel in zip(self.spec_channels, self.spec_readings, strict=True)
             for reading in channel
         ]
-        sample_index = {s: i for i, s in enumerate(self.samples)}
-        histosys_arrays = self._histosys(parts, sample_index, histosys)
+        histosys_arrays = self._histosys(parts, histosys)
         normsys_parts: dict[str, list[tuple[int, SampleReading]]] = {s: [] for s in self.samples}
         for start, reading in parts:
             if len(reading.normsys_ids):
@@ -647,7 +662,7 @@ class _Assembly:
             layout = SampleLayout(
                 name=s,
                 nominal=self.nominals[s],
-                histosys=histosys_arrays[sample_index[s]],
+                histosys=histosys_arrays[s],
                 normsys_param=np.zeros(0, dtype=np.int64),
                 normsys_bin=np.zeros(0, dtype=np.int64),
                 normsys_coefficients=np.zeros((8, 0)),
@@ -658,22 +673,32 @@ class _Assembly:
             layouts.append(layout)
         return layouts
 
-    def _histosys(self, parts, sample_index, histosys) -> np.ndarray:
-        """All samples' histosys coefficients ``[S, K, J_h, N]``, filled in one assignment."""
+    def _histosys(self, parts, histosys) -> dict[str, np.ndarray]:
+        """Each sample's histosys coefficients ``[K, J_h, N]``. A sample whose readings are all
+        the background's keeps its array (read-only, shared by the elements) while the
+        model's histosys parameters and bins stay as they are: most patches add a signal and
+        leave the other samples' arrays, a few MB on a large model, alone."""
         code = self.translator.histosys_code
         n_basis = histosys_coefficients(code, [0.0], [0.0], [0.0]).shape[0]
-        arrays = np.zeros((len(self.samples), n_basis, len(histosys), self.n_main))
-        parts = [(start, r) for start, r in parts if len(r.histosys_ids)]
-        if parts:
-            counts = [len(r.histosys_ids) for _, r in parts]
-            column = self._columns(histosys)
-            arrays[
-                np.repeat([sample_index[r.name] for _, r in parts], counts),
-                :,
-                column[np.concatenate([r.histosys_ids for _, r in parts])],
-                np.concatenate([r.histosys_bins for _, r in parts])
-                + np.repeat([start for start, _ in parts], counts),
-            ] = np.concatenate([r.histosys_values for _, r in parts])
+        shape = (n_basis, len(histosys), self.n_main)
+        column = self._columns(histosys)
+        by_sample: dict[str, list[tuple[int, SampleReading]]] = {s: [] for s in self.samples}
+        for start, reading in parts:
+            if len(reading.histosys_ids):
+                by_sample[reading.name].append((start, reading))
+        kept = self.translator._kept_histosys((*histosys, self.n_main))
+        background = self.translator._readings
+        arrays = {}
+        for sample, carriers in by_sample.items():
+            key = tuple((start, id(reading)) for start, reading in carriers)
+            own = all(background.get(id(r.source)) is r for _, r in carriers)
+            array = kept.get(key) if own else None
+            if array is None:
+                array = _sample_histosys(carriers, column, shape)
+                if own:
+                    array.flags.writeable = False
+                    kept[key] = array
+            arrays[sample] = array
         return arrays
 
     def _columns(self, names: list[str]) -> np.ndarray:
@@ -787,6 +812,23 @@ def _offsets(sizes: dict[str, int]) -> dict[str, int]:
         offsets[key] = start
         start += size
     return offsets
+
+
+def _sample_histosys(
+    carriers: list[tuple[int, SampleReading]], column: np.ndarray, shape: tuple[int, int, int]
+) -> np.ndarray:
+    """One sample's histosys coefficients ``shape = [K, J_h, N]`` from the readings that carry
+    it (each with its channel's first bin), ``column``: registry id -> histosys position."""
+    array = np.zeros(shape)
+    if carriers:
+        counts = [len(r.histosys_ids) for _, r in carriers]
+        array[
+            :,
+            column[np.concatenate([r.histosys_ids for _, r in carriers])],
+            np.concatenate([r.histosys_bins for _, r in carriers])
+            + np.repeat([start for start, _ in carriers], counts),
+        ] = np.concatenate([r.histosys_values for _, r in carriers]).T
+    return array
 
 
 def _aux_layout(paramsets: list[Paramset], par_start: dict[str, int]) -> dict[str, np.ndarray]:
