@@ -182,6 +182,43 @@ def test_warm_patches_equal_fresh_translations(name, filename, translators):
     assert digest(spec) == before
 
 
+def test_background_samples_share_their_histosys_arrays_between_patches():
+    """A background sample's histosys array is kept (read-only) while the model's histosys
+    names stay; a patch that brings a new histosys name numbers them anew."""
+    name = "atlas-susy-2018-04-stau"
+    translator = WorkspaceTranslator(background(name))
+    first, second = patchset(name, "patchset.heterogeneous.json")["patches"][:2]
+    one = translator.element(first["patch"], "one")
+    two = translator.element(second["patch"], "two")
+    assert one.histosys_params == two.histosys_params
+    shared = [
+        (a, b)
+        for a, b in zip(one.samples, two.samples, strict=True)
+        if a.name != "signal" and a.histosys.any()
+    ]
+    assert shared and all(a.histosys is b.histosys for a, b in shared)
+    assert not any(a.histosys.flags.writeable for a, _ in shared)
+    signal = next(i for i, s in enumerate(one.samples) if s.name == "signal")
+    assert one.samples[signal].histosys is not two.samples[signal].histosys
+
+    extra = {
+        "name": "extra_shape",
+        "type": "histosys",
+        "data": {"hi_data": [1.0], "lo_data": [0.5]},
+    }
+    ops = copy.deepcopy(first["patch"])
+    ops[0]["value"]["modifiers"].append(extra)
+    renumbered = translator.element(ops, "three")
+    assert len(renumbered.histosys_params) == len(one.histosys_params) + 1
+    assert_layouts_equal(
+        renumbered, translate.translate(jsonpatch.apply_patch(background(name), ops), name="three")
+    )
+    assert_layouts_equal(
+        translator.element(first["patch"], "one"),
+        translate.translate(jsonpatch.apply_patch(background(name), first["patch"]), name="one"),
+    )
+
+
 def test_empty_patch_is_the_background(translators):
     name = WORKSPACE_NAMES[0]
     with pytest.raises(pyhf.exceptions.InvalidModel, match="mu_SIG"):

@@ -280,10 +280,14 @@ class WorkspaceTranslator:
             del self._histosys_arrays[next(iter(self._histosys_arrays))]
         return kept
 
+    def _background_only(self, readings: list[SampleReading]) -> bool:
+        """Whether ``readings`` are all the background's own (not a patch's new samples)."""
+        return all(self._readings.get(id(r.source)) is r for r in readings)
+
     def _kept(self, kind: str, key: tuple, readings: list[SampleReading], compute: Callable):
         """``compute()``, kept under ``key`` if it depends on background ``readings`` only
         (these live as long as the translator, so their ids in ``key`` stay theirs)."""
-        if not all(self._readings.get(id(r.source)) is r for r in readings):
+        if not self._background_only(readings):
             return compute()
         kept = self._kept_values[kind]
         if key not in kept:
@@ -687,11 +691,10 @@ class _Assembly:
             if len(reading.histosys_ids):
                 by_sample[reading.name].append((start, reading))
         kept = self.translator._kept_histosys((*histosys, self.n_main))
-        background = self.translator._readings
         arrays = {}
         for sample, carriers in by_sample.items():
             key = tuple((start, id(reading)) for start, reading in carriers)
-            own = all(background.get(id(r.source)) is r for _, r in carriers)
+            own = self.translator._background_only([reading for _, reading in carriers])
             array = kept.get(key) if own else None
             if array is None:
                 array = _sample_histosys(carriers, column, shape)
