@@ -51,7 +51,7 @@ from .kernel import (
     variant_rates,
 )
 from .layout import ElementLayout
-from .stacking import StackLayout, _fingerprint
+from .stacking import StackLayout
 from .translate import WorkspaceTranslator
 
 if TYPE_CHECKING:
@@ -347,38 +347,14 @@ class HistFactoryModel:
 
     def _sample_variant(self) -> torch.Tensor:
         """``[E, S]``: per element and sample, its position on :func:`variant_rates`' variant
-        axis (the padding position ``U + S_own`` past the element's last sample). Built on
-        first use: the variants of :class:`StackLayout` found again by their fingerprints."""
+        axis (the padding position ``U + S_own`` past the element's last sample), as the
+        stack laid it out (:attr:`StackLayout.sample_variant`); on the device on first use."""
         cached = self.__dict__.get("_sample_variant_index")
-        if cached is not None:
-            return cached
-        stack = self.stack
-        variant_of: dict[bytes, int] = {}
-        members = []
-        for samples in stack.remapped_samples():
-            keys = [_fingerprint(remapped) for remapped in samples]
-            members.append([variant_of.setdefault(key, len(variant_of)) for key in keys])
-        everywhere = set.intersection(*(set(m) for m in members))
-        common = {u: i for i, u in enumerate(sorted(everywhere))}
-        n_common = len(common)
-        padding = n_common + stack.n_slots
-        index = np.full((self.n_elements, self.n_samples), padding, dtype=np.int64)
-        for e, used in enumerate(members):
-            own = 0
-            for s, u in enumerate(used):
-                if u in common:
-                    index[e, s] = common[u]
-                else:
-                    index[e, s] = n_common + own
-                    own += 1
-        if (
-            n_common != stack.n_common
-            or max((len(m) - sum(u in common for u in m) for m in members), default=0)
-            != stack.n_slots
-        ):
-            raise RuntimeError("sample variants do not match the stack layout")
-        self._sample_variant_index = self._tensor(index, torch.long)
-        return self._sample_variant_index
+        if cached is None:
+            cached = self._sample_variant_index = self._tensor(
+                self.stack.sample_variant, torch.long
+            )
+        return cached
 
     def enable_compile(self, kernels: KernelCache) -> None:
         """Evaluate the main model through ``kernels`` (compiled per structure and batch

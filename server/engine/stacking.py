@@ -230,6 +230,17 @@ class StackLayout:
                     self.membership[e, common_index[u]] += 1.0
         self.n_common = len(common)
         self.n_slots = max((len(o) for o in own), default=0)
+        # [E, S]: each element's samples on the variant axis (common variants, then the
+        # element's own slots in sample order; past its last sample, the padding position)
+        self.sample_variant = np.full(
+            (self.n_elements, max(map(len, members), default=0)),
+            self.n_common + self.n_slots,
+            dtype=np.int64,
+        )
+        for e, (used, own_variants) in enumerate(zip(members, own, strict=True)):
+            slots = iter(range(self.n_common, self.n_common + len(own_variants)))
+            for s, u in enumerate(used):
+                self.sample_variant[e, s] = common_index[u] if u in common_index else next(slots)
         self.common = self._block([[variants[u] for u in common]])
         self.own = self._block([[variants[u] for u in o] for o in own], self.n_slots)
 
