@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import sqlite3
 import threading
 import time
@@ -12,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from service_support import SMALL, load
 
 from pyhf_gpu_server.service.compiling import BackgroundCompiler
 from pyhf_gpu_server.service.jobstore import JobStore
@@ -88,6 +90,7 @@ def test_background_compile_switches_on_the_device_thread() -> None:
 
         def warm(self, model: Any) -> None:
             self.warm_thread = threading.current_thread().name
+            self.warm_in_inference_mode = torch.is_inference_mode_enabled()
 
     device = ThreadPoolExecutor(1, thread_name_prefix="device")
     kernels = Kernels()
@@ -96,6 +99,7 @@ def test_background_compile_switches_on_the_device_thread() -> None:
     compiler.submit(model).result(timeout=10)
     assert model.compiled_with is kernels
     assert kernels.warm_thread.startswith("pyhf-gpu-compile")
+    assert kernels.warm_in_inference_mode  # traced in the mode engine calls run in
     assert model.switch_thread.startswith("device")
 
     class Failing(Kernels):
@@ -106,6 +110,44 @@ def test_background_compile_switches_on_the_device_thread() -> None:
     BackgroundCompiler(Failing(), device).submit(eager).result(timeout=10)
     assert eager.compiled_with is None
     compiler.shutdown()
+
+
+def test_engine_calls_run_in_inference_mode_with_the_numbers_of_plain_mode(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An engine call (here fits with uncertainties: ``torch.func`` Hessians) runs in
+    ``torch.inference_mode`` and answers what the same operation answers outside it."""
+    from pyhf_gpu_server.engine.translate import WorkspaceTranslator
+    from pyhf_gpu_server.service import operations
+    from pyhf_gpu_server.service.admission import FitMemory, FitPlan
+    from pyhf_gpu_server.service.dispatch import EngineCall, ModelRecipe
+    from pyhf_gpu_server.service.requests import Row
+    from pyhf_gpu_server.service.schemas import FitOptions
+
+    translator = WorkspaceTranslator(load(SMALL, "BkgOnly.json"))
+    patches = load(SMALL, "patchset.json")["patches"][:2]
+    layouts = tuple(translator.element(p["patch"], p["metadata"]["name"]) for p in patches)
+    recipe = ModelRecipe(("background", ("d0", "d1"), "float64"), layouts, "float64")
+    call = EngineCall("fit", FitOptions(), ("d0", "d1"), 64, FitPlan("auto", 0), 2.0)
+    rows = [Row("d0", None), Row("d1", None)]
+
+    fit = operations.operation_named("fit")
+    modes = []
+
+    class Spy:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(fit, name)
+
+        def run(self, *args: Any) -> Any:
+            modes.append(torch.is_inference_mode_enabled())
+            return fit.run(*args)
+
+    monkeypatch.setitem(operations.OPERATIONS, "fit", Spy())
+    model = recipe.build("cpu")
+    answers = call.run(model, rows, FitMemory())
+    assert modes == [True] and not torch.is_inference_mode_enabled()
+    plain = fit.run(model, call.engine_rows(model, rows, None), call.options)
+    assert answers == plain and "uncertainties" in json.dumps(answers, default=vars)
 
 
 def test_job_store_lifecycle_in_sqlite_wal(tmp_path: Path) -> None:

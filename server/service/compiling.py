@@ -16,6 +16,8 @@ import logging
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any
 
+import torch
+
 log = logging.getLogger("pyhf_gpu_server.service.compile")
 
 
@@ -35,7 +37,8 @@ class BackgroundCompiler:
     def _compile(self, model: Any) -> None:
         """Warm the kernels (slow), then switch the model on the device thread."""
         try:
-            self.kernels.warm(model)
+            with torch.inference_mode():  # the mode engine calls run in (a guard of the trace)
+                self.kernels.warm(model)
             self._device_executor.submit(model.enable_compile, self.kernels).result()
         except Exception:
             log.warning("compiling failed; the model stays eager", exc_info=True)

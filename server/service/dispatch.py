@@ -112,8 +112,17 @@ class EngineCall:
     ) -> list[RowResult]:
         """ONE batched inference call for ``rows`` (the operation's :meth:`~Operation.run`),
         its fits counted in ``memory``; they give up (``FitStopped``) between two iterations
-        once ``stop()`` is true (nobody waits for the answer)."""
-        with memory.holding(len(rows) * self.row_cost, self.fit_plan, self.max_rows):
+        once ``stop()`` is true (nobody waits for the answer).
+
+        It runs in ``torch.inference_mode`` (as does the kernels' warm-up, so the compiled
+        ones are traced in the mode they run in): no autograd or version-counter bookkeeping
+        on its ~1,000 operations an iteration (BENCHMARKS.md). The derivatives the fits use are
+        closed-form or ``torch.func`` transforms, which run in it; every tensor the service
+        keeps of a warm model is made here or at build time, so none meets autograd later."""
+        with (
+            memory.holding(len(rows) * self.row_cost, self.fit_plan, self.max_rows),
+            torch.inference_mode(),
+        ):
             engine_rows = self.engine_rows(model, rows, stop)
             return operation_named(self.operation).run(model, engine_rows, self.options)
 
