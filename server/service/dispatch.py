@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, replace
-from functools import partial
+from functools import cached_property, partial
 from typing import Any
 
 import torch
@@ -209,6 +209,11 @@ class _Submission:
     item: WorkItem[WorkContext, Row, ComputedRow]
     split_reason: str | None
 
+    @cached_property
+    def names(self) -> dict[str, str]:
+        """Patch digest -> patch name, of its elements."""
+        return {e.patch.digest: e.patch.name for e in self.elements}
+
 
 class Dispatcher:
     """Runs plans: elements from the warm backgrounds (build thread), rows through the
@@ -381,9 +386,7 @@ class Dispatcher:
         if row.poi is not None:
             meta["test_poi"] = row.poi
         if plan.named:
-            meta["patch"] = next(
-                e.patch.name for e in submission.elements if e.patch.digest == row.element
-            )
+            meta["patch"] = submission.names[row.element]
         if submission.split_reason is not None:
             meta["stacked_apart"] = submission.split_reason
         return meta
