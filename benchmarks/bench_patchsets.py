@@ -173,6 +173,7 @@ def one_client(url: str, workspace_id: str, ops: list, ready: Any, answers: Any)
     uploaded background, and answers when it posted, when it had its answer (the clock is
     the machine's) and whether its fits converged."""
     with Client(url, timeout=600) as own:
+        own.health()  # connected (httpx opens its connection on the first request)
         ready.wait(timeout=600)
         start = time.perf_counter()
         meta = own.cls(WorkspaceId(workspace_id), patches=[ops]).meta
