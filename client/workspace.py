@@ -80,18 +80,14 @@ def to_jsonable(obj: Any) -> Any:
     Objects with a ``patch`` list and ``metadata`` (a ``pyhf.patchset.Patch``) or with
     ``patches`` (a ``pyhf.PatchSet``) are turned into their JSON form as well.
     """
-    kind = type(obj)  # plain JSON first: the abstract-class checks below cost ~10x as much
-    if kind is dict:
-        return {k if type(k) is str else str(k): to_jsonable(v) for k, v in obj.items()}
-    if kind is list:
-        return [to_jsonable(v) for v in obj]
+    kind = type(obj)  # plain JSON types first: the abstract-class checks cost ~10x as much
     if kind in _JSON_SCALARS:
         return obj
-    if isinstance(obj, Mapping):
+    if kind is dict or (kind is not list and isinstance(obj, Mapping)):
         return {str(k): to_jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (str, bytes, int, float, bool)) or obj is None:
+    if isinstance(obj, (str, bytes, int, float, bool)):
         return obj
-    if isinstance(obj, Sequence):
+    if kind is list or isinstance(obj, Sequence):
         return [to_jsonable(v) for v in obj]
     if hasattr(obj, "tolist"):  # numpy scalars/arrays, if a caller built the spec with numpy
         return obj.tolist()
