@@ -34,6 +34,7 @@ pyhf==0.7.6 nextstat``.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import gzip
 import json
@@ -218,8 +219,8 @@ def concurrent_clients(background: Path, chosen: list[tuple[str, list]]) -> dict
 
 def concurrent_cases(folder: Path) -> list[tuple[str, Path, list[tuple[str, list]]]]:
     """(label, background, the clients' signal points): the published ones of ``CONCURRENT``
-    (points that add a signal), and the 48 stau signals on the stau + 3l background (235
-    pars), written to ``folder``."""
+    (points that add a signal), and stau signals (heterogeneous, then uniform) on the stau + 3l
+    background (235 pars), written to ``folder``; ``CLIENTS`` points each."""
     cases = []
     for name, files in CONCURRENT:
         signals = [p for file in files for p in patches_of(name, file) if len(p[1]) > 1]
@@ -310,10 +311,11 @@ def host_phases() -> str:
     return header + "\n".join(rows)
 
 
+@functools.cache
 def combined_workspace(analyses: tuple[str, ...] = ANALYSES) -> tuple[dict[str, Any], bytes]:
     """Published background-only workspaces combined into one likelihood: stau + 3l (235
     pars), or with sbottom A (with one signal each, as stau and 3l then) and sbottom B
-    renamed apart (333 pars)."""
+    renamed apart (333 pars). Built once per run (every part reads it, none changes it)."""
     import pyhf
 
     with_signal = "atlas-susy-2018-31-sbottom-A" in analyses
