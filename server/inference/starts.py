@@ -25,7 +25,9 @@ minimum:
   (:func:`kink_is_minimum`).
 
 A model without kinked parameters (pyhf's default codes, ``code4p``/``code4``, are smooth) fits
-once. Each row reports how many starts it ran and whether every start that converged reached
+once, although smooth likelihoods can have several minima too: the conditional fits of
+strongly excluded published sbottom points have 15-30 (BENCHMARKS.md, "Several minima of
+smooth published likelihoods"), and one start lands in one of them, as pyhf's does. Each row reports how many starts it ran and whether every start that converged reached
 the same minimum (:class:`FitStatus`).
 
 Example:
