@@ -67,9 +67,8 @@ def minima(model: HistFactoryModel, starts: int, sigma: float, seed: int) -> dic
     with torch.inference_mode():
         fit = mle.fixed_poi_fit(model, poi, element=element, init=start, uncertainties=False)
         objective = TwiceNLL(model, model.observed.expand(rows, -1), element)
-        everyone = torch.arange(rows)
-        hessian = objective.hessian(fit.bestfit, everyone)
-        gradient = objective.derivatives(fit.bestfit, everyone).g
+        exact = objective.derivatives(fit.bestfit, torch.arange(rows))  # exact g and Hessian
+    gradient, hessian = exact.g, exact.H
     values = fit.best_twice_nll
     inside = ~fixed & (fit.bestfit > lo + 1e-8) & (fit.bestfit < hi - 1e-8)
     steep = (gradient.abs() * inside).amax(1) > 1e-3
