@@ -252,7 +252,10 @@ def _iterate(
     own = decrements.select(0, options.own_damping_candidate())
     s.decrement = torch.where(newton_trusted, decrements.select(0, 0), own)
     tol = torch.clamp(64 * torch.finfo(s.f.dtype).eps * (1 + s.f.abs()), min=options.tol)
-    newly_converged = running & (s.decrement <= tol)
+    # a negative decrement is no certificate: the step the curvature gave goes uphill, which a
+    # positive definite curvature cannot do (it did where a bin's rate was ~0 and that solve
+    # lost its digits); those rows go on, to a minimum or to failing
+    newly_converged = running & (s.decrement.abs() <= tol)
     moving = running & torch.logical_not(newly_converged)
 
     if options.trials == "damped":
