@@ -49,6 +49,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from .minimize import decrement_tolerance
+
 __all__ = ["chord_conditional_fits", "held_at_bounds", "restricted_inverse"]
 
 
@@ -180,13 +182,15 @@ def chord_conditional_fits(
             r = r + (a - b).unsqueeze(1) * s_k
         step = -r * moving.index_select(0, fits) * work.active.unsqueeze(1)
         decrement = -(g * step).sum(-1)
-        tol_f = torch.clamp(64 * torch.finfo(f.dtype).eps * (1 + f.abs()), min=tol)
-        stop = work.active & (decrement <= tol_f)
+        tol_f = decrement_tolerance(f, tol)
+        stop = work.active & (decrement <= tol_f)  # converged, or an uphill step (no certificate)
         # a held parameter whose gradient turned inward could still lower the objective:
         # by ``g_j^2 (H^-1)_jj`` alone, which must be within the tolerance too
         inward = (work.outward.clamp(max=0) ** 2 * whole_diagonal.index_select(0, fits)).amax(-1)
         converged = converged.index_copy(
-            0, fits, converged.index_select(0, fits) | (stop & (inward <= tol_f))
+            0,
+            fits,
+            converged.index_select(0, fits) | (stop & (decrement >= -tol_f) & (inward <= tol_f)),
         )
         work.active = work.active & torch.logical_not(stop)
         if shrink:  # the fits that stop here take no trial step

@@ -59,7 +59,14 @@ from torch import Tensor
 from .curvature import DenseCurvature, Derivatives, LowRankCurvature, curvature_of
 from .errors import FitStopped
 
-__all__ = ["BatchedObjective", "Derivatives", "MinimizeOptions", "MinimizeResult", "minimize"]
+__all__ = [
+    "BatchedObjective",
+    "Derivatives",
+    "MinimizeOptions",
+    "MinimizeResult",
+    "decrement_tolerance",
+    "minimize",
+]
 
 
 class BatchedObjective(Protocol):
@@ -214,6 +221,14 @@ class _State:
         )
 
 
+def decrement_tolerance(f: Tensor, tol: float) -> Tensor:
+    """The Newton decrement ``-g.p`` under which a row has converged: ``tol``, or 64 units in
+    the last place of ``f`` where that is more. Either side of 0: a decrement below minus this
+    is an uphill step, which a positive definite curvature cannot give, so no certificate (a
+    solve that lost its digits gave one where a bin's rate was ~0, BENCHMARKS.md)."""
+    return torch.clamp(64 * torch.finfo(f.dtype).eps * (1 + f.abs()), min=tol)
+
+
 def _as_derivatives(result: Derivatives | tuple) -> Derivatives:
     return result if isinstance(result, Derivatives) else Derivatives(*result)
 
@@ -251,11 +266,8 @@ def _iterate(
     newton_trusted = trusted.select(0, 0)
     own = decrements.select(0, options.own_damping_candidate())
     s.decrement = torch.where(newton_trusted, decrements.select(0, 0), own)
-    tol = torch.clamp(64 * torch.finfo(s.f.dtype).eps * (1 + s.f.abs()), min=options.tol)
-    # a negative decrement is no certificate: the step the curvature gave goes uphill, which a
-    # positive definite curvature cannot do (it did where a bin's rate was ~0 and that solve
-    # lost its digits); those rows go on, to a minimum or to failing
-    newly_converged = running & (s.decrement.abs() <= tol)
+    # |decrement|: a row whose step goes uphill goes on, to a minimum or to failing
+    newly_converged = running & (s.decrement.abs() <= decrement_tolerance(s.f, options.tol))
     moving = running & torch.logical_not(newly_converged)
 
     if options.trials == "damped":
