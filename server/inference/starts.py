@@ -26,9 +26,10 @@ minimum:
 
 A model without kinked parameters (pyhf's default codes, ``code4p``/``code4``, are smooth) fits
 once, although smooth likelihoods can have several minima too: the conditional fits of
-strongly excluded published sbottom points have 15-30 (BENCHMARKS.md, "Several minima of
-smooth published likelihoods"), and one start lands in one of them, as pyhf's does. Each row reports how many starts it ran and whether every start that converged reached
-the same minimum (:class:`FitStatus`).
+strongly excluded published sbottom points have 16-31 (BENCHMARKS.md, "Several minima of
+smooth published likelihoods"), and one start lands in one of them, as pyhf's does. Each
+row reports how many starts it ran and whether every start that converged reached the same
+minimum (:class:`FitStatus`).
 
 Example:
     >>> import torch
