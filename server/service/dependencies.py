@@ -20,12 +20,12 @@ _bearer = HTTPBearer(
 )
 
 
-def get_state(request: Request) -> ServiceState:
+async def get_state(request: Request) -> ServiceState:
     """The running service's state."""
     return request.app.state.service
 
 
-def get_settings(request: Request) -> Settings:
+async def get_settings(request: Request) -> Settings:
     """The app's settings (available before start-up completes)."""
     return request.app.state.settings
 
@@ -45,7 +45,7 @@ def authenticate(authorization: str, callers: Callers) -> str:
     return caller
 
 
-def require_token(
+async def require_token(
     request: Request,
     settings: Annotated[Settings, Depends(get_settings)],
     _credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
