@@ -185,6 +185,51 @@ def test_rate_jacobian_matches_autograd_on_a_stacked_patchset(shared_name):
     assert_jacobian_is_autograds(engine, torch.minimum(torch.maximum(pars, lo), hi), element)
 
 
+def assert_rates_curvature_is_autograds(engine: HistFactoryModel, pars: torch.Tensor, element):
+    """The closed-form second-order term (the minimiser's exact Newton step) equals
+    ``sum_n w_n Hess(lambda_n)`` by ``torch.func`` for random bin weights ``w``."""
+    gen = torch.Generator().manual_seed(5)
+    weights = torch.randn(pars.shape[0], engine.n_main, generator=gen, dtype=torch.float64)
+    curvature = engine.main_rates_curvature(pars, element, weights)
+
+    def weighted_rates(row, e, w):
+        return (w * engine.expected_data(row[None], e[None], include_auxdata=False)[0]).sum()
+
+    reference = torch.stack(
+        [
+            torch.func.hessian(weighted_rates)(row, e, w)
+            for row, e, w in zip(pars, element, weights, strict=True)
+        ]
+    )
+    torch.testing.assert_close(curvature, reference, rtol=1e-10, atol=1e-9)
+
+
+@pytest.mark.parametrize("settings", SETTINGS[:5], ids=lambda s: str(s))
+def test_rates_curvature_matches_autograd_for_every_code(settings):
+    """Away from the interpolation kinks (|alpha| = 0, 1), where one-sided derivatives differ."""
+    engine = HistFactoryModel.from_workspace(all_modifiers_workspace(), modifier_settings=settings)
+    gen = torch.Generator().manual_seed(7)
+    init = engine.init[0]
+    lo, hi = engine.bounds[0].unbind(-1)
+    shift = (torch.rand(12, engine.n_pars, generator=gen, dtype=torch.float64) - 0.5) * 0.6
+    pars = torch.minimum(torch.maximum(init + shift * (hi - lo).clamp(max=6.0), lo), hi)
+    pars[6:, :2] = torch.tensor([1.7, -1.4], dtype=torch.float64)  # outside |alpha| < 1
+    assert_rates_curvature_is_autograds(engine, pars, engine.element_index(None, 12))
+
+
+def test_rates_curvature_matches_autograd_on_a_stacked_patchset(shared_name):
+    workspace, patchset, _ = shared_workspace(shared_name)
+    names = [p["metadata"]["name"] for p in patchset["patches"][:3]]
+    engine = HistFactoryModel.from_patchset(workspace, patchset, patch_names=names)
+    gen = torch.Generator().manual_seed(3)
+    element = torch.arange(3).repeat(2)
+    pars = engine.init.index_select(0, element)
+    pars = pars + 0.2 * torch.randn(pars.shape, generator=gen, dtype=torch.float64)
+    lo, hi = engine.bounds.index_select(0, element).unbind(-1)
+    pars = torch.minimum(torch.maximum(pars, lo + 1e-3), hi)
+    assert_rates_curvature_is_autograds(engine, pars, element)
+
+
 def test_deviance_plus_saturated_constant_is_twice_nll(shared_models):
     """The fitter's objective (deviance, non-negative) differs from -2 log L by a function of
     the data alone."""

@@ -118,6 +118,24 @@ def histosys_basis_derivative(code: str, alpha: torch.Tensor) -> torch.Tensor:
     )
 
 
+def histosys_basis_second_derivative(code: str, alpha: torch.Tensor) -> torch.Tensor:
+    """``d2 basis / d alpha2`` ``[B, K, J]`` (0 at the kinks and jumps of code0 and code2)."""
+    zero = torch.zeros_like(alpha)
+    if code == "code0":
+        return torch.stack([zero, zero], 1)
+    inside = alpha.abs() <= 1
+    if code == "code2":
+        first = torch.where(inside, torch.full_like(alpha, 2.0), zero)
+        second = zero
+    elif code == "code4p":
+        a2 = alpha * alpha
+        first = zero
+        second = torch.where(inside, a2 * (a2 * 90.0 - 120.0) + 30.0, zero)
+    else:
+        raise UnsupportedModelError(f"histosys interpolation code {code!r} is not supported")
+    return torch.stack([first, second, zero, zero], 1)
+
+
 # pyhf's closed-form inverse of the code4 system for alpha0 = 1 (pyhf.interpolators.code4)
 _CODE4_A_INVERSE = np.array(
     [
@@ -204,6 +222,20 @@ def _normsys(
     return log_abs, negative, slope
 
 
+def normsys_log_curvature(
+    code: str, alpha: torch.Tensor, coefficients: torch.Tensor
+) -> torch.Tensor:
+    """``d2 log|factor| / d alpha2`` ``[B, T]``: 0 where the log-factor is linear (code1, and
+    code4 beyond ``|alpha| = 1``), ``f''/f - (f'/f)^2`` on the code4 polynomial."""
+    if code == "code1":
+        return torch.zeros_like(alpha)
+    inner_alpha = alpha.clamp(-1.0, 1.0)
+    factor = _code4_factor(inner_alpha, coefficients)
+    slope = _code4_factor_derivative(inner_alpha, coefficients) / factor
+    curvature = _code4_factor_second_derivative(inner_alpha, coefficients) / factor - slope**2
+    return torch.where(alpha == inner_alpha, curvature, torch.zeros_like(alpha))
+
+
 def _code4_factor(alpha: torch.Tensor, coefficients: torch.Tensor) -> torch.Tensor:
     """``1 + sum_i c_i alpha^i`` for i = 1..6 (Horner, one fused multiply-add per degree);
     coefficients rows 2..7 are ``c_1 .. c_6``."""
@@ -221,3 +253,16 @@ def _code4_factor_derivative(alpha: torch.Tensor, coefficients: torch.Tensor) ->
     for row in range(5, 1, -1):
         derivative = torch.addcmul((row - 1) * coefficients.select(0, row), derivative, alpha)
     return derivative
+
+
+def _code4_factor_second_derivative(
+    alpha: torch.Tensor, coefficients: torch.Tensor
+) -> torch.Tensor:
+    """``sum_i i (i - 1) c_i alpha^(i-2)`` for i = 2..6 (Horner)."""
+    second = torch.addcmul(
+        20.0 * coefficients.select(0, 6), 30.0 * coefficients.select(0, 7), alpha
+    )
+    for row in range(5, 2, -1):
+        degree = row - 1
+        second = torch.addcmul(degree * (degree - 1) * coefficients.select(0, row), second, alpha)
+    return second

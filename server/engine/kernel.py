@@ -17,6 +17,8 @@ import torch
 from .interpolation import (
     histosys_basis,
     histosys_basis_derivative,
+    histosys_basis_second_derivative,
+    normsys_log_curvature,
     normsys_log_factor,
     normsys_log_factor_and_slope,
 )
@@ -254,18 +256,128 @@ def expected_main_jacobian(
             jacobian = _add_at(jacobian, target, factors.normsys_slope * weighted)
         if block.multiplier_params.shape[-2]:
             values = _multiplier_factors(pars, block)  # [B, M, Q]
-            ones = torch.ones_like(values.narrow(1, 0, 1))
-            before = torch.cumprod(torch.cat([ones, values], dim=1), dim=1).narrow(
-                1, 0, values.shape[1]
-            )
-            after = torch.cumprod(torch.cat([ones, values.flip(1)], dim=1), dim=1)
-            after = after.narrow(1, 0, values.shape[1]).flip(1)
-            others = before * after  # product of the other multipliers of the column
+            others = _others(values)
             scale = (factors.base * factors.normsys * weight).unsqueeze(1)
             target = column_bin * width + block.multiplier_params  # [M, Q] or [B, M, Q]
             jacobian = _add_at(jacobian, target.flatten(-2), (others * scale).reshape(rows, -1))
     jacobian = jacobian.reshape(rows, n_main, width).narrow(2, 0, n_pars)
     return expected, jacobian
+
+
+def main_rates_curvature(
+    pars: torch.Tensor,
+    element: torch.Tensor,
+    main: MainTensors,
+    histosys_code: str,
+    normsys_code: str,
+    bin_weights: torch.Tensor,
+) -> torch.Tensor:
+    """``sum_n w_n d2(expected bin n) / d pars2`` ``[B, P, P]`` for bin weights ``[B, N]``:
+    the second-order term of a Hessian that Gauss-Newton drops, in closed form.
+
+    Each column's rate is ``b f``: ``b`` the histosys-shifted nominal, ``f = g m`` the product
+    of its normsys factors ``g`` and its multipliers ``m``. With ``v = grad b``, ``s = grad
+    log|g|`` and ``t = g grad m`` (products of the other multipliers: no division, a
+    multiplier may be 0), ``d2(b f) = diag(b'' f) + v df^T + df v^T + b d2f`` where ``df = f s
+    + t`` and ``d2f = f (s s^T + diag(s')) + t s^T + s t^T + g d2m``, ``d2m`` the products of
+    all multipliers but two: a few batched products over the columns, no autograd.
+    """
+    rows, n_pars = pars.shape
+    width = n_pars + 1  # the spare slot of the "times 1" multiplier padding
+    symmetric = pars.new_zeros(rows, width, width)
+    half = pars.new_zeros(rows, width, width)  # the rest is half + half^T
+    diagonal = pars.new_zeros(rows, width)
+    pairs = pars.new_zeros(rows, width * width)
+    for block in _blocks(element, main):
+        n_columns = block.nominal.shape[1]
+        if not n_columns:
+            continue
+        f = _rate_factors(pars, block, histosys_code, normsys_code, with_slopes=True)
+        column_bin = main.bins.repeat(n_columns // main.bins.shape[0])  # [Q]
+        weight = bin_weights.index_select(1, column_bin)
+        if block.weight is not None:
+            weight = weight * block.weight
+        factor = f.normsys * f.multipliers  # [B, Q]
+        slope = pars.new_zeros(rows, n_columns * width)  # s, flattened [B, Q * width]
+        slope_change = pars.new_zeros(rows, n_columns * width)  # diag(s')
+        if block.normsys_column.shape[-1]:
+            alpha = _take(pars, block.normsys_param)
+            target = block.normsys_column * width + block.normsys_param
+            slope = _add_at(slope, target, f.normsys_slope)
+            second = normsys_log_curvature(normsys_code, alpha, block.normsys_coefficients)
+            slope_change = _add_at(slope_change, target, second)
+        slope = slope.reshape(rows, n_columns, width)
+        slope_change = slope_change.reshape(rows, n_columns, width)
+        factor_slope = factor.unsqueeze(-1) * slope  # f s, then df
+        weighted_base = weight * f.base  # w b
+        if block.multiplier_params.shape[-2]:
+            values = _multiplier_factors(pars, block)  # [B, M, Q]
+            columns = torch.arange(n_columns, device=pars.device)
+            params = block.multiplier_params  # [M, Q] or [B, M, Q]
+            others = (f.normsys.unsqueeze(1) * _others(values)).reshape(rows, -1)
+            t = _add_at(
+                pars.new_zeros(rows, n_columns * width),
+                (columns * width + params).flatten(-2),
+                others,
+            )
+            t = t.reshape(rows, n_columns, width)
+            factor_slope = factor_slope + t
+            half = half.baddbmm((weighted_base.unsqueeze(-1) * t).mT, slope)  # sum_q w b t s^T
+            depth = values.shape[1]
+            if depth > 1:
+                # all multipliers but slots i != j of each column, times w b g
+                slot = torch.arange(depth, device=pars.device)
+                dropped = (slot.view(-1, 1, 1) == slot.view(1, 1, -1)) | (
+                    slot.view(1, -1, 1) == slot.view(1, 1, -1)
+                )  # [i, j, k]: k is i or j
+                kept = torch.where(
+                    dropped.unsqueeze(0).unsqueeze(-1),
+                    torch.ones_like(values).unsqueeze(1).unsqueeze(1),
+                    values.unsqueeze(1).unsqueeze(1),
+                ).prod(3)  # [B, i, j, Q]
+                distinct = (slot.view(-1, 1) != slot.view(1, -1)).unsqueeze(-1)
+                kept = torch.where(distinct, kept, torch.zeros_like(kept))
+                scale = (weighted_base * f.normsys).unsqueeze(1).unsqueeze(1)
+                target = params.unsqueeze(-2) * width + params.unsqueeze(-3)  # [.., i, j, Q]
+                pairs = _add_at(pairs, target.flatten(-3), (scale * kept).reshape(rows, -1))
+        if block.histosys_params.shape[0]:
+            alpha = pars.index_select(1, block.histosys_params)
+            coefficients = block.histosys_coefficients
+            coefficients = coefficients.reshape(
+                *coefficients.shape[:-2], -1, alpha.shape[1], n_columns
+            )  # [K, J, Q] or [B, K, J, Q]
+            pattern = "bkj,kjq->bqj" if coefficients.dim() == 3 else "bkj,bkjq->bqj"
+            base_slope = pars.new_zeros(rows, n_columns, width).index_add(
+                2,
+                block.histosys_params,
+                torch.einsum(
+                    pattern, histosys_basis_derivative(histosys_code, alpha), coefficients
+                ),
+            )  # v
+            base_second = torch.einsum(
+                pattern, histosys_basis_second_derivative(histosys_code, alpha), coefficients
+            )  # [B, Q, J]
+            diagonal = diagonal.index_add(
+                1, block.histosys_params, ((weight * factor).unsqueeze(-1) * base_second).sum(1)
+            )
+            half = half.baddbmm(
+                (weight.unsqueeze(-1) * base_slope).mT, factor_slope
+            )  # sum_q w v df^T
+        product = (weighted_base * factor).unsqueeze(-1)  # w b f
+        symmetric = symmetric.baddbmm((product * slope).mT, slope)
+        diagonal = diagonal + (product * slope_change).sum(1)
+    curvature = symmetric + pairs.view(rows, width, width) + half + half.mT
+    curvature.diagonal(dim1=1, dim2=2).add_(diagonal)
+    return curvature.narrow(1, 0, n_pars).narrow(2, 0, n_pars)
+
+
+def _others(values: torch.Tensor) -> torch.Tensor:
+    """``[B, M, Q]``: for each multiplier of a column, the product of the column's others
+    (no division: a multiplier may be 0)."""
+    ones = torch.ones_like(values.narrow(1, 0, 1))
+    before = torch.cumprod(torch.cat([ones, values], dim=1), dim=1).narrow(1, 0, values.shape[1])
+    after = torch.cumprod(torch.cat([ones, values.flip(1)], dim=1), dim=1)
+    return before * after.narrow(1, 0, values.shape[1]).flip(1)
 
 
 def _histosys_per_bin(

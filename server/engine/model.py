@@ -45,6 +45,7 @@ from .kernel import (
     expected_aux,
     expected_main,
     expected_main_jacobian,
+    main_rates_curvature,
     poisson_deviance,
     poisson_logpdf,
     poisson_saturated,
@@ -319,6 +320,15 @@ class HistFactoryModel:
         element = self.element_index(element, pars.shape[0])
         return expected_main_jacobian(
             pars, element, self.main, self.histosys_code, self.normsys_code
+        )
+
+    def main_rates_curvature(
+        self, pars: torch.Tensor, element: torch.Tensor, bin_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """``sum_n w_n d2(expected bin n) / d pars2`` ``[B, P, P]`` for bin weights ``w [B,
+        N]``, in closed form (the second-order term Gauss-Newton drops)."""
+        return main_rates_curvature(
+            pars, element, self.main, self.histosys_code, self.normsys_code, bin_weights
         )
 
     # ------------------------------------------------------------------ per sample
