@@ -64,6 +64,7 @@ def test_model_evaluates_on_fake_cuda(build):
             model.expected_data(pars, element),
             model.logpdf(pars, data, element),
             *model.expected_main_jacobian(pars, element),
+            model.main_rates_curvature(pars, element, data.narrow(1, 0, model.n_main)),
         ]
         for output in outputs:
             assert isinstance(output, FakeTensor)
@@ -100,11 +101,14 @@ def test_no_process_wide_backend_state():
     assert before.name == "numpy"
 
 
-@pytest.mark.parametrize("solver", ["dense", "low-rank"])
-def test_fit_runs_on_fake_cuda(solver):
+@pytest.mark.parametrize(
+    ("solver", "trials"), [("dense", "damped"), ("low-rank", "damped"), ("low-rank", "grid")]
+)
+def test_fit_runs_on_fake_cuda(solver, trials):
     """A batched fit (Gauss-Newton with secant updates, fixed budget, no host synchronisation)
-    on a simulated cuda device, with either step solver: any cpu tensor created inside the
-    fit loop would raise."""
+    on a simulated cuda device, with either step solver, and with the grid's trials (the
+    exact curvature's Newton step among them): any cpu tensor created inside the fit loop
+    would raise."""
     from pyhf_gpu_server.inference.minimize import MinimizeOptions, minimize
     from pyhf_gpu_server.inference.objective import TwiceNLL
 
@@ -118,7 +122,9 @@ def test_fit_runs_on_fake_cuda(solver):
             model.init.index_select(0, element),
             model.bounds.index_select(0, element),
             model.fixed.index_select(0, element),
-            MinimizeOptions(max_iter=3, check_every=0, solver=solver),
+            MinimizeOptions(
+                max_iter=3, check_every=0, solver=solver, trials=trials, exact_newton_after=0
+            ),
         )
         for tensor in (result.x, result.fun, result.converged, result.iterations):
             assert isinstance(tensor, FakeTensor)

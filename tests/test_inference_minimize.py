@@ -239,9 +239,9 @@ def test_the_last_rows_of_a_call_iterate_on_a_grid_to_the_same_minima(monkeypatc
     calls: list[tuple[str, int]] = []
     iterate = module._iterate
 
-    def recorded(objective, s, lo, hi, free, options, constants):
+    def recorded(objective, s, lo, hi, free, options, constants, exact):
         calls.append((options.trials, s.rows.numel()))
-        return iterate(objective, s, lo, hi, free, options, constants)
+        return iterate(objective, s, lo, hi, free, options, constants, exact)
 
     monkeypatch.setattr(module, "_iterate", recorded)
     found = {}
@@ -302,3 +302,38 @@ def test_a_converged_fit_has_no_gradient_left_even_from_far_off_starts():
     assert fit.converged[0]
     assert (left[fit.converged] < 1e-3).all(), left[fit.converged].max()
     assert fit.converged.sum() >= rows - 2
+
+
+def test_the_exact_newton_trial_ends_a_slow_fit_at_the_same_minimum():
+    """The conditional fit (mu = 1) of a strongly excluded published sbottom point creeps for
+    ~60 iterations on the Gauss-Newton model once the likelihood is convex around it
+    (``benchmarks/bench_tail.py``). With the exact curvature's Newton step among the tail's
+    trials it reaches the same minimum, to the minimiser's tolerance, in far fewer."""
+    from dataclasses import replace
+
+    from conftest import WORKSPACES_DIR, load_json, load_patchset
+
+    from pyhf_gpu_server.engine import HistFactoryModel
+    from pyhf_gpu_server.engine.translate import WorkspaceTranslator
+    from pyhf_gpu_server.inference.mle import FitOptions, fixed_poi_fit
+
+    folder = WORKSPACES_DIR / "atlas-susy-2018-31-sbottom-B"
+    patch = next(
+        p
+        for p in load_patchset(folder / "patchset.hepdata.json.gz")["patches"]
+        if p["metadata"]["name"] == "sbottom_400_300_60"
+    )
+    element = WorkspaceTranslator(load_json(folder / "BkgOnly.json")).element(patch["patch"])
+    model = HistFactoryModel([element], device=DEVICE)
+    fits = {}
+    for exact in (False, True):
+        options = replace(MinimizeOptions(), exact_newton_after=30 if exact else None)
+        fits[exact] = fixed_poi_fit(
+            model, 1.0, options=FitOptions(minimize=options), uncertainties=False
+        )
+    gauss_newton, exact = fits[False], fits[True]
+    assert gauss_newton.converged.all() and exact.converged.all()
+    assert gauss_newton.iterations.item() >= 90
+    assert exact.iterations.item() <= 0.7 * gauss_newton.iterations.item()
+    torch.testing.assert_close(exact.best_twice_nll, gauss_newton.best_twice_nll, rtol=0, atol=1e-9)
+    torch.testing.assert_close(exact.bestfit, gauss_newton.bestfit, rtol=0, atol=1e-4)

@@ -135,6 +135,10 @@ class DenseCurvature:
         ok = (info == 0) & finite & torch.isfinite(p.sum(-1))
         return torch.where(ok.unsqueeze(-1), p * m, torch.zeros_like(p)), ok
 
+    def gauss_newton(self) -> Tensor:
+        """The objective's own curvature ``H [R, P, P]``, without the secant term."""
+        return self.H
+
     def adopt(self, new: Derivatives, accept: Tensor, step: Tensor, y: Tensor) -> None:
         """Take the curvature of ``new`` on the accepted rows (``step``, ``y``: their change
         of parameters and gradient), updating ``S``."""
@@ -202,6 +206,10 @@ class LowRankCurvature:
         ya = (self.pairs_y @ x).squeeze(-1) * self.c  # [R, m]
         ay = (self.pairs_a @ x).squeeze(-1) * self.c
         return (ya.unsqueeze(1) @ self.pairs_a + ay.unsqueeze(1) @ self.pairs_y).squeeze(1)
+
+    def gauss_newton(self) -> Tensor:
+        """``H = diag(d) + J^T diag(w) J`` ``[R, P, P]``, without the secant term."""
+        return torch.diag_embed(self.d) + (self.J * self.w.unsqueeze(-1)).mT @ self.J
 
     def diagonal(self) -> Tensor:
         """``diag C`` ``[R, P]``."""

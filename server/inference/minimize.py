@@ -20,7 +20,9 @@ fixed-parameter mask) is advanced in one loop. Every iteration:
    damping: one derivative evaluation per iteration. (``trials="grid"`` instead evaluates
    the objective at every candidate and a few step lengths, keeps the best, and takes its
    derivatives afterwards: fewer iterations, each dearer; measured slower on the CPU, but
-   for the last few rows of a call, whose iterations cost their dispatch: ``tail_rows``.)
+   for the last few rows of a call, whose iterations cost their dispatch: ``tail_rows``;
+   the grid also tries the Newton step of the exact curvature where the objective gives
+   the second-order term and that curvature is positive definite.)
    Either way the damping follows the row's own step: a quarter after a success, 256
    times after a failure.
 
@@ -64,6 +66,7 @@ __all__ = [
     "Derivatives",
     "MinimizeOptions",
     "MinimizeResult",
+    "SecondOrderObjective",
     "decrement_tolerance",
     "minimize",
 ]
@@ -84,6 +87,15 @@ class BatchedObjective(Protocol):
     def derivatives(self, x: Tensor, rows: Tensor) -> Derivatives | tuple[Tensor, Tensor, Tensor]:
         """Value ``[R]``, gradient ``[R, P]`` and a symmetric curvature matrix ``[R, P, P]``, or
         its low-rank pieces (see :class:`~pyhf_gpu_server.inference.curvature.Derivatives`)."""
+        ...
+
+
+class SecondOrderObjective(BatchedObjective, Protocol):
+    """An objective ``sum_i phi_i(lambda_i(x))`` whose Gauss-Newton curvature (with ``J`` and
+    ``r``, see :class:`Derivatives`) misses ``sum_i r_i Hess(lambda_i)``, and that gives it."""
+
+    def second_order(self, x: Tensor, rows: Tensor, r: Tensor) -> Tensor:
+        """``sum_i r_i Hess(lambda_i)`` ``[R, P, P]`` at ``x [R, P]`` for residuals ``r``."""
         ...
 
 
@@ -131,6 +143,13 @@ class MinimizeOptions:
             do) never pays for the grid's extra trial points and factorisations.
         tail_damping_factors: the tail's damped candidates, as multiples of ``lambda``.
         tail_step_lengths: the tail's fractions (and multiples) of each candidate step.
+        exact_newton_after: with ``"grid"`` trials (the tail's too), from this iteration on
+            also try the Newton step of the exact curvature where it is positive definite,
+            when the objective gives the second-order term its Gauss-Newton curvature drops
+            (:class:`SecondOrderObjective`): a fit that crept for tens of iterations on the
+            Gauss-Newton model once the likelihood is convex around it ends in a few
+            (``benchmarks/bench_tail.py``). Fits that end sooner (most) do not pay for the
+            exact curvature. ``None``: never.
     """
 
     max_iter: int = 200
@@ -150,6 +169,7 @@ class MinimizeOptions:
     tail_after: int = 20
     tail_damping_factors: tuple[float, ...] = (0.125, 1.0, 8.0)
     tail_step_lengths: tuple[float, ...] = (3.0, 1.5, 0.6)
+    exact_newton_after: int | None = 30
 
     def tail(self) -> MinimizeOptions:
         """The options of the tail's iterations (see ``tail_rows``)."""
@@ -250,10 +270,12 @@ def _iterate(
     free: Tensor,
     options: MinimizeOptions,
     constants: tuple[Tensor, Tensor],
+    exact: bool = False,
 ) -> _State:
     """One damped-Newton iteration of every running row of ``s`` (in place on ``s``);
     ``constants``: the candidates' damping factors (pure Newton first, if tried) and the step
-    lengths, as device tensors."""
+    lengths, as device tensors; ``exact``: the grid also tries the exact curvature's Newton
+    step (see ``exact_newton_after``)."""
     factors, alphas = constants
     running = torch.logical_not(s.converged | s.failed)
     movable = _movable(s.x, s.g, lo, hi, free, options.bound_tol)
@@ -276,6 +298,10 @@ def _iterate(
         trial_ok = ok.select(0, -1) & torch.isfinite(d.f)
         f_new = torch.where(trial_ok, d.f, torch.full_like(d.f, torch.inf))
     else:
+        if exact and hasattr(objective, "second_order") and s.curvature.r is not None:
+            newton, newton_ok = _exact_newton_step(objective, s, movable)
+            steps = torch.cat([steps, newton.unsqueeze(0)])
+            ok = torch.cat([ok, newton_ok.unsqueeze(0)])
         x_new, f_new = _best_trial(objective, s, steps, ok, alphas, lo, hi)
     accept = moving & (f_new < s.f)
 
@@ -293,6 +319,22 @@ def _iterate(
         d = _as_derivatives(objective.derivatives(s.x, s.rows))
     _adopt(s, d, accept, s.x - x_old)
     return s
+
+
+def _exact_newton_step(
+    objective: SecondOrderObjective, s: _State, movable: Tensor
+) -> tuple[Tensor, Tensor]:
+    """The Newton step ``[R, P]`` of the exact curvature (the objective's Gauss-Newton matrix
+    plus its second-order term) on the movable parameters, and where it is usable ``[R]``:
+    positive definite and finite."""
+    exact = s.curvature.gauss_newton() + objective.second_order(s.x, s.rows, s.curvature.r)
+    both = movable.unsqueeze(-1) & movable.unsqueeze(-2)
+    exact = torch.where(both, exact, torch.diag_embed(torch.ones_like(s.x)))
+    factor, info = torch.linalg.cholesky_ex(exact)
+    g = torch.where(movable, s.g, torch.zeros_like(s.g))
+    step = -torch.cholesky_solve(torch.nan_to_num(g).unsqueeze(-1), factor).squeeze(-1)
+    usable = (info == 0) & torch.isfinite(step).all(-1)
+    return torch.where(usable.unsqueeze(-1), step, torch.zeros_like(step)), usable
 
 
 def _best_trial(
@@ -420,6 +462,7 @@ def minimize(
         if stop is not None and stop():
             raise FitStopped(f"stopped by its caller after {it - 1} iterations")
         sel = s.rows
+        exact = options.exact_newton_after is not None and it > options.exact_newton_after
         s = _iterate(
             objective,
             s,
@@ -428,6 +471,7 @@ def minimize(
             free.index_select(0, sel),
             step_options,
             constants,
+            exact,
         )
         if check_every and (it % check_every == 0 or it == options.max_iter):
             finished = s.converged | s.failed
