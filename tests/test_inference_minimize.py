@@ -259,6 +259,20 @@ def test_the_last_rows_of_a_call_iterate_on_a_grid_to_the_same_minima(monkeypatc
     assert torch.allclose(tail.fun[both], plain.fun[both], rtol=0, atol=1e-7)
 
 
+def published_sbottom_b(name: str):
+    """The model of one published point of sbottom region B (``patchset.hepdata.json.gz``)."""
+    from conftest import WORKSPACES_DIR, load_json, load_patchset
+
+    from pyhf_gpu_server.engine import HistFactoryModel
+    from pyhf_gpu_server.engine.translate import WorkspaceTranslator
+
+    folder = WORKSPACES_DIR / "atlas-susy-2018-31-sbottom-B"
+    patches = load_patchset(folder / "patchset.hepdata.json.gz")["patches"]
+    patch = next(p for p in patches if p["metadata"]["name"] == name)
+    element = WorkspaceTranslator(load_json(folder / "BkgOnly.json")).element(patch["patch"])
+    return HistFactoryModel([element], device=DEVICE)
+
+
 def test_a_converged_fit_has_no_gradient_left_even_from_far_off_starts():
     """Conditional fits (mu = 1) of a published sbottom point from 33 start points, the init
     and 32 seeded random moves of every free parameter (N(0, 0.5), clipped to the bounds):
@@ -266,21 +280,10 @@ def test_a_converged_fit_has_no_gradient_left_even_from_far_off_starts():
     Some of these starts put a staterror gamma on its lower bound, where a bin's rate is ~0:
     the curvature's solve there lost its digits and gave an uphill step, whose negative
     Newton decrement was taken for convergence at twice NLL 2064 (BENCHMARKS.md)."""
-    from conftest import WORKSPACES_DIR, load_json, load_patchset
-
-    from pyhf_gpu_server.engine import HistFactoryModel
-    from pyhf_gpu_server.engine.translate import WorkspaceTranslator
     from pyhf_gpu_server.inference.mle import fixed_poi_fit
     from pyhf_gpu_server.inference.objective import TwiceNLL
 
-    folder = WORKSPACES_DIR / "atlas-susy-2018-31-sbottom-B"
-    patch = next(
-        p
-        for p in load_patchset(folder / "patchset.hepdata.json.gz")["patches"]
-        if p["metadata"]["name"] == "sbottom_400_370_240"
-    )
-    element = WorkspaceTranslator(load_json(folder / "BkgOnly.json")).element(patch["patch"])
-    model = HistFactoryModel([element], device=DEVICE)
+    model = published_sbottom_b("sbottom_400_370_240")
     rows = 33
     init, bounds = model.init[0], model.bounds[0]
     fixed = model.fixed[0].clone()
@@ -311,20 +314,9 @@ def test_the_exact_newton_trial_ends_a_slow_fit_at_the_same_minimum():
     trials it reaches the same minimum, to the minimiser's tolerance, in far fewer."""
     from dataclasses import replace
 
-    from conftest import WORKSPACES_DIR, load_json, load_patchset
-
-    from pyhf_gpu_server.engine import HistFactoryModel
-    from pyhf_gpu_server.engine.translate import WorkspaceTranslator
     from pyhf_gpu_server.inference.mle import FitOptions, fixed_poi_fit
 
-    folder = WORKSPACES_DIR / "atlas-susy-2018-31-sbottom-B"
-    patch = next(
-        p
-        for p in load_patchset(folder / "patchset.hepdata.json.gz")["patches"]
-        if p["metadata"]["name"] == "sbottom_400_300_60"
-    )
-    element = WorkspaceTranslator(load_json(folder / "BkgOnly.json")).element(patch["patch"])
-    model = HistFactoryModel([element], device=DEVICE)
+    model = published_sbottom_b("sbottom_400_300_60")
     fits = {}
     for exact in (False, True):
         options = replace(MinimizeOptions(), exact_newton_after=30 if exact else None)

@@ -122,10 +122,8 @@ class TwiceNLL:
     def _exact(self, x: Tensor, rows: Tensor) -> Derivatives:
         """Exact derivatives, all in closed form: the Gauss-Newton matrix, the rates' own
         second derivatives weighted by the residuals (:meth:`second_order`) and the
-        constraint terms' diagonal. Equal to ``torch.func``'s Hessian to ~1e-16 relative
-        (tests); measured on the CPU (sbottom-B, 60 parameters): 1-2 rows ~1.3 ms, 217 rows
-        ~20 ms, where forward mode over the closed-form gradient took 14-15 ms and
-        forward-over-reverse through the rates 180 ms."""
+        constraint terms' diagonal (equal to ``torch.func``'s, tests; an order of magnitude
+        faster, BENCHMARKS.md)."""
         data, element = self.data.index_select(0, rows), self.element.index_select(0, rows)
         g, rates, J, ratio, residual, diagonal = self._gradient(x, data, element)
         gauss_newton = (J * (2.0 * ratio / rates).unsqueeze(-1)).mT @ J
