@@ -300,8 +300,7 @@ def _iterate(
     else:
         if exact and hasattr(objective, "second_order") and s.curvature.r is not None:
             newton, newton_ok = _exact_newton_step(objective, s, movable)
-            steps = torch.cat([steps, newton.unsqueeze(0)])
-            ok = torch.cat([ok, newton_ok.unsqueeze(0)])
+            steps, ok = torch.cat([steps, newton]), torch.cat([ok, newton_ok])
         x_new, f_new = _best_trial(objective, s, steps, ok, alphas, lo, hi)
     accept = moving & (f_new < s.f)
 
@@ -324,17 +323,12 @@ def _iterate(
 def _exact_newton_step(
     objective: SecondOrderObjective, s: _State, movable: Tensor
 ) -> tuple[Tensor, Tensor]:
-    """The Newton step ``[R, P]`` of the exact curvature (the objective's Gauss-Newton matrix
-    plus its second-order term) on the movable parameters, and where it is usable ``[R]``:
-    positive definite and finite."""
-    exact = s.curvature.gauss_newton() + objective.second_order(s.x, s.rows, s.curvature.r)
-    both = movable.unsqueeze(-1) & movable.unsqueeze(-2)
-    exact = torch.where(both, exact, torch.diag_embed(torch.ones_like(s.x)))
-    factor, info = torch.linalg.cholesky_ex(exact)
-    g = torch.where(movable, s.g, torch.zeros_like(s.g))
-    step = -torch.cholesky_solve(torch.nan_to_num(g).unsqueeze(-1), factor).squeeze(-1)
-    usable = (info == 0) & torch.isfinite(step).all(-1)
-    return torch.where(usable.unsqueeze(-1), step, torch.zeros_like(step)), usable
+    """The Newton step ``[1, R, P]`` of the exact curvature (the objective's Gauss-Newton
+    matrix plus its second-order term) on the movable parameters, and where it is usable
+    ``[1, R]``: positive definite and finite."""
+    second_order = objective.second_order(s.x, s.rows, s.curvature.r)
+    exact = DenseCurvature(s.curvature.gauss_newton() + second_order)
+    return exact.steps(s.g, movable, torch.zeros_like(s.lam).unsqueeze(0))
 
 
 def _best_trial(
