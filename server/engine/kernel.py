@@ -292,29 +292,29 @@ def main_rates_curvature(
         n_columns = block.nominal.shape[1]
         if not n_columns:
             continue
-        f = _rate_factors(pars, block, histosys_code, normsys_code, with_slopes=True)
+        factors = _rate_factors(pars, block, histosys_code, normsys_code, with_slopes=True)
         column_bin = main.bins.repeat(n_columns // main.bins.shape[0])  # [Q]
         weight = bin_weights.index_select(1, column_bin)
         if block.weight is not None:
             weight = weight * block.weight
-        factor = f.normsys * f.multipliers  # [B, Q]
+        factor = factors.normsys * factors.multipliers  # [B, Q]
         slope = pars.new_zeros(rows, n_columns * width)  # s, flattened [B, Q * width]
         slope_change = pars.new_zeros(rows, n_columns * width)  # diag(s')
         if block.normsys_column.shape[-1]:
             alpha = _take(pars, block.normsys_param)
             target = block.normsys_column * width + block.normsys_param
-            slope = _add_at(slope, target, f.normsys_slope)
+            slope = _add_at(slope, target, factors.normsys_slope)
             second = normsys_log_curvature(normsys_code, alpha, block.normsys_coefficients)
             slope_change = _add_at(slope_change, target, second)
         slope = slope.reshape(rows, n_columns, width)
         slope_change = slope_change.reshape(rows, n_columns, width)
         factor_slope = factor.unsqueeze(-1) * slope  # f s, then df
-        weighted_base = weight * f.base  # w b
+        weighted_base = weight * factors.base  # w b
         if block.multiplier_params.shape[-2]:
             values = _multiplier_factors(pars, block)  # [B, M, Q]
             columns = torch.arange(n_columns, device=pars.device)
             params = block.multiplier_params  # [M, Q] or [B, M, Q]
-            others = (f.normsys.unsqueeze(1) * _others(values)).reshape(rows, -1)
+            others = (factors.normsys.unsqueeze(1) * _others(values)).reshape(rows, -1)
             t = _add_at(
                 pars.new_zeros(rows, n_columns * width),
                 (columns * width + params).flatten(-2),
@@ -337,7 +337,7 @@ def main_rates_curvature(
                 ).prod(3)  # [B, i, j, Q]
                 distinct = (slot.view(-1, 1) != slot.view(1, -1)).unsqueeze(-1)
                 kept = torch.where(distinct, kept, torch.zeros_like(kept))
-                scale = (weighted_base * f.normsys).unsqueeze(1).unsqueeze(1)
+                scale = (weighted_base * factors.normsys).unsqueeze(1).unsqueeze(1)
                 target = params.unsqueeze(-2) * width + params.unsqueeze(-3)  # [.., i, j, Q]
                 pairs = _add_at(pairs, target.flatten(-3), (scale * kept).reshape(rows, -1))
         if block.histosys_params.shape[0]:
