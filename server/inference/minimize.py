@@ -298,10 +298,10 @@ def _iterate(
         trial_ok = ok.select(0, -1) & torch.isfinite(d.f)
         f_new = torch.where(trial_ok, d.f, torch.full_like(d.f, torch.inf))
     else:
+        unit = None  # steps tried at their full length only
         if exact and hasattr(objective, "second_order") and s.curvature.r is not None:
-            newton, newton_ok = _exact_newton_step(objective, s, movable)
-            steps, ok = torch.cat([steps, newton]), torch.cat([ok, newton_ok])
-        x_new, f_new = _best_trial(objective, s, steps, ok, alphas, lo, hi)
+            unit = _exact_newton_step(objective, s, movable)
+        x_new, f_new = _best_trial(objective, s, steps, ok, alphas, lo, hi, unit)
     accept = moving & (f_new < s.f)
 
     x_old = s.x
@@ -339,12 +339,16 @@ def _best_trial(
     alphas: Tensor,
     lo: Tensor,
     hi: Tensor,
+    unit: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """The ``"grid"`` trials: every candidate step ``[K, R, P]`` at every step length, values
-    only. Per row: the best trial point and its value."""
+    """The ``"grid"`` trials: every candidate step ``[K, R, P]`` at every step length, and
+    the ``unit`` steps (with their ``ok``) as they are, values only. Per row: the best trial
+    point and its value."""
     n_alpha = alphas.shape[0]
     steps = (alphas.view(1, -1, 1, 1) * steps.unsqueeze(1)).flatten(0, 1)  # [K * S, R, P]
     ok = ok.repeat_interleave(n_alpha, dim=0)
+    if unit is not None:
+        steps, ok = torch.cat([steps, unit[0]]), torch.cat([ok, unit[1]])
     K, R, P = steps.shape
     trial = torch.minimum(torch.maximum(s.x.unsqueeze(0) + steps, lo), hi)
     f_trial = objective.value(trial.reshape(K * R, P), s.rows.repeat(K)).reshape(K, R)
