@@ -21,8 +21,9 @@ fixed-parameter mask) is advanced in one loop. Every iteration:
    the objective at every candidate and a few step lengths, keeps the best, and takes its
    derivatives afterwards: fewer iterations, each dearer; measured slower on the CPU, but
    for the last few rows of a call, whose iterations cost their dispatch: ``tail_rows``;
-   the grid also tries the Newton step of the exact curvature where the objective gives
-   the second-order term and that curvature is positive definite.)
+   from ``exact_newton_after`` iterations on, the grid also tries, at its full length, the
+   Newton step of the exact curvature where the objective gives the second-order term and
+   that curvature is positive definite.)
    Either way the damping follows the row's own step: a quarter after a success, 256
    times after a failure.
 
