@@ -10,6 +10,12 @@ from conftest import reference_patches, shared_workspace
 from hand_built import all_modifiers_workspace
 
 from pyhf_gpu_server.engine import HistFactoryModel
+from pyhf_gpu_server.engine.interpolation import (
+    HISTOSYS_CODES,
+    histosys_basis_derivative,
+    histosys_coefficients,
+    histosys_slopes_at_nominal,
+)
 
 RTOL = 1e-10
 N_RANDOM = 20
@@ -225,3 +231,19 @@ def test_deviance_plus_saturated_constant_is_twice_nll(shared_models):
         rtol=1e-12,
         atol=1e-9,
     )
+
+
+@pytest.mark.parametrize("code", HISTOSYS_CODES)
+def test_histosys_slopes_at_nominal_are_the_basis_derivatives(code):
+    """The numpy slopes at alpha = 0 that find even shifts (``symmetric_params``) are the
+    torch basis derivative's there, for every code; zero exactly where ``hi == lo``."""
+    rng = np.random.default_rng(3)
+    nominal = rng.uniform(5, 50, 6)
+    hi = nominal * rng.uniform(0.6, 1.4, 6)
+    lo = np.where(np.arange(6) % 2, hi, nominal * rng.uniform(0.6, 1.4, 6))
+    coefficients = histosys_coefficients(code, lo, nominal, hi)
+    basis = histosys_basis_derivative(code, torch.zeros(1, 1, dtype=torch.float64))[0, :, 0]
+    expected = np.tensordot(basis.numpy(), coefficients, axes=1)
+    slopes = histosys_slopes_at_nominal(code, coefficients)
+    np.testing.assert_array_equal(slopes, expected)
+    assert (slopes[1::2] == 0).all() == (code != "code0") and (slopes[::2] != 0).all()

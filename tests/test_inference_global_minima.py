@@ -1,6 +1,6 @@
 """Likelihoods with two basins: our minima are the global ones, in every row.
 
-A family of generated two-channel models after pyhf's ``2bin_2channel_coupledhistosys``
+Kinks: a family of generated two-channel models after pyhf's ``2bin_2channel_coupledhistosys``
 validation case: one histosys parameter shared by every background, with code0 (kinked at 0)
 and up/down variations that often both go the same way (a concave kink, two basins), half of
 them with the POI starting on its lower bound. All run as ONE stacked model. For each:
@@ -9,6 +9,12 @@ them with the POI starting on its lower bound. All run as ONE stacked model. For
   every point of a dense (alpha, mu) grid evaluated by pyhf;
 - the conditional minimum at mu = 1 is at or below pyhf's and the grid's at mu = 1, and never
   below the unconditional one.
+
+Saddles: a family of smooth (pyhf's default codes) models whose background shifts are even
+in their parameter (``hi == lo``, a histosys and a normsys), with data above the nominal rates:
+``alpha = 0``, pyhf's init, is then a saddle of ``-2 log L`` (zero gradient, curving down), and
+a fit started on it reports it as a minimum. Ours start off it and reach the minima of the
+grid, at or below pyhf's; started as pyhf does, they stay on the saddle.
 """
 
 from __future__ import annotations
@@ -21,10 +27,13 @@ from test_inference_support import DEVICE, one_thread  # noqa: F401 (fixture)
 
 from pyhf_gpu_server.engine import HistFactoryModel
 from pyhf_gpu_server.inference import fit, fixed_poi_fit
+from pyhf_gpu_server.inference.mle import FitOptions
+from pyhf_gpu_server.inference.objective import TwiceNLL
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 SETTINGS = {"histosys": {"interpcode": "code0"}, "normsys": {"interpcode": "code1"}}
+SMOOTH = {"histosys": {"interpcode": "code4p"}, "normsys": {"interpcode": "code4"}}  # pyhf's
 FAMILY = 16
 ALPHA = np.linspace(-3.0, 3.0, 241)
 MU = np.linspace(0.0, 4.0, 161)
@@ -84,15 +93,15 @@ def two_basin_workspace(seed: int) -> dict:
     }
 
 
-def _pyhf_model(workspace, batch_size=None):
+def _pyhf_model(workspace, batch_size=None, settings=SETTINGS):
     ws = pyhf.Workspace(workspace)
-    model = ws.model(modifier_settings=SETTINGS, batch_size=batch_size)
+    model = ws.model(modifier_settings=settings, batch_size=batch_size)
     return model, np.asarray(ws.data(model))
 
 
-def grid_minima(workspace) -> tuple[float, float]:
+def grid_minima(workspace, settings=SETTINGS) -> tuple[float, float]:
     """pyhf's -2 log L minimised over the (alpha, mu) grid, and over alpha at mu = 1."""
-    model, data = _pyhf_model(workspace, batch_size=len(ALPHA) * len(MU))
+    model, data = _pyhf_model(workspace, len(ALPHA) * len(MU), settings)
     alpha, mu = np.meshgrid(ALPHA, MU, indexing="ij")
     pars = np.zeros((alpha.size, 2))
     pars[:, model.config.par_slice("coupled_histosys")] = alpha.reshape(-1, 1)
@@ -103,9 +112,9 @@ def grid_minima(workspace) -> tuple[float, float]:
     return float(twice_nll.min()), float(twice_nll[:, at_one].min())
 
 
-def pyhf_minima(workspace) -> tuple[float, float]:
+def pyhf_minima(workspace, settings=SETTINGS) -> tuple[float, float]:
     """pyhf's unconditional and mu = 1 fits, from the init (its default optimiser)."""
-    model, data = _pyhf_model(workspace)
+    model, data = _pyhf_model(workspace, settings=settings)
     pyhf.set_backend("numpy", "scipy")
     _, free = pyhf.infer.mle.fit(data, model, return_fitted_val=True)
     _, fixed = pyhf.infer.mle.fixed_poi_fit(1.0, data, model, return_fitted_val=True)
@@ -162,3 +171,86 @@ def test_extra_starts_never_move_fixed_parameters(family):
     result = fit(model, init=init, fixed=fixed[0], uncertainties=False)
     assert result.bestfit[0, alpha].item() == pytest.approx(0.3, abs=0)
     assert torch.isfinite(result.best_twice_nll).all()
+
+
+def symmetric_workspace(seed: int) -> dict:
+    """One channel, two bins: a signal, a background with an even histosys (``hi == lo``,
+    above the nominal), one with an even normsys (``hi == lo = 1.2``) and one with an
+    ordinary normsys; the data 30-60% above the backgrounds."""
+    rng = np.random.default_rng(100 + seed)
+    nominal = np.round(rng.uniform(40, 90, (3, 2)), 1)
+    shifted = np.round(nominal[0] * rng.uniform(1.1, 1.4, 2), 1).tolist()
+    samples = [
+        {
+            "name": "signal",
+            "data": np.round(rng.uniform(3, 10, 2), 1).tolist(),
+            "modifiers": [{"name": "mu", "type": "normfactor", "data": None}],
+        },
+        {
+            "name": "even_shape",
+            "data": nominal[0].tolist(),
+            "modifiers": [
+                {
+                    "name": "shape",
+                    "type": "histosys",
+                    "data": {"hi_data": shifted, "lo_data": shifted},
+                }
+            ],
+        },
+        {
+            "name": "even_norm",
+            "data": nominal[1].tolist(),
+            "modifiers": [{"name": "norm", "type": "normsys", "data": {"hi": 1.2, "lo": 1.2}}],
+        },
+        {
+            "name": "plain",
+            "data": nominal[2].tolist(),
+            "modifiers": [
+                {"name": "plain", "type": "normsys", "data": {"hi": 1.1, "lo": 0.9}},
+                # hi == lo == nominal: no shift at all, nothing to start off
+                {
+                    "name": "idle",
+                    "type": "histosys",
+                    "data": {"hi_data": nominal[2].tolist(), "lo_data": nominal[2].tolist()},
+                },
+            ],
+        },
+    ]
+    observed = np.round(nominal.sum(0) * rng.uniform(1.3, 1.6, 2))
+    return {
+        "channels": [{"name": "sr", "samples": samples}],
+        "observations": [{"name": "sr", "data": observed.tolist()}],
+        "measurements": [{"name": "m", "config": {"poi": "mu", "parameters": []}}],
+        "version": "1.0.0",
+    }
+
+
+def test_fits_leave_the_saddle_of_an_even_shift():
+    workspaces = [symmetric_workspace(seed) for seed in range(6)]
+    model = HistFactoryModel.stack(
+        [HistFactoryModel.from_workspace(w, device=DEVICE) for w in workspaces]
+    )
+    symmetric = [model.par_names[i] for i in model.symmetric_params[0].nonzero().flatten()]
+    assert sorted(symmetric) == ["norm", "shape"] and model.symmetric_params.all(0).sum() == 2
+    free = fit(model, uncertainties=False)
+    fixed = fixed_poi_fit(model, 1.0, uncertainties=False)
+    assert free.converged.all() and fixed.converged.all()
+    rows = torch.arange(len(workspaces), device=model.device)
+    pinned = model.fixed.clone()
+    pinned[:, model.poi_index] = True
+    for result, held in ((free, model.fixed), (fixed, pinned)):
+        # a minimum: the exact Hessian of -2 log L is positive definite on the free parameters
+        hessian = TwiceNLL(model, model.observed, rows).hessian(result.bestfit, rows)
+        for i in range(len(workspaces)):
+            free_columns = held[i].logical_not()
+            block = hessian[i][free_columns][:, free_columns]
+            assert torch.linalg.eigvalsh(block)[0].item() > 0, i
+    for i, workspace in enumerate(workspaces):
+        ours_free, ours_fixed = free.best_twice_nll[i].item(), fixed.best_twice_nll[i].item()
+        pyhf_free, pyhf_fixed = pyhf_minima(workspace, settings=SMOOTH)
+        assert ours_free <= pyhf_free + 1e-6 and ours_fixed <= pyhf_fixed + 1e-6, i
+    # started as pyhf starts, on alpha = 0: the saddle, higher, and reported as converged
+    stuck = fixed_poi_fit(model, 1.0, uncertainties=False, options=FitOptions(starts=None))
+    shape = model.par_names.index("shape")
+    assert bool((stuck.bestfit[:, shape] == 0).all()) and bool(stuck.converged.all())
+    assert bool((stuck.best_twice_nll > fixed.best_twice_nll + 1e-3).all())

@@ -136,6 +136,31 @@ def histosys_basis_second_derivative(code: str, alpha: torch.Tensor) -> torch.Te
     return torch.stack([first, second, zero, zero], 1)
 
 
+# d basis / d alpha at alpha = 0 (histosys_basis_derivative there; code0: left of its kink),
+# in numpy: layouts are built without torch (and under FakeTensorMode, whose tensors have no
+# values)
+_HISTOSYS_SLOPES_AT_NOMINAL = {
+    "code0": (0.0, 1.0),
+    "code2": (0.0, 1.0, 0.0, 0.0),
+    "code4p": (1.0, 0.0, 0.0, 0.0),
+}
+
+
+def histosys_slopes_at_nominal(code: str, coefficients: np.ndarray) -> np.ndarray:
+    """``d delta / d alpha`` at ``alpha = 0`` ``[...]`` from coefficients ``[K, ...]`` (for the
+    kinked code0, the slope left of the kink). Zero where ``hi == lo``: an even shift.
+
+    >>> coefficients = histosys_coefficients("code4p", lo=[12.0, 8.0], nom=[10.0, 10.0], hi=[12.0, 13.0])
+    >>> histosys_slopes_at_nominal("code4p", coefficients).tolist()
+    [0.0, 2.5]
+    >>> basis = histosys_basis_derivative("code4p", torch.zeros(1, 1, dtype=torch.float64))
+    >>> torch.einsum("bkj,kq->bq", basis, torch.as_tensor(coefficients)).tolist()
+    [[0.0, 2.5]]
+    """
+    slopes = np.asarray(_HISTOSYS_SLOPES_AT_NOMINAL[code])
+    return np.tensordot(slopes, coefficients, axes=1)
+
+
 # pyhf's closed-form inverse of the code4 system for alpha0 = 1 (pyhf.interpolators.code4)
 _CODE4_A_INVERSE = np.array(
     [

@@ -222,6 +222,9 @@ class HistFactoryModel:
         # parameters with a kinked interpolation (code0 histosys, code1 normsys): the fitter
         # starts their fits on both sides of the kink
         self.kinked_params = self._tensor(stack.kinked_params, long)
+        # [E, P] parameters whose every rate shift is even about 0 (hi == lo): the fitter
+        # does not start them at 0, a stationary point of theirs whatever the data
+        self.symmetric_params = self._tensor(stack.symmetric_params, torch.bool)
         self.init = self._tensor(stack.init)
         self.bounds = self._tensor(stack.bounds)
         self.fixed = self._tensor(stack.fixed, torch.bool)

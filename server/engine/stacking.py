@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import IncompatibleModelsError
-from .interpolation import KINKED_CODES
+from .interpolation import KINKED_CODES, histosys_slopes_at_nominal
 from .layout import ElementLayout, ParameterSet, SampleLayout
 
 
@@ -218,6 +218,7 @@ class StackLayout:
                 used.append(variant_of[key])
             members.append(used)
         self.n_variants = len(variants)
+        self.symmetric_params = self._symmetric_params(variants, members)
         everywhere = set.intersection(*(set(m) for m in members))
         common = [u for u in range(len(variants)) if u in everywhere]
         common_index = {u: i for i, u in enumerate(common)}
@@ -243,6 +244,32 @@ class StackLayout:
                 self.sample_variant[e, s] = common_index[u] if u in common_index else next(slots)
         self.common = self._block([[variants[u] for u in common]])
         self.own = self._block([[variants[u] for u in o] for o in own], self.n_slots)
+
+    def _symmetric_params(
+        self, variants: list[dict[str, np.ndarray]], members: list[list[int]]
+    ) -> np.ndarray:
+        """``[E, P]`` bool: per element, the parameters that shift some of its rates, each
+        shift even about ``alpha = 0`` (histosys and normsys with ``hi == lo``, smooth codes).
+        Their likelihood is stationary at 0 whatever the data: a saddle where it curves down,
+        which a fit started there never leaves (the fitter starts off it)."""
+        first = self.elements[0]
+        # per variant, over the stack's columns (and the multipliers' padding column)
+        shifting = np.zeros((len(variants), self.n_pars + 1), dtype=bool)
+        sloped = np.zeros_like(shifting)
+        for u, variant in enumerate(variants):
+            histosys = variant["histosys"]  # [K, J, N]
+            if histosys.shape[1]:
+                shifting[u, self.histosys_params] = np.any(histosys != 0, axis=(0, 2))
+                slopes = histosys_slopes_at_nominal(first.histosys_code, histosys)
+                sloped[u, self.histosys_params] = np.any(slopes != 0, axis=1)
+            log_hi, log_lo = variant["normsys_coefficients"][:2]
+            np.logical_or.at(shifting[u], variant["normsys_param"], (log_hi != 0) | (log_lo != 0))
+            np.logical_or.at(sloped[u], variant["normsys_param"], log_hi != log_lo)
+        symmetric = np.zeros((self.n_elements, self.n_pars), dtype=bool)
+        for e, used in enumerate(members):
+            symmetric[e] = (shifting[used].any(0) & ~sloped[used].any(0))[: self.n_pars]
+        symmetric[:, self.kinked_params] = False  # kinked: started on both sides of the kink
+        return symmetric
 
     def remapped_samples(self) -> Iterator[list[dict[str, np.ndarray]]]:
         """Per element, its samples in the stack's numbering (:meth:`_remap`)."""

@@ -43,6 +43,7 @@ from .starts import (
     best_of_starts,
     extra_starts,
     kink_is_minimum,
+    off_symmetric_points,
     one_sided_slopes,
     pin_kinks,
     release_downhill,
@@ -350,6 +351,9 @@ def fit_rows(
     """
     options = options or FitOptions()
     init, bounds, fixed = _start(model, element, poi, init, bounds, fixed, poi_floor)
+    if options.starts is not None:
+        symmetric = model.symmetric_params.index_select(0, element)
+        init = off_symmetric_points(init, symmetric, fixed, options.starts.symmetric_offset)
     B, P = init.shape
     first = _minimize(model, data, element, init, bounds, fixed, options)
     result, status = _global_minima(model, data, element, bounds, fixed, first, options)

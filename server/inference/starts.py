@@ -58,6 +58,7 @@ __all__ = [
     "best_of_starts",
     "extra_starts",
     "kink_is_minimum",
+    "off_symmetric_points",
     "one_sided_slopes",
     "pin_kinks",
     "release_downhill",
@@ -83,6 +84,9 @@ class StartOptions:
         slope_tol: one-sided slopes (of ``-2 log L`` per unit ``alpha``) down to ``-slope_tol``
             still count as uphill.
         agree_twice_nll: two minima whose ``-2 log L`` differ by less are the same minimum.
+        symmetric_offset: every fit (kinked model or not) starts the free parameters whose
+            every rate shift is even about 0 (``hi == lo``, the model's ``symmetric_params``)
+            at least this far from 0 (:func:`off_symmetric_points`).
     """
 
     kink_starts: int = 8
@@ -92,6 +96,7 @@ class StartOptions:
     settle_rounds: int = 4
     slope_tol: float = 1e-6
     agree_twice_nll: float = 1e-6
+    symmetric_offset: float = 0.1
 
 
 class FitStatus(NamedTuple):
@@ -126,6 +131,26 @@ class FitStatus(NamedTuple):
             self.starts.view(groups, -1).amax(-1),
             self.agreed.view(groups, -1).all(-1),
         )
+
+
+def off_symmetric_points(x: Tensor, symmetric: Tensor, fixed: Tensor, offset: float) -> Tensor:
+    """Start points ``x [B, P]`` with the free ``symmetric [B, P]`` parameters closer than
+    ``offset`` to 0 moved to ``offset`` on their side (``+`` at 0).
+
+    A parameter whose every shift is even (``hi == lo``) has a zero derivative at 0 for any
+    data: where the likelihood curves down in it there, 0 is a saddle, and a fit started on
+    it stays on it (its Newton step in that parameter is 0) and reports the saddle as a
+    converged minimum. Started off it, the fit goes down to the minimum on that side (by the
+    symmetry, as low as the other side's), or back to 0 where 0 is the minimum.
+
+    >>> import torch
+    >>> x = torch.tensor([[0.0, 0.0, -0.02, 0.7]], dtype=torch.float64)
+    >>> symmetric = torch.tensor([[True, False, True, True]])
+    >>> off_symmetric_points(x, symmetric, torch.zeros_like(symmetric), 0.1).tolist()
+    [[0.1, 0.0, -0.1, 0.7]]
+    """
+    near = symmetric & fixed.logical_not() & (x.abs() < offset)
+    return torch.where(near, torch.copysign(torch.full_like(x, offset), x), x)
 
 
 def extra_starts(
