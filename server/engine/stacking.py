@@ -252,22 +252,29 @@ class StackLayout:
         shift even about ``alpha = 0`` (histosys and normsys with ``hi == lo``, smooth codes).
         Their likelihood is stationary at 0 whatever the data: a saddle where it curves down,
         which a fit started there never leaves (the fitter starts off it)."""
-        first = self.elements[0]
+        first, n_variants = self.elements[0], len(variants)
         # per variant, over the stack's columns (and the multipliers' padding column)
-        shifting = np.zeros((len(variants), self.n_pars + 1), dtype=bool)
+        shifting = np.zeros((n_variants, self.n_pars + 1), dtype=bool)
         sloped = np.zeros_like(shifting)
-        for u, variant in enumerate(variants):
-            histosys = variant["histosys"]  # [K, J, N]
-            if histosys.shape[1]:
-                shifting[u, self.histosys_params] = np.any(histosys != 0, axis=(0, 2))
-                slopes = histosys_slopes_at_nominal(first.histosys_code, histosys)
-                sloped[u, self.histosys_params] = np.any(slopes != 0, axis=1)
-            log_hi, log_lo = variant["normsys_coefficients"][:2]
-            np.logical_or.at(shifting[u], variant["normsys_param"], (log_hi != 0) | (log_lo != 0))
-            np.logical_or.at(sloped[u], variant["normsys_param"], log_hi != log_lo)
-        symmetric = np.zeros((self.n_elements, self.n_pars), dtype=bool)
+        for start in range(0, n_variants if len(self.histosys_params) else 0, 64):
+            chunk = slice(start, start + 64)  # [K, 64, J, N] at a time: a bounded copy
+            histosys = np.stack([v["histosys"] for v in variants[chunk]], axis=1)
+            shifting[chunk, self.histosys_params] = np.any(histosys != 0, axis=(0, 3))
+            slopes = histosys_slopes_at_nominal(first.histosys_code, histosys)
+            sloped[chunk, self.histosys_params] = np.any(slopes != 0, axis=2)
+        entries = (np.repeat(np.arange(n_variants), [len(v["normsys_param"]) for v in variants]),)
+        if len(entries[0]):
+            entries += (np.concatenate([v["normsys_param"] for v in variants]),)
+            log_hi, log_lo = np.concatenate(
+                [v["normsys_coefficients"][:2] for v in variants], axis=1
+            )
+            np.logical_or.at(shifting, entries, (log_hi != 0) | (log_lo != 0))
+            np.logical_or.at(sloped, entries, log_hi != log_lo)
+        uses = np.zeros((self.n_elements, n_variants))
         for e, used in enumerate(members):
-            symmetric[e] = (shifting[used].any(0) & ~sloped[used].any(0))[: self.n_pars]
+            uses[e, used] = 1.0
+        symmetric = ((uses @ shifting) > 0) & ((uses @ sloped) == 0)
+        symmetric = symmetric[:, : self.n_pars]
         symmetric[:, self.kinked_params] = False  # kinked: started on both sides of the kink
         return symmetric
 
