@@ -54,6 +54,7 @@ from .workspace import (
     load_json,
     load_patches,
     read_json_file,
+    to_jsonable,
 )
 
 __all__ = [
@@ -268,11 +269,18 @@ def json_parts(body: Any) -> list[bytes | JSONFile]:
 
 
 def _dumps(value: Any) -> bytes:
-    """Compact JSON of ``value`` (non-finite numbers refused: no likelihood can use them)."""
+    """Compact JSON of ``value`` (non-finite numbers refused: no likelihood can use them).
+    What JSON has no type for (numpy values, other mappings and sequences, pyhf patch
+    objects) is converted where the encoder meets it (:func:`to_jsonable`): plain JSON, the
+    common case, is encoded as it is, without a converted copy first."""
     try:
-        return json.dumps(value, separators=(",", ":"), allow_nan=False).encode("utf-8")
+        return json.dumps(
+            value, separators=(",", ":"), allow_nan=False, default=to_jsonable
+        ).encode("utf-8")
     except ValueError as exc:  # NaN / Infinity: not JSON
         raise WorkspaceError(f"the request contains a non-finite number: {exc}") from exc
+    except TypeError as exc:  # no JSON form
+        raise WorkspaceError(f"the request contains a value that is not JSON: {exc}") from exc
 
 
 def _gzip_member(part: bytes | JSONFile) -> bytes:

@@ -216,8 +216,8 @@ def load_patches(patches: Sequence[JSONSource] | None) -> list[Any]:
         return []
     out = []
     for patch in patches:
-        if isinstance(patch, list):
-            out.append(to_jsonable(patch))
+        if isinstance(patch, list):  # sent as it is: the encoder converts what is not JSON
+            out.append(patch)
         else:
             out.append(load_json(patch, "patch"))
     return out

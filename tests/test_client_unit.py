@@ -272,6 +272,26 @@ def test_large_workspace_uploaded_once_and_patches_sent_alone():
     assert [r.test_poi for r in scan] == [0.5, 1.0]
 
 
+def test_patches_are_sent_as_json_whatever_they_hold():
+    """Plain JSON patches go as they are; numpy values, tuples and other mappings become
+    their JSON form on the way; what has none is a WorkspaceError before anything is sent."""
+    np = pytest.importorskip("numpy")
+    service = FakeService()
+    ws = simple_workspace()
+    value = {"name": "signal", "data": np.array([6.0]), "modifiers": ()}
+    patch = [{"op": "add", "path": "/channels/0/samples/0", "value": value}]
+    with make_client(service, upload_threshold=100) as client:
+        client.cls(ws, patches=[patch, [{"op": "remove", "path": np.str_("/x")}]])
+        sent = body_of(service.requests[-1])["patches"]
+        assert sent[0][0]["value"] == {"name": "signal", "data": [6.0], "modifiers": []}
+        assert sent[1] == [{"op": "remove", "path": "/x"}]
+        assert value["data"].dtype == np.float64  # the caller's patch is left as it was
+        sent_before = len(service.requests)
+        with pytest.raises(pgc.WorkspaceError, match="not JSON: cannot convert object"):
+            client.cls(ws, patches=[[{"op": "remove", "path": object()}]])
+        assert len(service.requests) == sent_before
+
+
 def test_forgotten_workspace_is_uploaded_again():
     service = FakeService()
     ws = simple_workspace()
