@@ -24,6 +24,11 @@ minimum:
   last refit did and every parameter still pinned has both slopes uphill
   (:func:`kink_is_minimum`).
 
+Every fit, kinked model or not, starts the parameters whose every shift is even (``hi == lo``:
+the model's ``symmetric_params``) off 0 (:func:`off_symmetric_points`): their likelihood is
+stationary at 0 whatever the data, a saddle where it curves down there, which a fit started
+on it (pyhf's init) never leaves and reports as a minimum.
+
 A model without kinked parameters (pyhf's default codes, ``code4p``/``code4``, are smooth) fits
 once, although smooth likelihoods can have several minima too: the conditional fits of
 strongly excluded published sbottom points have 16-31 (BENCHMARKS.md, "Several minima of
