@@ -157,8 +157,9 @@ def histosys_slopes_at_nominal(code: str, coefficients: np.ndarray) -> np.ndarra
     >>> torch.einsum("bkj,kq->bq", basis, torch.as_tensor(coefficients)).tolist()
     [[0.0, 2.5]]
     """
-    slopes = np.asarray(_HISTOSYS_SLOPES_AT_NOMINAL[code])
-    return np.tensordot(slopes, coefficients, axes=1)
+    coefficients = np.asarray(coefficients)
+    slopes = _HISTOSYS_SLOPES_AT_NOMINAL[code]
+    return sum(w * coefficients[k] for k, w in enumerate(slopes) if w)  # one term for each code
 
 
 # pyhf's closed-form inverse of the code4 system for alpha0 = 1 (pyhf.interpolators.code4)

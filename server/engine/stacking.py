@@ -256,12 +256,11 @@ class StackLayout:
         # per variant, over the stack's columns (and the multipliers' padding column)
         shifting = np.zeros((n_variants, self.n_pars + 1), dtype=bool)
         sloped = np.zeros_like(shifting)
-        for start in range(0, n_variants if len(self.histosys_params) else 0, 64):
-            chunk = slice(start, start + 64)  # [K, 64, J, N] at a time: a bounded copy
-            histosys = np.stack([v["histosys"] for v in variants[chunk]], axis=1)
-            shifting[chunk, self.histosys_params] = np.any(histosys != 0, axis=(0, 3))
+        for u, variant in enumerate(variants if len(self.histosys_params) else ()):
+            histosys = variant["histosys"]  # [K, J, N]
+            shifting[u, self.histosys_params] = histosys.any(axis=(0, 2))
             slopes = histosys_slopes_at_nominal(first.histosys_code, histosys)
-            sloped[chunk, self.histosys_params] = np.any(slopes != 0, axis=2)
+            sloped[u, self.histosys_params] = slopes.any(axis=1)
         entries = (np.repeat(np.arange(n_variants), [len(v["normsys_param"]) for v in variants]),)
         if len(entries[0]):
             entries += (np.concatenate([v["normsys_param"] for v in variants]),)
