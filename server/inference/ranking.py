@@ -384,7 +384,8 @@ def _conditional_fits(
     quadratic approximation at the free fits' minima ``best``
     (:func:`~pyhf_gpu_server.inference.chord.chord_conditional_fits`) take most of them to
     their minimum; the minimiser finishes the others. A model with kinked parameters (for its
-    extra starts), or options without host looks, send every fit through
+    extra starts) or symmetric ones (chord steps keep those on their saddle at 0), or options
+    without host looks, send every fit through
     :func:`~pyhf_gpu_server.inference.mle.fit_rows`, from the points reached."""
     objective = TwiceNLL(model, rows, element, options.curvature)
     # without host looks (``check_every=0``: a CUDA graph, FakeTensorMode) every fit goes on
@@ -404,7 +405,8 @@ def _conditional_fits(
     F = x.shape[0]
     ones = torch.ones(F, dtype=torch.long, device=x.device)
     status = FitStatus(settled, ones, torch.ones_like(settled))
-    everyone = not shrink or (options.starts is not None and model.kinked_params.numel() > 0)
+    special_starts = model.kinked_params.numel() > 0 or model.stack.symmetric_params.any()
+    everyone = not shrink or (options.starts is not None and special_starts)
     rest = torch.arange(F, device=x.device) if everyone else settled.logical_not().nonzero()
     rest = rest.view(-1)
     if rest.numel():
