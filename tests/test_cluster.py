@@ -141,12 +141,21 @@ class FakeClient:
         monkeypatch.setattr(tasks, "get_worker", lambda: self.current)
 
     def scheduler_info(self, n_workers: int = -1) -> dict[str, Any]:
+        if self.scheduler_down:
+            raise TimeoutError("the scheduler did not answer")
         return {"workers": {a: {"name": a, "resources": {"GPU": 1}} for a in self.workers}}
 
-    def submit(self, function: Any, batch: Any, workers: list[str], **options: Any) -> FakeFuture:
-        assert options["allow_other_workers"] and options["resources"] == {"GPU": 1}
-        self.current = self.workers[workers[0]]
-        self.sent.append((workers[0], batch.recipe is not None))
+    scheduler_down = False
+
+    def submit(
+        self, function: Any, batch: Any, workers: list[str] | None = None, **options: Any
+    ) -> FakeFuture:
+        if options.get("allow_other_workers") and workers is None:  # as Dask's submit
+            raise ValueError("Only use allow_other_workers= if using workers=")
+        assert options["resources"] == {"GPU": 1}
+        where = workers[0] if workers else next(iter(self.workers))  # Dask: any GPU worker
+        self.current = self.workers[where]
+        self.sent.append((where, batch.recipe is not None))
         return FakeFuture(function(pickle.loads(pickle.dumps(batch))))
 
 
@@ -191,6 +200,12 @@ def test_models_travel_once_per_worker_and_again_when_evicted(
     described = client.workers[owner].plugins[PLUGIN_NAME].describe()
     assert described["device"] == "cpu" and described["models"] == [recipe.model_id]
     assert (described["cache_hits"], described["cache_misses"]) == (1, 2)
+    # the scheduler does not answer (a loaded machine): no worker known, the batch still runs
+    client.scheduler_down = True
+    assert runner.workers(max_age_s=0) == {}
+    fourth = runner(context, rows, lambda: False)
+    assert [r.result for r in fourth] == expected
+    assert client.sent[-1] == (next(iter(client.workers)), True)  # placed by the scheduler
 
 
 # ------------------------------------------------------------------------------ processes

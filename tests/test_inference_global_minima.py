@@ -23,6 +23,7 @@ import numpy as np
 import pyhf
 import pytest
 import torch
+from hand_built import symmetric_workspace
 from test_inference_support import DEVICE, one_thread  # noqa: F401 (fixture)
 
 from pyhf_gpu_server.engine import HistFactoryModel
@@ -171,58 +172,6 @@ def test_extra_starts_never_move_fixed_parameters(family):
     result = fit(model, init=init, fixed=fixed[0], uncertainties=False)
     assert result.bestfit[0, alpha].item() == pytest.approx(0.3, abs=0)
     assert torch.isfinite(result.best_twice_nll).all()
-
-
-def symmetric_workspace(seed: int) -> dict:
-    """One channel, two bins: a signal, a background with an even histosys (``hi == lo``,
-    above the nominal), one with an even normsys (``hi == lo = 1.2``) and one with an
-    ordinary normsys; the data 30-60% above the backgrounds."""
-    rng = np.random.default_rng(100 + seed)
-    nominal = np.round(rng.uniform(40, 90, (3, 2)), 1)
-    shifted = np.round(nominal[0] * rng.uniform(1.1, 1.4, 2), 1).tolist()
-    samples = [
-        {
-            "name": "signal",
-            "data": np.round(rng.uniform(3, 10, 2), 1).tolist(),
-            "modifiers": [{"name": "mu", "type": "normfactor", "data": None}],
-        },
-        {
-            "name": "even_shape",
-            "data": nominal[0].tolist(),
-            "modifiers": [
-                {
-                    "name": "shape",
-                    "type": "histosys",
-                    "data": {"hi_data": shifted, "lo_data": shifted},
-                }
-            ],
-        },
-        {
-            "name": "even_norm",
-            "data": nominal[1].tolist(),
-            "modifiers": [{"name": "norm", "type": "normsys", "data": {"hi": 1.2, "lo": 1.2}}],
-        },
-        {
-            "name": "plain",
-            "data": nominal[2].tolist(),
-            "modifiers": [
-                {"name": "plain", "type": "normsys", "data": {"hi": 1.1, "lo": 0.9}},
-                # hi == lo == nominal: no shift at all, nothing to start off
-                {
-                    "name": "idle",
-                    "type": "histosys",
-                    "data": {"hi_data": nominal[2].tolist(), "lo_data": nominal[2].tolist()},
-                },
-            ],
-        },
-    ]
-    observed = np.round(nominal.sum(0) * rng.uniform(1.3, 1.6, 2))
-    return {
-        "channels": [{"name": "sr", "samples": samples}],
-        "observations": [{"name": "sr", "data": observed.tolist()}],
-        "measurements": [{"name": "m", "config": {"poi": "mu", "parameters": []}}],
-        "version": "1.0.0",
-    }
 
 
 def test_fits_leave_the_saddle_of_an_even_shift():

@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import pyhf
 import pytest
+from hand_built import symmetric_workspace
 from service_support import (
     SMALL,
     ServerProcess,
@@ -183,6 +184,26 @@ def test_fit_answers_pyhf_fit_value_json(client: httpx.Client) -> None:
     assert close(result["twice_nll"], float(twice_nll), 1e-4)
     assert len(result["uncertainties"]["uncorr_bkguncrt"]) == 2
     assert len(result["corr_mat"]) == model.config.npars
+
+
+def test_fit_leaves_the_saddle_of_an_even_shift(client: httpx.Client) -> None:
+    """Workspaces whose histosys and normsys have ``hi == lo`` (pyhf's init is a saddle there,
+    ``hand_built.symmetric_workspace``): each free fit is a minimum (its Hessian's
+    uncertainties finite) at or below pyhf's."""
+    pyhf.set_backend("numpy", "scipy")
+    for seed in range(4):
+        spec = symmetric_workspace(seed)
+        response = client.post("/fit", json=spec)
+        assert response.status_code == 200, response.text
+        result = response.json()
+        model = pyhf.Workspace(spec).model()
+        _, twice_nll = pyhf.infer.mle.fit(
+            pyhf.Workspace(spec).data(model), model, return_fitted_val=True
+        )
+        assert result["meta"]["converged"] is True
+        assert result["twice_nll"] <= float(twice_nll) + 1e-6, seed
+        widths = [w for values in result["uncertainties"].values() for w in values]
+        assert all(w is not None and w > 0 for w in widths), (seed, result["uncertainties"])
 
 
 def test_upper_limit_and_significance_shapes(client: httpx.Client) -> None:

@@ -213,15 +213,18 @@ class ClusterRunner:
     def _submit(
         self, batch: RemoteBatch, worker: str | None, stop: Callable[[], bool]
     ) -> RemoteAnswer | ModelMissing:
-        """Run ``batch`` (on ``worker`` if it can) and wait for its answer, watching ``stop``."""
+        """Run ``batch`` (on ``worker`` if it can; with no worker known, as the scheduler
+        places it) and wait for its answer, watching ``stop``."""
+        # Dask refuses allow_other_workers without workers (a ValueError, which was a 500
+        # while the scheduler did not answer and no worker was known)
+        placed = {} if worker is None else {"workers": [worker], "allow_other_workers": True}
         future = self.client.submit(
             run_batch,
             batch,
             key=f"pyhf-gpu-batch-{batch.stop_event.rpartition('-')[2]}",
-            workers=None if worker is None else [worker],
-            allow_other_workers=True,
             resources={"GPU": 1},
             pure=False,
+            **placed,
         )
         done = threading.Event()
         future.add_done_callback(lambda _: done.set())
