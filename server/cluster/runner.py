@@ -3,7 +3,8 @@
 :class:`ClusterRunner` is called like :func:`~pyhf_gpu_server.service.dispatch.run_rows`, on
 one of the scheduler's executor threads (``max_in_flight`` of them: one per live worker). It
 picks the worker (:class:`~.placement.Placement`), submits :func:`~.tasks.run_batch` there
-with ``allow_other_workers`` and a ``GPU`` resource, and blocks until the answer; a worker
+with ``allow_other_workers`` and a ``GPU`` resource (with no worker known, unplaced: where
+the scheduler puts it), and blocks until the answer; a worker
 that dies mid-batch costs nothing but time (Dask runs the task again elsewhere). While it
 waits it watches ``stop()``: once nobody waits for the rows, the batch is cancelled and a
 running one told to stop through a Dask event.
