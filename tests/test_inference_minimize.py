@@ -329,3 +329,62 @@ def test_the_exact_newton_trial_ends_a_slow_fit_at_the_same_minimum():
     assert exact.iterations.item() <= 0.7 * gauss_newton.iterations.item()
     torch.testing.assert_close(exact.best_twice_nll, gauss_newton.best_twice_nll, rtol=0, atol=1e-9)
     torch.testing.assert_close(exact.bestfit, gauss_newton.bestfit, rtol=0, atol=1e-4)
+
+
+def _scaled_signal(operations: list, scale: float) -> list:
+    """A patch's operations with every sample it adds scaled by ``scale`` (nominal, histosys
+    variations, staterror widths): the same systematics on a larger signal."""
+    scaled = []
+    for operation in operations:
+        value = operation.get("value")
+        if isinstance(value, dict) and "data" in value:
+            value = {**value, "data": [scale * x for x in value["data"]], "modifiers": []}
+            for modifier in operation["value"]["modifiers"]:
+                data = modifier["data"]
+                if modifier["type"] == "histosys":
+                    data = {k: [scale * x for x in data[k]] for k in ("hi_data", "lo_data")}
+                elif modifier["type"] == "staterror":
+                    data = [scale * x for x in data]
+                value["modifiers"].append({**modifier, "data": data})
+            operation = {**operation, "value": value}
+        scaled.append(operation)
+    return scaled
+
+
+def test_the_hard_fits_of_strongly_excluded_signals_converge():
+    """The published sbottom-B signals, five times larger: their conditional fits at mu = 1
+    are strongly excluded and hard (nuisance parameters on their bounds, a Gauss-Newton model
+    that is not positive definite for tens of iterations). In one hypotest of all 217 points
+    every fit converges: the rows still running after ``tail_after_all`` iterations move to
+    the tail's grid and exact Newton trials, and a row at its minimum whose model gives no
+    certificate gets the exact curvature's. With the tail left to the last 16 rows, some
+    fits run out of iterations; the CLs stay as they are (these points are excluded)."""
+    from dataclasses import replace
+
+    from conftest import WORKSPACES_DIR, load_json, load_patchset
+
+    from pyhf_gpu_server.engine import HistFactoryModel
+    from pyhf_gpu_server.engine.translate import WorkspaceTranslator
+    from pyhf_gpu_server.inference import hypotest
+    from pyhf_gpu_server.inference.mle import FitOptions
+
+    folder = WORKSPACES_DIR / "atlas-susy-2018-31-sbottom-B"
+    translator = WorkspaceTranslator(load_json(folder / "BkgOnly.json"))
+    patches = load_patchset(folder / "patchset.hepdata.json.gz")["patches"]
+    elements = [
+        translator.element(_scaled_signal(p["patch"], 5.0), p["metadata"]["name"])
+        for p in patches
+        if any(op["op"] == "add" for op in p["patch"])  # the one point without a signal: none
+    ]
+    model = HistFactoryModel(elements, device=DEVICE)
+    n = model.n_elements
+    poi = torch.ones(n, dtype=model.dtype, device=DEVICE)
+    every = torch.arange(n, device=DEVICE)
+    found = {}
+    for late in (MinimizeOptions().tail_after_all, 10**6):
+        options = FitOptions(minimize=replace(MinimizeOptions(), tail_after_all=late))
+        found[late] = hypotest(model, poi, every, options=options)
+    default, last_rows_only = found[MinimizeOptions().tail_after_all], found[10**6]
+    assert all(status.converged.all() for status in default.fits.values())
+    assert not all(status.converged.all() for status in last_rows_only.fits.values())
+    torch.testing.assert_close(default.cls_obs, last_rows_only.cls_obs, rtol=0, atol=1e-6)

@@ -142,6 +142,9 @@ class MinimizeOptions:
             step falls short) need fewer iterations (BENCHMARKS.md). ``0``: never.
         tail_after: iterations before the tail may start: a fit that converges sooner (most
             do) never pays for the grid's extra trial points and factorisations.
+        tail_after_all: iterations after which the tail starts however many rows still run
+            (only the hard fits are left by then: conditional fits of strongly excluded
+            signals, crawling for 100+ iterations where the damped step keeps failing).
         tail_damping_factors: the tail's damped candidates, as multiples of ``lambda``.
         tail_step_lengths: the tail's fractions (and multiples) of each candidate step.
         exact_newton_after: with ``"grid"`` trials (the tail's too), from this iteration on
@@ -168,6 +171,7 @@ class MinimizeOptions:
     secant_memory: int = 8
     tail_rows: int = 16
     tail_after: int = 20
+    tail_after_all: int = 60
     tail_damping_factors: tuple[float, ...] = (0.125, 1.0, 8.0)
     tail_step_lengths: tuple[float, ...] = (3.0, 1.5, 0.6)
     exact_newton_after: int | None = 30
@@ -289,6 +293,16 @@ def _iterate(
     newton_trusted = trusted.select(0, 0)
     own = decrements.select(0, options.own_damping_candidate())
     s.decrement = torch.where(newton_trusted, decrements.select(0, 0), own)
+    unit = None  # the grid's steps tried at their full length only: the exact Newton step
+    grid = options.trials == "grid"
+    if grid and exact and hasattr(objective, "second_order") and s.curvature.r is not None:
+        unit = _exact_newton_step(objective, s, movable)
+        # where the model's curvature gives no certificate (not positive definite at lambda
+        # = 0), the exact one does: a row at its minimum would only raise its damping until
+        # it fails
+        certified = unit[1].select(0, 0) & torch.logical_not(newton_trusted)
+        exact_decrement = -(s.g * unit[0].select(0, 0)).sum(-1)
+        s.decrement = torch.where(certified, exact_decrement, s.decrement)
     # |decrement|: a row whose step goes uphill goes on, to a minimum or to failing
     newly_converged = running & (s.decrement.abs() <= decrement_tolerance(s.f, options.tol))
     moving = running & torch.logical_not(newly_converged)
@@ -299,9 +313,6 @@ def _iterate(
         trial_ok = ok.select(0, -1) & torch.isfinite(d.f)
         f_new = torch.where(trial_ok, d.f, torch.full_like(d.f, torch.inf))
     else:
-        unit = None  # steps tried at their full length only
-        if exact and hasattr(objective, "second_order") and s.curvature.r is not None:
-            unit = _exact_newton_step(objective, s, movable)
         x_new, f_new = _best_trial(objective, s, steps, ok, alphas, lo, hi, unit)
     accept = moving & (f_new < s.f)
 
@@ -481,11 +492,9 @@ def minimize(
             if 8 * done >= finished.numel():
                 flush(s.select(finished))
                 s = s.select(torch.logical_not(finished))
-            if (
-                step_options is options
-                and it >= options.tail_after
-                and finished.numel() - done <= options.tail_rows
-            ):
+            few = finished.numel() - done <= options.tail_rows
+            late = options.tail_rows > 0 and it >= options.tail_after_all
+            if step_options is options and it >= options.tail_after and (few or late):
                 step_options = options.tail()
                 constants = step_options.constants(device, dtype)
     flush(s)
