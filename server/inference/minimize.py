@@ -20,7 +20,8 @@ fixed-parameter mask) is advanced in one loop. Every iteration:
    damping: one derivative evaluation per iteration. (``trials="grid"`` instead evaluates
    the objective at every candidate and a few step lengths, keeps the best, and takes its
    derivatives afterwards: fewer iterations, each dearer; measured slower on the CPU, but
-   for the last few rows of a call, whose iterations cost their dispatch: ``tail_rows``;
+   for the last few rows of a call, whose iterations cost their dispatch: ``tail_rows``, and
+   for every row still running after ``tail_after_all`` iterations;
    from ``exact_newton_after`` iterations on, the grid also tries, at its full length, the
    Newton step of the exact curvature where the objective gives the second-order term and
    that curvature is positive definite.)
@@ -28,7 +29,8 @@ fixed-parameter mask) is advanced in one loop. Every iteration:
    times after a failure.
 
 A row has converged when its Newton decrement ``-g.p`` (twice the decrease a quadratic model
-predicts) falls below ``tol`` with a positive-definite reduced Hessian; it then stops moving.
+predicts) falls below ``tol`` with a positive-definite reduced Hessian (the model's, or where
+that is not positive definite and the grid computed it, the exact one); it then stops moving.
 A row whose damping explodes without progress, whose objective is not finite, or that runs
 out of iterations is reported as not converged. The host looks at the flags only every
 ``check_every`` iterations, to drop finished rows from the working set.
