@@ -225,6 +225,7 @@ class HistFactoryModel:
         # [E, P] parameters whose every rate shift is even about 0 (hi == lo): the fitter
         # does not start them at 0, a stationary point of theirs whatever the data
         self.symmetric_params = self._tensor(stack.symmetric_params, torch.bool)
+        self.has_symmetric_params = bool(stack.symmetric_params.any())  # known on the host
         self.init = self._tensor(stack.init)
         self.bounds = self._tensor(stack.bounds)
         self.fixed = self._tensor(stack.fixed, torch.bool)

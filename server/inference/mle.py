@@ -351,7 +351,7 @@ def fit_rows(
     """
     options = options or FitOptions()
     init, bounds, fixed = _start(model, element, poi, init, bounds, fixed, poi_floor)
-    if options.starts is not None:
+    if options.starts is not None and model.has_symmetric_params:
         symmetric = model.symmetric_params.index_select(0, element)
         init = off_symmetric_points(init, symmetric, fixed, options.starts.symmetric_offset)
     B, P = init.shape

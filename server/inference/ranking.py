@@ -405,7 +405,7 @@ def _conditional_fits(
     F = x.shape[0]
     ones = torch.ones(F, dtype=torch.long, device=x.device)
     status = FitStatus(settled, ones, torch.ones_like(settled))
-    special_starts = model.kinked_params.numel() > 0 or model.stack.symmetric_params.any()
+    special_starts = model.kinked_params.numel() > 0 or model.has_symmetric_params
     everyone = not shrink or (options.starts is not None and special_starts)
     rest = torch.arange(F, device=x.device) if everyone else settled.logical_not().nonzero()
     rest = rest.view(-1)
