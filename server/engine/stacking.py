@@ -269,11 +269,10 @@ class StackLayout:
             )
             np.logical_or.at(shifting, entries, (log_hi != 0) | (log_lo != 0))
             np.logical_or.at(sloped, entries, log_hi != log_lo)
-        uses = np.zeros((self.n_elements, n_variants))
-        for e, used in enumerate(members):
-            uses[e, used] = 1.0
-        symmetric = ((uses @ shifting) > 0) & ((uses @ sloped) == 0)
-        symmetric = symmetric[:, : self.n_pars]
+        # per element, over its variants (boolean reductions: a float product would wake
+        # numpy's BLAS threads, which then spin on the cores the engine call is about to use)
+        per_element = [shifting[used].any(0) & ~sloped[used].any(0) for used in members]
+        symmetric = np.stack(per_element)[:, : self.n_pars]
         symmetric[:, self.kinked_params] = False  # kinked: started on both sides of the kink
         return symmetric
 
