@@ -11,8 +11,9 @@ derivatives of 468 rows 8.7-9.5 ms instead of 20-24 ms, the stau ranking 83-89 m
 within noise. The price: up to :data:`TRIM_THRESHOLD` of freed memory stays with the process.
 
 The server (``pyhf-gpu-server``) and the Dask worker plugin apply it at start-up, as they set
-the garbage collector's thresholds; a library user may call :func:`tune_cpu_allocator`.
-Nothing else in the package touches process-wide state.
+the garbage collector's thresholds and BLAS's threads (:mod:`pyhf_gpu_server.blas`); a library
+user may call :func:`tune_cpu_allocator`. Nothing else in the package touches process-wide
+state.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import uvicorn
 
 from pyhf_gpu_server.allocator import tune_cpu_allocator
+from pyhf_gpu_server.blas import limit_blas_threads
 from pyhf_gpu_server.service.app import create_app
 from pyhf_gpu_server.service.dependencies import with_file_token
 from pyhf_gpu_server.service.jobstore import StoreError, preflight
@@ -42,6 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     gc.set_threshold(*GC_THRESHOLDS)
     tune_cpu_allocator()  # freed tensor memory reused, not page-faulted in again
+    limit_blas_threads()  # numpy's BLAS threads would spin on the engine's cores
     uvicorn.run(
         create_app(settings),
         host=settings.host,

@@ -1,4 +1,5 @@
-"""The process-level malloc settings the server and the workers apply at start-up."""
+"""The process-level settings the server and the workers apply at start-up: glibc's malloc
+thresholds, and one thread for numpy's and scipy's BLAS."""
 
 from __future__ import annotations
 
@@ -41,10 +42,26 @@ def test_the_server_entry_point_applies_it(monkeypatch, tmp_path):
 
     calls = []
     monkeypatch.setattr(cli, "tune_cpu_allocator", lambda: calls.append("tuned") or True)
+    monkeypatch.setattr(cli, "limit_blas_threads", lambda: calls.append("blas") or {})
     monkeypatch.setattr(cli.uvicorn, "run", lambda *a, **k: calls.append("served"))
     monkeypatch.setattr(cli.gc, "set_threshold", lambda *a: None)
     assert cli.main(["--device", "cpu", "--data-dir", str(tmp_path)]) == 0
-    assert calls == ["tuned", "served"]
+    assert calls == ["tuned", "blas", "served"]
+
+
+def test_blas_gets_one_thread_in_a_fresh_process():
+    """numpy's and scipy's OpenBLAS, loaded by the server's imports, each keep one thread."""
+    code = (
+        "import pyhf_gpu_server.cli\n"
+        "from threadpoolctl import threadpool_info\n"
+        "from pyhf_gpu_server.blas import limit_blas_threads\n"
+        "before = limit_blas_threads()\n"
+        "after = {i['filepath']: i['num_threads'] for i in threadpool_info()}\n"
+        "print(len(before), sorted(set(after[path] for path in before)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    libraries, threads = out.stdout.split(maxsplit=1)
+    assert int(libraries) >= 1 and threads.strip() == "[1]"
 
 
 def test_docstring_examples():

@@ -19,6 +19,7 @@ import torch
 from distributed import WorkerPlugin
 
 from pyhf_gpu_server.allocator import tune_cpu_allocator
+from pyhf_gpu_server.blas import limit_blas_threads
 from pyhf_gpu_server.service import warmup
 from pyhf_gpu_server.service.admission import FitMemory
 from pyhf_gpu_server.service.dispatch import ModelRecipe
@@ -63,6 +64,7 @@ class WorkerModels(WorkerPlugin):
         if self.torch_threads > 0:
             torch.set_num_threads(self.torch_threads)
         tune_cpu_allocator()  # as pyhf-gpu-server does
+        limit_blas_threads()
         self.address = worker.address
         self.warm = WarmModels(self.max_items, self.max_bytes)
         self.memory = FitMemory(release=host_memory_releaser(self.device))

@@ -1,0 +1,29 @@
+"""numpy's and scipy's OpenBLAS kept to one thread: a process setting.
+
+The engine's CPU fits run on torch's own thread pool, one thread per core. numpy and scipy
+each bring an OpenBLAS with a pool of their own, and after a product large enough to be
+threaded its workers spin-wait (about 0.1 s) on those same cores. One such product while
+stacking a model, right before its engine call, made the 218-point sbottom-B hypotests
+60-100 ms slower (BENCHMARKS.md, "BLAS threads"). The host-side numpy work (translating,
+stacking, plotting) is small enough for one thread.
+
+The server (``pyhf-gpu-server``) and the Dask worker plugin apply it at start-up, with the
+allocator's thresholds (:mod:`pyhf_gpu_server.allocator`); a library user may call
+:func:`limit_blas_threads`.
+"""
+
+from __future__ import annotations
+
+from threadpoolctl import ThreadpoolController
+
+__all__ = ["limit_blas_threads"]
+
+
+def limit_blas_threads() -> dict[str, int]:
+    """Give every BLAS library loaded in the process one thread (torch's own pool is left
+    alone): their paths, each with the threads it had. Tested in a fresh process
+    (``tests/test_allocator.py``): it changes the whole process."""
+    blas = ThreadpoolController().select(user_api="blas")
+    before = {library.filepath: library.num_threads for library in blas.lib_controllers}
+    blas.limit(limits=1)
+    return before
