@@ -1,7 +1,8 @@
 """Cluster mode (``--dask-scheduler``): a Dask scheduler, two ``pyhf-gpu-worker`` processes
 (CPU, one thread, a ``GPU`` resource each) and a server subprocess on 127.0.0.1, against an
 in-process server: every result equal within 1e-12; batches of one model stay on the worker
-holding it; a job survives a worker killed mid-job; ``/readyz`` fails with no worker.
+holding it; a job survives a worker killed mid-job, and its scheduler killed mid-job;
+``/readyz`` fails with no worker.
 
 Fast unit tests first (placement, the stacked shape without a model, no dask in process).
 """
@@ -140,6 +141,11 @@ class FakeClient:
         self.current = None
         monkeypatch.setattr(tasks, "get_worker", lambda: self.current)
 
+    status = "running"  # Dask's client: connecting, running, closing, closed
+
+    def close(self) -> None:
+        self.status = "closed"
+
     def scheduler_info(self, n_workers: int = -1) -> dict[str, Any]:
         if self.scheduler_down:
             raise TimeoutError("the scheduler did not answer")
@@ -164,23 +170,9 @@ def test_models_travel_once_per_worker_and_again_when_evicted(
 ) -> None:
     from pyhf_gpu_server.cluster.plugin import PLUGIN_NAME
     from pyhf_gpu_server.cluster.runner import ClusterRunner
-    from pyhf_gpu_server.engine.translate import WorkspaceTranslator
-    from pyhf_gpu_server.service.admission import FitMemory, FitPlan
-    from pyhf_gpu_server.service.dispatch import BatchContext, EngineCall, ModelRecipe
     from pyhf_gpu_server.service.metrics import Metrics
-    from pyhf_gpu_server.service.requests import Row
-    from pyhf_gpu_server.service.schemas import ClsOptions
 
-    spec = load(SMALL, "BkgOnly.json")
-    patches = load(SMALL, "patchset.json")["patches"][:2]
-    translator = WorkspaceTranslator(spec)
-    layouts = tuple(translator.element(p["patch"], p["metadata"]["name"]) for p in patches)
-    digests = ("d0", "d1")
-    recipe = ModelRecipe(("background", digests, "float64"), layouts, "float64")
-    call = EngineCall("cls", ClsOptions(test_poi=1.0), digests, 64, FitPlan("auto", 0), 4.0)
-    context = BatchContext(call, recipe, None, FitMemory())
-    rows = [Row("d0", 1.0), Row("d1", 1.0), Row("d1", 2.0)]
-    expected = call.run(recipe.build("cpu"), rows, FitMemory())
+    recipe, context, rows, expected = _small_batch()
 
     client = FakeClient(["tcp://a:1", "tcp://b:1"], monkeypatch)
     runner = ClusterRunner(client, "tcp://scheduler:8786", Metrics())
@@ -206,6 +198,66 @@ def test_models_travel_once_per_worker_and_again_when_evicted(
     fourth = runner(context, rows, lambda: False)
     assert [r.result for r in fourth] == expected
     assert client.sent[-1] == (next(iter(client.workers)), True)  # placed by the scheduler
+
+
+def test_a_closed_client_answers_503_until_the_watcher_connects_a_new_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Dask closes its client for good once the scheduler has been gone longer than the
+    client's timeout: batches answer 503 (not a 500 from ``ClosedClientError``), and once the
+    scheduler answers again a new client runs them."""
+    from pyhf_gpu_server.cluster.runner import ClusterRunner
+    from pyhf_gpu_server.service.errors import Unavailable
+    from pyhf_gpu_server.service.metrics import Metrics
+
+    _, context, rows, expected = _small_batch()
+    attempts: list[str] = []
+
+    def reconnect() -> FakeClient:
+        attempts.append("connect")
+        if len(attempts) == 1:
+            raise OSError("Timed out trying to connect to tcp://scheduler:8786")
+        return FakeClient(["tcp://c:1"], monkeypatch)
+
+    gone = FakeClient(["tcp://a:1"], monkeypatch)
+    runner = ClusterRunner(gone, "tcp://scheduler:8786", Metrics(), reconnect)
+    assert runner.reconnect_if_closed() is False and attempts == []  # running: left alone
+    for status in ("connecting", "closed"):
+        gone.status = status
+        with pytest.raises(
+            Unavailable, match=f"does not answer .the client is {status}"
+        ) as refused:
+            runner(context, rows, lambda: False)
+        assert refused.value.transient
+    assert runner.reconnect_if_closed() is False  # the scheduler is not back yet
+    runner.workers(max_age_s=0)
+    assert any("Timed out trying to connect" in p for p in runner.problems())
+    assert runner.reconnect_if_closed() is True and runner.client is not gone
+    runner.workers(max_age_s=0)
+    assert runner.problems() == []
+    answered = runner(context, rows, lambda: False)
+    assert [r.result for r in answered] == expected and answered[0].worker == "tcp://c:1"
+
+
+def _small_batch() -> tuple[Any, Any, list[Any], list[Any]]:
+    """A two-element recipe of the small workspace, its batch context, three rows and their
+    results in process."""
+    from pyhf_gpu_server.engine.translate import WorkspaceTranslator
+    from pyhf_gpu_server.service.admission import FitMemory, FitPlan
+    from pyhf_gpu_server.service.dispatch import BatchContext, EngineCall, ModelRecipe
+    from pyhf_gpu_server.service.requests import Row
+    from pyhf_gpu_server.service.schemas import ClsOptions
+
+    spec = load(SMALL, "BkgOnly.json")
+    patches = load(SMALL, "patchset.json")["patches"][:2]
+    translator = WorkspaceTranslator(spec)
+    layouts = tuple(translator.element(p["patch"], p["metadata"]["name"]) for p in patches)
+    digests = ("d0", "d1")
+    recipe = ModelRecipe(("background", digests, "float64"), layouts, "float64")
+    call = EngineCall("cls", ClsOptions(test_poi=1.0), digests, 64, FitPlan("auto", 0), 4.0)
+    context = BatchContext(call, recipe, None, FitMemory())
+    rows = [Row("d0", 1.0), Row("d1", 1.0), Row("d1", 2.0)]
+    return recipe, context, rows, call.run(recipe.build("cpu"), rows, FitMemory())
 
 
 # ------------------------------------------------------------------------------ processes
@@ -366,6 +418,57 @@ def test_job_finishes_with_every_result_when_a_worker_dies_mid_job(
     reference_body = {k: v for k, v in body.items() if k != "operation"}
     reference_body["workspace_id"] = workspace_ids[1]
     theirs = reference.post("/cls", json=reference_body)
+    assert theirs.status_code == 200, theirs.text
+    assert_equal(view["result"], theirs.json())
+
+
+def test_a_job_outlives_its_dask_scheduler_killed_mid_job(
+    tmp_path: Path, reference: httpx.Client
+) -> None:
+    """The scheduler (and its worker) killed while a job's batch runs: requests meanwhile
+    answer 503 at once, naming the scheduler; once a scheduler and a worker are back at the
+    same address, the job runs again and finishes with every result, equal to in process."""
+    cluster = Cluster(tmp_path)
+    cluster.start_scheduler()
+    try:
+        args = [*SERVER_ARGS, "--dask-scheduler", cluster.address]
+        with running_server(tmp_path, args, ENV) as api, api.client() as client:
+            cluster.start_worker("w1")
+            cluster.wait_joined(client, ["w1"])
+            spec = load(SMALL, "BkgOnly.json")
+            workspace_id = client.post("/workspaces", json=spec).json()["workspace_id"]
+            body = {
+                "workspace_id": workspace_id,
+                "patchset": load(SMALL, "patchset.json"),
+                "test_poi": [round(0.2 * i, 1) for i in range(1, 11)],  # 240 rows
+            }
+            submitted = client.post("/jobs", json={"operation": "cls", **body})
+            assert submitted.status_code == 202, submitted.text
+            job_id = submitted.json()["id"]
+            deadline = time.monotonic() + 120
+            while not any(w["in_flight"] for w in cluster_info(client)["workers"]):
+                assert client.get(f"/jobs/{job_id}").json()["status"] in ("queued", "running")
+                assert time.monotonic() < deadline, "no batch of the job ever ran"
+                time.sleep(0.05)
+            cluster.kill("scheduler")
+            cluster.kill("w1")
+            start = time.monotonic()
+            during = client.post("/cls", json={**body, "patch_names": ["sig_s1_x1"]})
+            assert during.status_code == 503, during.text
+            assert cluster.address in during.json()["detail"]
+            assert time.monotonic() - start < 15  # at once, not after the request timeout
+            assert client.get(f"/jobs/{job_id}").json()["status"] == "running"
+
+            cluster.start_scheduler()
+            cluster.start_worker("w2")
+            cluster.wait_joined(client, ["w2"])
+            view = wait_for_job(client, job_id, timeout_s=240)
+            assert view["status"] == "succeeded", json.dumps(view)[:2000]
+            assert view["progress"]["done"] == view["progress"]["total"] == 240
+    finally:
+        cluster.stop()
+    reference_id = reference.post("/workspaces", json=spec).json()["workspace_id"]
+    theirs = reference.post("/cls", json={**body, "workspace_id": reference_id})
     assert theirs.status_code == 200, theirs.text
     assert_equal(view["result"], theirs.json())
 

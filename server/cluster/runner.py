@@ -8,6 +8,11 @@ the scheduler puts it), and blocks until the answer; a worker
 that dies mid-batch costs nothing but time (Dask runs the task again elsewhere). While it
 waits it watches ``stop()``: once nobody waits for the rows, the batch is cancelled and a
 running one told to stop through a Dask event.
+
+A scheduler that goes away fails the batches in flight with 503 (Dask cancels their futures;
+a job runs them again, :mod:`pyhf_gpu_server.service.jobrunner`). Dask's client reconnects to
+a scheduler back within its timeout; past it, the client closes for good, and the runner's
+watcher connects a new one once the scheduler answers again (meanwhile batches answer 503).
 """
 
 from __future__ import annotations
@@ -18,10 +23,11 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 from distributed import Client, Event
-from distributed.client import FutureCancelledError
+from distributed.client import ClosedClientError, FutureCancelledError
 from distributed.scheduler import KilledWorker
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -41,14 +47,25 @@ STALE_S = 15.0  # a list of workers older than this: the scheduler does not answ
 POLL_S = 0.2  # how often a waiting batch looks at stop()
 STOP_EVENT_TTL_S = 120.0  # a stopped batch's event is cleared after this
 MAX_RESENDS = 3  # ModelMissing answers before a batch gives up
+RECONNECT_TIMEOUT_S = 5.0  # one attempt of the watcher to connect a new client
 
 
 class ClusterRunner:
     """Runs batches on the GPU workers (``GPU`` resource) of one Dask scheduler."""
 
-    def __init__(self, client: Client, address: str, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        client: Client,
+        address: str,
+        metrics: Metrics,
+        reconnect: Callable[[], Client] | None = None,
+    ) -> None:
+        """Run batches through ``client`` (of the scheduler at ``address``); ``reconnect``
+        makes a new client once Dask has closed this one (None: never)."""
         self.client = client
         self.address = address
+        self._reconnect = reconnect
+        self._reconnect_error: str | None = None
         self.placement = Placement()
         self._lock = threading.Lock()
         self._workers: dict[str, dict[str, Any]] = {}
@@ -70,8 +87,11 @@ class ClusterRunner:
     def connect(cls, address: str, metrics: Metrics, timeout_s: float = 30.0) -> ClusterRunner:
         """A runner on a client of the scheduler at ``address`` (``OSError`` when it does not
         answer within ``timeout_s``). Blocks: call it off the event loop."""
-        client = Client(address, timeout=timeout_s, set_as_default=False, name="pyhf-gpu-api")
-        runner = cls(client, address, metrics)
+
+        def client(timeout: float) -> Client:
+            return Client(address, timeout=timeout, set_as_default=False, name="pyhf-gpu-api")
+
+        runner = cls(client(timeout_s), address, metrics, partial(client, RECONNECT_TIMEOUT_S))
         runner.workers(max_age_s=0)
         runner._watcher.start()
         return runner
@@ -82,9 +102,28 @@ class ClusterRunner:
         self.client.close()
 
     def _watch(self) -> None:
-        """Keep the list of live workers fresh (read on the event loop: never asked there)."""
+        """Keep the list of live workers fresh (read on the event loop: never asked there)
+        and the client connected."""
         while not self._closed.wait(WORKERS_TTL_S):
+            self.reconnect_if_closed()
             self.workers(max_age_s=WORKERS_TTL_S / 2)
+
+    def reconnect_if_closed(self) -> bool:
+        """A new client in place of one Dask closed (it gives up reconnecting to a scheduler
+        gone longer than its timeout); whether one was made. Blocks up to
+        :data:`RECONNECT_TIMEOUT_S` while the scheduler does not answer."""
+        if self._reconnect is None or self.client.status not in ("closing", "closed"):
+            return False
+        try:
+            client = self._reconnect()
+        except (OSError, TimeoutError) as exc:
+            self._reconnect_error = f"{type(exc).__name__}: {exc}"
+            return False
+        self._reconnect_error = None
+        old, self.client = self.client, client
+        old.close()
+        log.info("reconnected to the Dask scheduler", extra={"scheduler": self.address})
+        return True
 
     # ----------------------------------------------------------------------------- workers
     def workers(self, max_age_s: float = WORKERS_TTL_S) -> dict[str, dict[str, Any]]:
@@ -94,6 +133,8 @@ class ClusterRunner:
             if time.monotonic() - self._workers_at < max_age_s:
                 return self._workers
         try:
+            if self.client.status != "running":
+                raise ConnectionError(self._disconnected())
             info = self.client.scheduler_info(n_workers=-1)["workers"]
             problem = None
         except Exception as exc:  # the scheduler is gone: no workers until it answers again
@@ -106,6 +147,13 @@ class ClusterRunner:
         with self._lock:
             self._workers, self._workers_at, self._problem = found, time.monotonic(), problem
         return found
+
+    def _disconnected(self) -> str:
+        """Why the client cannot ask the scheduler now."""
+        reason = f"the client is {self.client.status}"
+        if self._reconnect_error is not None:
+            reason += f"; connecting a new one failed: {self._reconnect_error}"
+        return reason
 
     def max_in_flight(self) -> int:
         """Batches to run at once: one per live worker (as last seen: never blocks)."""
@@ -219,14 +267,24 @@ class ClusterRunner:
         # Dask refuses allow_other_workers without workers (a ValueError, which was a 500
         # while the scheduler did not answer and no worker was known)
         placed = {} if worker is None else {"workers": [worker], "allow_other_workers": True}
-        future = self.client.submit(
-            run_batch,
-            batch,
-            key=f"pyhf-gpu-batch-{batch.stop_event.rpartition('-')[2]}",
-            resources={"GPU": 1},
-            pure=False,
-            **placed,
-        )
+        if self.client.status != "running":  # reconnecting: its futures would wait or be lost
+            raise Unavailable(
+                f"the Dask scheduler {self.address} does not answer ({self._disconnected()}); "
+                "retry shortly"
+            )
+        try:
+            future = self.client.submit(
+                run_batch,
+                batch,
+                key=f"pyhf-gpu-batch-{batch.stop_event.rpartition('-')[2]}",
+                resources={"GPU": 1},
+                pure=False,
+                **placed,
+            )
+        except ClosedClientError as exc:  # the scheduler is gone (the watcher reconnects)
+            raise Unavailable(
+                f"the Dask scheduler {self.address} does not answer; retry shortly"
+            ) from exc
         done = threading.Event()
         future.add_done_callback(lambda _: done.set())
         try:
