@@ -1,4 +1,5 @@
-"""Jobs are never lost: they survive ``kill -9`` and SIGTERM, in a real SQLite (WAL) file."""
+"""Jobs are never lost: they survive ``kill -9`` and SIGTERM, in a real SQLite (WAL) file, and
+run again after a transient 503 (the job runner's retries, in process)."""
 
 from __future__ import annotations
 
@@ -92,3 +93,46 @@ def test_jobs_survive_kill_9_and_sigterm(tmp_path: Path) -> None:
         third.stop()
     if "running" in before.values():
         assert "re-queued interrupted jobs" in second.log()
+
+
+class _FailingDispatcher:
+    """Answers ``run`` with each of ``failures`` in turn, then a result."""
+
+    def __init__(self, failures: list[Exception]) -> None:
+        self.failures = failures
+        self.calls = 0
+
+    async def run(self, plan: object, lane: str, progress: object) -> dict[str, bool]:
+        self.calls += 1
+        if self.failures:
+            raise self.failures.pop(0)
+        return {"answered": True}
+
+
+def test_a_job_runs_again_after_a_transient_503_not_after_a_lasting_one(monkeypatch) -> None:
+    """The job runner's retries, unit by unit: a scheduler gone for a while (transient 503)
+    costs waits; a hypothesis too large for the device (a 503 whenever it runs) fails at once;
+    transient ones past the last wait fail the job."""
+    import asyncio
+
+    from pyhf_gpu_server.service import jobrunner
+    from pyhf_gpu_server.service.errors import Unavailable
+
+    monkeypatch.setattr(jobrunner, "UNAVAILABLE_RETRY_DELAYS_S", (0.0, 0.0))
+
+    def run(failures: list[Exception]) -> tuple[object, int]:
+        dispatcher = _FailingDispatcher(failures)
+        runner = jobrunner.JobRunner(
+            None, None, dispatcher, concurrency=1, max_queued=1, max_attempts=1, result_ttl_s=1
+        )
+        try:
+            outcome = asyncio.run(runner._run_plan("job", None, lambda done, total: None))
+        except Unavailable as exc:
+            outcome = exc
+        return outcome, dispatcher.calls
+
+    gone = Unavailable("the Dask scheduler does not answer")
+    assert run([gone, gone]) == ({"answered": True}, 3)
+    too_large = Unavailable("out of memory for a single hypothesis", transient=False)
+    assert run([too_large]) == (too_large, 1)
+    assert run([gone, gone, gone]) == (gone, 3)

@@ -109,9 +109,11 @@ class Unavailable(ServiceError):
 
     status_code = 503
 
-    def __init__(self, detail: str, retry_after_s: int = 5) -> None:
-        """Tell the client when to come back."""
+    def __init__(self, detail: str, retry_after_s: int = 5, transient: bool = True) -> None:
+        """Tell the client when to come back; ``transient``: whether the same work may run
+        later (a job runs it again), not fail the same way whenever it runs."""
         super().__init__(detail, headers={"Retry-After": str(retry_after_s)})
+        self.transient = transient
 
 
 class InsufficientStorage(ServiceError):

@@ -5,6 +5,9 @@ failed job. An inline workspace is stored on disk and the stored request refers 
 a restart can re-plan the job. Workers claim the oldest queued job; on shutdown a running job
 goes back to ``queued`` and resumes at the next start (after a crash, at start-up, unless the
 process has ended ``--max-job-attempts`` times while running it: then it is ``failed``).
+A job whose batches could not run for a while (503: a Dask scheduler gone, workers losing its
+model) runs again after each of :data:`UNAVAILABLE_RETRY_DELAYS_S`, and fails with that 503
+only after the last.
 A job belongs to the caller that submitted it (``None`` with auth off); one caller may have at
 most ``--max-jobs-per-caller`` queued or running, all of them together ``--max-queue``.
 """
@@ -15,19 +18,22 @@ import asyncio
 import contextlib
 import logging
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from .dispatch import Dispatcher
 from .errors import QueueFull, ServiceError, Unavailable, Unprocessable
 from .jobstore import JobStore, Refused, StoreError
 from .operations import OPERATIONS
-from .requests import envelope_from, plan_request
+from .requests import Plan, envelope_from, plan_request
 from .workspace_store import WorkspaceStore
 
 log = logging.getLogger("pyhf_gpu_server.service.jobs")
 
 PURGE_INTERVAL_S = 600.0
 IDLE_POLL_S = 5.0
+# a job's waits before it runs again after a transient 503 (about 2.5 minutes in all)
+UNAVAILABLE_RETRY_DELAYS_S = (5.0, 10.0, 20.0, 40.0, 80.0)
 
 
 class JobRunner:
@@ -215,7 +221,7 @@ class JobRunner:
                 self.store.progress(job_id, done, total)
                 self.changed()
 
-            result = await self.dispatcher.run(plan, "jobs", progress)
+            result = await self._run_plan(job_id, plan, progress)
             await asyncio.to_thread(self.store.finish, job_id, result)
         except ServiceError as exc:
             await asyncio.to_thread(
@@ -226,6 +232,21 @@ class JobRunner:
             await asyncio.to_thread(
                 self.store.fail, job_id, {"status": 500, "detail": "internal error; see the log"}
             )
+
+    async def _run_plan(self, job_id: str, plan: Plan, progress: Callable[[int, int], None]) -> Any:
+        """``plan``'s answer; after a transient 503, ``plan`` runs again (bounded waits)."""
+        for delay in UNAVAILABLE_RETRY_DELAYS_S:
+            try:
+                return await self.dispatcher.run(plan, "jobs", progress)
+            except Unavailable as exc:
+                if not exc.transient:
+                    raise
+                log.warning(
+                    "a job's batches could not run; it runs again",
+                    extra={"job_id": job_id, "error": exc.detail, "retry_in_s": delay},
+                )
+                await asyncio.sleep(delay)
+        return await self.dispatcher.run(plan, "jobs", progress)
 
     async def _purge_forever(self) -> None:
         """Delete finished jobs older than the result TTL and the uploaded workspaces unused

@@ -478,7 +478,8 @@ class Scheduler(Generic[WorkT, BatchT, RowT, ValueT]):
             if len(rows) == 1:
                 raise Unavailable(
                     "the device ran out of memory for a single hypothesis; "
-                    "try float32, a smaller model, or another device"
+                    "try float32, a smaller model, or another device",
+                    transient=False,
                 ) from None
             self._metrics.oom_splits.inc()
             log.warning("device out of memory; splitting the batch", extra={"rows": len(rows)})
