@@ -29,6 +29,7 @@ from pyhf_gpu_server.engine.errors import (
     UnsupportedModelError,
 )
 from pyhf_gpu_server.engine.layout import ElementLayout, SampleLayout, read_model
+from pyhf_gpu_server.engine.stacking import StackLayout
 from pyhf_gpu_server.engine.translate import WorkspaceTranslator
 
 settings.register_profile(
@@ -217,6 +218,38 @@ def test_background_samples_share_their_histosys_arrays_between_patches():
         translator.element(first["patch"], "one"),
         translate.translate(jsonpatch.apply_patch(background(name), first["patch"]), name="one"),
     )
+
+
+def test_background_samples_are_one_object_for_patches_numbered_alike():
+    """Published signal points with the same parameters: every background sample is the same
+    object in both elements, so a stack remaps it once; each layout still equals the patched
+    workspace translated afresh, and a patch that renumbers the parameters gets its own."""
+    name = "atlas-susy-2018-31-sbottom-B"
+    patches = {
+        p["metadata"]["name"]: p["patch"]
+        for p in patchset(name, "patchset.hepdata.json.gz")["patches"][:40]
+        if len(p["patch"]) > 1
+    }
+    translator = WorkspaceTranslator(background(name))
+    by_numbering: dict[tuple[str, ...], list[ElementLayout]] = {}
+    for label, ops in patches.items():
+        element = translator.element(ops, label)
+        by_numbering.setdefault(tuple(p.name for p in element.parameters), []).append(element)
+    one, two = next(group for group in by_numbering.values() if len(group) > 1)[:2]
+    own = {s["name"] for channel in background(name)["channels"] for s in channel["samples"]}
+    theirs = {s.name: s for s in two.samples}
+    assert [s is theirs.get(s.name) for s in one.samples] == [s.name in own for s in one.samples]
+    for element in (one, two):
+        spec = jsonpatch.apply_patch(background(name), patches[element.name])
+        assert_layouts_equal(element, translate.translate(spec, name=element.name))
+    assert StackLayout([one, two]).n_variants == len(one.samples) + 1  # one signal more
+
+    ops = copy.deepcopy(patches[one.name])
+    ops[0]["value"]["modifiers"].append({"name": "extra_norm", "type": "normfactor", "data": None})
+    renumbered = translator.element(ops, "renumbered")
+    assert not any(a is b for a, b in zip(one.samples, renumbered.samples, strict=True))
+    spec = jsonpatch.apply_patch(background(name), ops)
+    assert_layouts_equal(renumbered, translate.translate(spec, name="renumbered"))
 
 
 def test_empty_patch_is_the_background(translators):

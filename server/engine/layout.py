@@ -37,8 +37,9 @@ class SampleLayout:
 
     Parameter indices (``histosys`` axis 1, ``normsys_param``, ``multipliers``) are the
     element's own: into its ``histosys_params``, ``normsys_params`` and parameter vector.
-    Arrays are read, never written: a translator shares a background sample's arrays between
-    the elements of its patches (those it keeps are read-only).
+    Arrays are read, never written: a translator shares a background sample's arrays, or the
+    whole sample where the elements number their parameters alike, between the elements of
+    its patches (the arrays it keeps are read-only).
     """
 
     name: str

@@ -208,14 +208,21 @@ class StackLayout:
         variant_of: dict[bytes, int] = {}
         variants: list[dict[str, np.ndarray]] = []
         members: list[list[int]] = []
-        for samples in self.remapped_samples():
+        # a sample object the translator shares between elements (a background sample in one
+        # numbering) is remapped and fingerprinted once per stack numbering of its element
+        known: dict[tuple[int, bytes], int] = {}
+        for element, remap in self._remappers():
             used = []
-            for remapped in samples:
-                key = _fingerprint(remapped)
-                if key not in variant_of:
-                    variant_of[key] = len(variants)
-                    variants.append(remapped)
-                used.append(variant_of[key])
+            for sample in element.samples:
+                key = (id(sample), remap.numbering)
+                if key not in known:
+                    remapped = remap(sample)
+                    fingerprint = _fingerprint(remapped)
+                    if fingerprint not in variant_of:
+                        variant_of[fingerprint] = len(variants)
+                        variants.append(remapped)
+                    known[key] = variant_of[fingerprint]
+                used.append(known[key])
             members.append(used)
         self.n_variants = len(variants)
         self.symmetric_params = self._symmetric_params(variants, members)
@@ -276,17 +283,15 @@ class StackLayout:
         symmetric[:, self.kinked_params] = False  # kinked: started on both sides of the kink
         return symmetric
 
-    def remapped_samples(self) -> Iterator[list[dict[str, np.ndarray]]]:
-        """Per element, its samples in the stack's numbering (:meth:`_remap`)."""
+    def _remappers(self) -> Iterator[tuple[ElementLayout, _Remapper]]:
+        """Per element, what puts its samples in the stack's numbering (:meth:`_remap`)."""
         position = np.full(self.n_pars + 1, -1, dtype=np.int64)  # column -> histosys slot
         position[self.histosys_params] = np.arange(len(self.histosys_params))
         for element, columns in zip(self.elements, self.columns, strict=True):
             histosys_slots = position[columns[element.histosys_params]]
             normsys_columns = columns[np.asarray(element.normsys_params, dtype=np.int64)]
-            yield [
-                self._remap(sample, columns, histosys_slots, normsys_columns)
-                for sample in element.samples
-            ]
+            numbering = b"|".join(a.tobytes() for a in (columns, histosys_slots, normsys_columns))
+            yield element, _Remapper(self, columns, histosys_slots, normsys_columns, numbering)
 
     def _remap(
         self,
@@ -373,6 +378,21 @@ class StackLayout:
             list(self.own.multiplier_params.shape[1:]),
         ]
         return hashlib.sha256(json.dumps(key).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class _Remapper:
+    """One element's samples into the stack's numbering (:meth:`StackLayout._remap`);
+    ``numbering`` is equal for elements whose samples it maps alike."""
+
+    stack: StackLayout
+    columns: np.ndarray
+    histosys_slots: np.ndarray
+    normsys_columns: np.ndarray
+    numbering: bytes
+
+    def __call__(self, sample: SampleLayout) -> dict[str, np.ndarray]:
+        return self.stack._remap(sample, self.columns, self.histosys_slots, self.normsys_columns)
 
 
 def _n_basis(element: ElementLayout) -> int:

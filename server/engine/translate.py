@@ -54,7 +54,8 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping
-from functools import cached_property
+from dataclasses import dataclass
+from functools import cached_property, partial
 from itertools import groupby
 from operator import attrgetter, is_, itemgetter
 from typing import Any
@@ -102,6 +103,8 @@ _FIXED_REQUIREMENTS = {
 }
 # histosys numberings whose background arrays a translator keeps (see _kept_histosys)
 KEPT_HISTOSYS_NUMBERINGS = 2
+# model numberings a translator tells apart at once (ids of the samples it keeps per numbering)
+KEPT_NUMBERINGS = 256
 # small valid items of the workspace schema's arrays
 _STAND_INS = {
     "samples": {"name": "", "data": [0.0], "modifiers": []},
@@ -205,7 +208,12 @@ class WorkspaceTranslator:
             "keys": {},
             "normsys": {},
             "staterror": {},
+            "samples": {},
         }
+        # model numberings (parameters, histosys and normsys lists, bins) -> an id never
+        # given twice, the key of the samples kept for them
+        self._numbering_ids: dict[tuple, int] = {}
+        self._numberings_seen = 0
         # histosys numbering (the model's histosys names, its bins) -> the background samples'
         # arrays, for the last KEPT_HISTOSYS_NUMBERINGS numberings only
         self._histosys_arrays: dict[tuple, dict[tuple, np.ndarray]] = {}
@@ -279,6 +287,16 @@ class WorkspaceTranslator:
         while len(self._histosys_arrays) > KEPT_HISTOSYS_NUMBERINGS:
             del self._histosys_arrays[next(iter(self._histosys_arrays))]
         return kept
+
+    def _numbering_id(self, numbering: tuple) -> int:
+        """The id of a model's ``numbering`` (a new one for one not seen lately)."""
+        found = self._numbering_ids.get(numbering)
+        if found is None:
+            if len(self._numbering_ids) >= KEPT_NUMBERINGS:
+                self._numbering_ids.clear()
+            found = self._numbering_ids[numbering] = self._numberings_seen
+            self._numberings_seen += 1
+        return found
 
     def _background_only(self, readings: list[SampleReading]) -> bool:
         """Whether ``readings`` are all the background's own (not a patch's new samples)."""
@@ -648,61 +666,74 @@ class _Assembly:
         )
 
     def _samples(self, par_start, histosys, normsys) -> list[SampleLayout]:
-        """Each sample's arrays, as read_model builds them over the workspace in its order."""
-        parts = [
-            (self.start[cname], reading)
-            for cname, channel in zip(self.spec_channels, self.spec_readings, strict=True)
-            for reading in channel
-        ]
-        histosys_arrays = self._histosys(parts, histosys)
-        normsys_parts: dict[str, list[tuple[int, SampleReading]]] = {s: [] for s in self.samples}
-        for start, reading in parts:
-            if len(reading.normsys_ids):
-                normsys_parts[reading.name].append((start, reading))
-        normsys_column = self._columns(normsys)
-        multipliers = self._multipliers(par_start)
-        layouts = []
-        for s in self.samples:
-            layout = SampleLayout(
-                name=s,
-                nominal=self.nominals[s],
-                histosys=histosys_arrays[s],
-                normsys_param=np.zeros(0, dtype=np.int64),
-                normsys_bin=np.zeros(0, dtype=np.int64),
-                normsys_coefficients=np.zeros((8, 0)),
-                multipliers=multipliers[s],
+        """Each sample's arrays, as read_model builds them over the workspace in its order. A
+        sample whose readings are all the background's is kept for every element numbered
+        alike: one object, which stacking remaps once."""
+        carriers: dict[str, list[tuple[str, int, SampleReading]]] = {s: [] for s in self.samples}
+        for cname, channel in zip(self.spec_channels, self.spec_readings, strict=True):
+            for reading in channel:
+                carriers[reading.name].append((cname, self.start[cname], reading))
+        n_basis = histosys_coefficients(self.translator.histosys_code, [0.0], [0.0], [0.0]).shape[0]
+        offsets = self._per_bin_offsets()
+        numbering = _Numbering(
+            par_start,
+            offsets,
+            self._columns(histosys),
+            (n_basis, len(histosys), self.n_main),
+            self._columns(normsys),
+            self.translator._kept_histosys((*histosys, self.n_main)),
+        )
+        numbering_id = self.translator._numbering_id(
+            (
+                self.n_main,
+                tuple(histosys),
+                tuple(normsys),
+                tuple(par_start.items()),
+                tuple((m, tuple(channels.items())) for m, channels in offsets.items()),
             )
-            if normsys_parts[s]:
-                self._normsys(layout, normsys_parts[s], normsys_column)
-            layouts.append(layout)
-        return layouts
+        )
+        return [
+            self.translator._kept(
+                "samples",
+                (name, numbering_id, *((start, id(r)) for _, start, r in parts)),
+                [r for _, _, r in parts],
+                partial(self._sample, name, parts, numbering),
+            )
+            for name, parts in carriers.items()
+        ]
 
-    def _histosys(self, parts, histosys) -> dict[str, np.ndarray]:
-        """Each sample's histosys coefficients ``[K, J_h, N]``. A sample whose readings are all
+    def _sample(self, name: str, parts, numbering: _Numbering) -> SampleLayout:
+        """One sample's arrays; ``parts``: its (channel, first bin, reading), in workspace
+        order."""
+        layout = SampleLayout(
+            name=name,
+            nominal=self.nominals[name],
+            histosys=self._histosys(parts, numbering),
+            normsys_param=np.zeros(0, dtype=np.int64),
+            normsys_bin=np.zeros(0, dtype=np.int64),
+            normsys_coefficients=np.zeros((8, 0)),
+            multipliers=self._multipliers(parts, numbering),
+        )
+        normsys_parts = [(start, r) for _, start, r in parts if len(r.normsys_ids)]
+        if normsys_parts:
+            self._normsys(layout, normsys_parts, numbering.normsys_column)
+        return layout
+
+    def _histosys(self, parts, numbering: _Numbering) -> np.ndarray:
+        """One sample's histosys coefficients ``[K, J_h, N]``. A sample whose readings are all
         the background's keeps its array (read-only, shared by the elements) while the
         model's histosys parameters and bins stay as they are: most patches add a signal and
         leave the other samples' arrays, a few MB on a large model, alone."""
-        code = self.translator.histosys_code
-        n_basis = histosys_coefficients(code, [0.0], [0.0], [0.0]).shape[0]
-        shape = (n_basis, len(histosys), self.n_main)
-        column = self._columns(histosys)
-        by_sample: dict[str, list[tuple[int, SampleReading]]] = {s: [] for s in self.samples}
-        for start, reading in parts:
-            if len(reading.histosys_ids):
-                by_sample[reading.name].append((start, reading))
-        kept = self.translator._kept_histosys((*histosys, self.n_main))
-        arrays = {}
-        for sample, carriers in by_sample.items():
-            key = tuple((start, id(reading)) for start, reading in carriers)
-            own = self.translator._background_only([reading for _, reading in carriers])
-            array = kept.get(key) if own else None
-            if array is None:
-                array = _sample_histosys(carriers, column, shape)
-                if own:
-                    array.flags.writeable = False
-                    kept[key] = array
-            arrays[sample] = array
-        return arrays
+        carriers = [(start, r) for _, start, r in parts if len(r.histosys_ids)]
+        key = tuple((start, id(reading)) for start, reading in carriers)
+        own = self.translator._background_only([reading for _, reading in carriers])
+        array = numbering.kept_histosys.get(key) if own else None
+        if array is None:
+            array = _sample_histosys(carriers, numbering.histosys_column, numbering.histosys_shape)
+            if own:
+                array.flags.writeable = False
+                numbering.kept_histosys[key] = array
+        return array
 
     def _columns(self, names: list[str]) -> np.ndarray:
         """Registry id -> position in ``names`` (the model's histosys or normsys list)."""
@@ -711,23 +742,20 @@ class _Assembly:
         column[[name_ids[m] for m in names]] = np.arange(len(names))
         return column
 
-    def _multipliers(self, par_start) -> dict[str, list[list[int]]]:
-        """Per sample and bin, the parameters that multiply it, in workspace order."""
-        offsets = self._per_bin_offsets()
-        multipliers = {s: [[] for _ in range(self.n_main)] for s in self.samples}
-        for cname, channel in zip(self.spec_channels, self.spec_readings, strict=True):
-            start, n = self.start[cname], self.nbins[cname]
-            for reading in channel:
-                template = [
-                    (par_start[m] + offsets[m][cname], 1)
-                    if t in _PER_BIN_TYPES
-                    else (par_start[m], int(t == "shapefactor"))
-                    for t, m in reading.multipliers
-                ]
-                bins = multipliers[reading.name]
-                for k in range(n):
-                    bins[start + k].extend(i + step * k for i, step in template)
-        return multipliers
+    def _multipliers(self, parts, numbering: _Numbering) -> list[list[int]]:
+        """Per bin, the parameters that multiply one sample, in workspace order."""
+        par_start, offsets = numbering.par_start, numbering.offsets
+        bins: list[list[int]] = [[] for _ in range(self.n_main)]
+        for cname, start, reading in parts:
+            template = [
+                (par_start[m] + offsets[m][cname], 1)
+                if t in _PER_BIN_TYPES
+                else (par_start[m], int(t == "shapefactor"))
+                for t, m in reading.multipliers
+            ]
+            for k in range(self.nbins[cname]):
+                bins[start + k].extend(i + step * k for i, step in template)
+        return bins
 
     def _normsys(self, layout: SampleLayout, parts, column: np.ndarray) -> None:
         """One sample's normsys entries (modifier by modifier, bin by bin, in workspace order)
@@ -762,6 +790,20 @@ class _Assembly:
             mname: _offsets({c: self.nbins[c] for c in channels})
             for mname, channels in carriers.items()
         }
+
+
+@dataclass(frozen=True)
+class _Numbering:
+    """What the layout of a sample needs of its model's numbering: parameter starts, the
+    per-bin parameter sets' first bin per channel, histosys and normsys positions by name id,
+    the histosys array shape, the background's histosys arrays kept for it."""
+
+    par_start: dict[str, int]
+    offsets: dict[str, dict[str, int]]
+    histosys_column: np.ndarray
+    histosys_shape: tuple[int, int, int]
+    normsys_column: np.ndarray
+    kept_histosys: dict[tuple, np.ndarray]
 
 
 def _check_unique_names(
