@@ -352,13 +352,14 @@ def _scaled_signal(operations: list, scale: float) -> list:
 
 
 def test_the_hard_fits_of_strongly_excluded_signals_converge():
-    """The published sbottom-B signals, five times larger: their conditional fits at mu = 1
+    """The published sbottom signals, five times larger: their conditional fits at mu = 1
     are strongly excluded and hard (nuisance parameters on their bounds, a Gauss-Newton model
-    that is not positive definite for tens of iterations). In one hypotest of all 217 points
-    every fit converges: the rows still running after ``tail_after_all`` iterations move to
-    the tail's grid and exact Newton trials, and a row at its minimum whose model gives no
-    certificate gets the exact curvature's. With the tail left to the last 16 rows, some
-    fits run out of iterations; the CLs stay as they are (these points are excluded)."""
+    that is not positive definite for tens of iterations). In one hypotest of all 217
+    sbottom-B points every fit converges. On sbottom-A all but one do, because the rows
+    still running after ``tail_after_all`` iterations move to the tail's grid and exact
+    Newton trials, and a row at its minimum whose model gives no certificate gets the exact
+    curvature's: with the tail left to the last 16 rows, many run out of iterations. The CLs
+    stay as they are (these points are excluded)."""
     from dataclasses import replace
 
     from conftest import WORKSPACES_DIR, load_json, load_patchset
@@ -368,23 +369,24 @@ def test_the_hard_fits_of_strongly_excluded_signals_converge():
     from pyhf_gpu_server.inference import hypotest
     from pyhf_gpu_server.inference.mle import FitOptions
 
-    folder = WORKSPACES_DIR / "atlas-susy-2018-31-sbottom-B"
-    translator = WorkspaceTranslator(load_json(folder / "BkgOnly.json"))
-    patches = load_patchset(folder / "patchset.hepdata.json.gz")["patches"]
-    elements = [
-        translator.element(_scaled_signal(p["patch"], 5.0), p["metadata"]["name"])
-        for p in patches
-        if any(op["op"] == "add" for op in p["patch"])  # the one point without a signal: none
-    ]
-    model = HistFactoryModel(elements, device=DEVICE)
-    n = model.n_elements
-    poi = torch.ones(n, dtype=model.dtype, device=DEVICE)
-    every = torch.arange(n, device=DEVICE)
-    found = {}
-    for late in (MinimizeOptions().tail_after_all, 10**6):
-        options = FitOptions(minimize=replace(MinimizeOptions(), tail_after_all=late))
-        found[late] = hypotest(model, poi, every, options=options)
-    default, last_rows_only = found[MinimizeOptions().tail_after_all], found[10**6]
-    assert all(status.converged.all() for status in default.fits.values())
-    assert not all(status.converged.all() for status in last_rows_only.fits.values())
-    torch.testing.assert_close(default.cls_obs, last_rows_only.cls_obs, rtol=0, atol=1e-6)
+    def not_converged(region: str, tail_after_all: int) -> tuple[int, torch.Tensor]:
+        folder = WORKSPACES_DIR / f"atlas-susy-2018-31-sbottom-{region}"
+        translator = WorkspaceTranslator(load_json(folder / "BkgOnly.json"))
+        elements = [
+            translator.element(_scaled_signal(p["patch"], 5.0), p["metadata"]["name"])
+            for p in load_patchset(folder / "patchset.hepdata.json.gz")["patches"]
+            if any(op["op"] == "add" for op in p["patch"])  # the one point without a signal
+        ]
+        model = HistFactoryModel(elements, device=DEVICE)
+        poi = torch.ones(model.n_elements, dtype=model.dtype, device=DEVICE)
+        options = FitOptions(minimize=replace(MinimizeOptions(), tail_after_all=tail_after_all))
+        found = hypotest(model, poi, torch.arange(model.n_elements, device=DEVICE), options=options)
+        return sum(int((~status.converged).sum()) for status in found.fits.values()), found.cls_obs
+
+    default = MinimizeOptions().tail_after_all
+    assert not_converged("B", default)[0] == 0
+    (left, cls), (left_by_last_rows_only, cls_last_rows_only) = (
+        not_converged("A", late) for late in (default, 10**6)
+    )
+    assert left <= 1 and left_by_last_rows_only >= 10
+    torch.testing.assert_close(cls, cls_last_rows_only, rtol=0, atol=1e-6)
