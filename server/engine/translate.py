@@ -288,13 +288,14 @@ class WorkspaceTranslator:
             del self._histosys_arrays[next(iter(self._histosys_arrays))]
         return kept
 
-    def _numbering_id(self, numbering: tuple) -> int:
-        """The id of a model's ``numbering`` (a new one for one not seen lately)."""
+    def _numbering_id(self, numbering: tuple) -> int | None:
+        """The id of a model's ``numbering`` seen before (lately), else None (it gets one: a
+        stream of signals that each renumber the parameters keeps no samples)."""
         found = self._numbering_ids.get(numbering)
         if found is None:
             if len(self._numbering_ids) >= KEPT_NUMBERINGS:
                 self._numbering_ids.clear()
-            found = self._numbering_ids[numbering] = self._numberings_seen
+            self._numbering_ids[numbering] = self._numberings_seen
             self._numberings_seen += 1
         return found
 
@@ -692,6 +693,8 @@ class _Assembly:
                 tuple((m, tuple(channels.items())) for m, channels in offsets.items()),
             )
         )
+        if numbering_id is None:  # a numbering seen first: kept once it comes again
+            return [self._sample(name, parts, numbering) for name, parts in carriers.items()]
         return [
             self.translator._kept(
                 "samples",
