@@ -120,6 +120,9 @@ class ClusterRunner:
             self._reconnect_error = f"{type(exc).__name__}: {exc}"
             return False
         self._reconnect_error = None
+        if self._closed.is_set():  # the runner closed meanwhile
+            client.close()
+            return False
         old, self.client = self.client, client
         old.close()
         log.info("reconnected to the Dask scheduler", extra={"scheduler": self.address})
