@@ -210,7 +210,7 @@ class StackLayout:
         members: list[list[int]] = []
         # a sample object the translator shares between elements (a background sample in one
         # numbering) is remapped and fingerprinted once per stack numbering of its element
-        known: dict[tuple[int, bytes], int] = {}
+        known: dict[tuple[int, tuple[bytes, ...]], int] = {}
         for element, remap in self._remappers():
             used = []
             for sample in element.samples:
@@ -290,7 +290,7 @@ class StackLayout:
         for element, columns in zip(self.elements, self.columns, strict=True):
             histosys_slots = position[columns[element.histosys_params]]
             normsys_columns = columns[np.asarray(element.normsys_params, dtype=np.int64)]
-            numbering = b"|".join(a.tobytes() for a in (columns, histosys_slots, normsys_columns))
+            numbering = tuple(a.tobytes() for a in (columns, histosys_slots, normsys_columns))
             yield element, _Remapper(self, columns, histosys_slots, normsys_columns, numbering)
 
     def _remap(
@@ -389,7 +389,7 @@ class _Remapper:
     columns: np.ndarray
     histosys_slots: np.ndarray
     normsys_columns: np.ndarray
-    numbering: bytes
+    numbering: tuple[bytes, ...]
 
     def __call__(self, sample: SampleLayout) -> dict[str, np.ndarray]:
         return self.stack._remap(sample, self.columns, self.histosys_slots, self.normsys_columns)
