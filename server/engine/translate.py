@@ -203,6 +203,7 @@ class WorkspaceTranslator:
             for key in ("channels", "observations", "measurements")
         }
         self._background_ids["samples"] = set(self._readings)
+        self._background_readings = {id(reading) for reading in self._readings.values()}
         self._paramsets: dict[tuple, tuple[dict | None, tuple[dict, ...], Paramset]] = {}
         self._kept_values: dict[str, dict[tuple, Any]] = {
             "keys": {},
@@ -301,7 +302,7 @@ class WorkspaceTranslator:
 
     def _background_only(self, readings: list[SampleReading]) -> bool:
         """Whether ``readings`` are all the background's own (not a patch's new samples)."""
-        return all(self._readings.get(id(r.source)) is r for r in readings)
+        return self._background_readings.issuperset(map(id, readings))
 
     def _kept(self, kind: str, key: tuple, readings: list[SampleReading], compute: Callable):
         """``compute()``, kept under ``key`` if it depends on background ``readings`` only
