@@ -83,7 +83,10 @@ def text_depth(body: bytes) -> int | None:
         return None
     deepest, depth, in_string = 0, 0, 0
     for start in range(0, len(body), _DEPTH_CHUNK):
+        # two adjacent quotes hold no bracket between them, so dropping them leaves every
+        # bracket as much inside or outside a string as it was: most strings go at once
         marks = body[start : start + _DEPTH_CHUNK].translate(None, _NOT_STRUCTURE)
+        marks = marks.replace(b'""', b"")
         if not marks:
             continue
         raw = np.frombuffer(marks, dtype=np.uint8)
