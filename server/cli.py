@@ -17,6 +17,7 @@ from pyhf_gpu_server.service.logs import configure_logging
 from pyhf_gpu_server.service.middleware import header_deadline_protocol
 from pyhf_gpu_server.service.settings import settings_from_args
 from pyhf_gpu_server.service.state import resolve_device
+from pyhf_gpu_server.service.translation_workers import TranslationWorkers
 
 # The server keeps published workspaces, their translations and warm models in memory: hundreds
 # of thousands of Python objects that live for hours. With CPython's default thresholds
@@ -44,18 +45,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     gc.set_threshold(*GC_THRESHOLDS)
     tune_cpu_allocator()  # freed tensor memory reused, not page-faulted in again
     limit_blas_threads()  # numpy's BLAS threads would spin on the engine's cores
-    uvicorn.run(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        log_config=None,
-        log_level=settings.log_level,
-        access_log=False,
-        timeout_graceful_shutdown=max(1, round(settings.graceful_timeout_s)),
-        proxy_headers=False,
-        limit_concurrency=settings.max_connections,
-        http=header_deadline_protocol(settings.header_timeout_s),
-    )
+    # forked now, before the server starts any thread: a child has only the forking thread
+    workers = TranslationWorkers.fork(settings.translate_worker_count)
+    try:
+        uvicorn.run(
+            create_app(settings, translation_workers=workers),
+            host=settings.host,
+            port=settings.port,
+            log_config=None,
+            log_level=settings.log_level,
+            access_log=False,
+            timeout_graceful_shutdown=max(1, round(settings.graceful_timeout_s)),
+            proxy_headers=False,
+            limit_concurrency=settings.max_connections,
+            http=header_deadline_protocol(settings.header_timeout_s),
+        )
+    finally:
+        workers.close()
     return 0
 
 

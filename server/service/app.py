@@ -19,6 +19,7 @@ from .middleware import BodyLimitMiddleware, RequestContextMiddleware, TokenAuth
 from .routers import health, inference, jobs, pages, workspaces
 from .settings import Settings
 from .state import ServiceState
+from .translation_workers import TranslationWorkers
 
 DESCRIPTION = """
 pyhf-compatible HistFactory inference, batched on one device.
@@ -42,8 +43,12 @@ OPEN_PREFIXES = (DOCS_ASSETS + "/", pages.STATIC_URL + "/")
 OPEN_PATTERNS = (pages.REPORT_PATTERN,)
 
 
-def create_app(settings: Settings) -> FastAPI:
+def create_app(
+    settings: Settings, translation_workers: TranslationWorkers | None = None
+) -> FastAPI:
     """A new app serving with ``settings``; its state is created at start-up (lifespan).
+    ``translation_workers`` (forked by the caller, which stops them) read shares of large
+    patchsets.
 
     Raises ``ValueError`` when ``settings.api_token_file`` cannot be read.
     """
@@ -52,7 +57,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.service = await ServiceState.open(settings, metrics)
+        app.state.service = await ServiceState.open(settings, metrics, translation_workers)
         _build_routes(app)
         await anyio.to_thread.run_sync(lambda: None)  # the worker threads' backend, imported
         try:

@@ -16,7 +16,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -24,6 +24,9 @@ from pyhf_gpu_server.engine.layout import ElementLayout
 from pyhf_gpu_server.engine.translate import WorkspaceTranslator
 
 from .errors import ServiceError, Unprocessable, translate
+
+if TYPE_CHECKING:
+    from .translation_workers import TranslationWorkers
 
 log = logging.getLogger("pyhf_gpu_server.service")
 
@@ -69,17 +72,27 @@ class Element:
 class ElementStore:
     """Warm translators per background, translated elements per (background, patch); LRU."""
 
-    def __init__(self, max_backgrounds: int = 8, max_elements: int = 4096) -> None:
+    def __init__(
+        self,
+        max_backgrounds: int = 8,
+        max_elements: int = 4096,
+        workers: TranslationWorkers | None = None,
+    ) -> None:
+        """Keep ``max_backgrounds`` translators and ``max_elements`` elements; ``workers``
+        translate shares of a request's new patches when there are many."""
         self.max_backgrounds = max_backgrounds
         self.max_elements = max_elements
+        self.workers = workers
         self._translators: OrderedDict[tuple, WorkspaceTranslator] = OrderedDict()
         self._elements: OrderedDict[tuple, Element] = OrderedDict()
         self._lock = threading.Lock()
         self.total_bytes = 0  # host bytes of the cached elements' layouts
 
     def elements(self, background: Background, patches: Sequence[PatchSpec]) -> list[Element]:
-        """The element of each patch on ``background``; cached ones are not read again."""
-        found: list[Element] = []
+        """The element of each patch on ``background``; cached ones are not read again, new
+        ones are read once each (by the workers too, when there are many)."""
+        found: list[Element | None] = []
+        new: dict[str, PatchSpec] = {}  # by digest: a patch repeated under two names is read once
         for patch in patches:
             key = (background.key, patch.digest)
             with self._lock:
@@ -87,15 +100,30 @@ class ElementStore:
                 if element is not None:
                     self._elements.move_to_end(key)
             if element is None:
-                element = self._translate(background, patch)
-                with self._lock:
-                    self._keep(key, element)
-            elif element.patch.name != patch.name:
-                element = Element(patch, _renamed(element.layout, patch.name), element.error)
+                new.setdefault(patch.digest, patch)
             found.append(element)
-        return found
+        if new:
+            translated = (
+                self.workers.elements(
+                    background, list(new.values()), lambda p: self.translate(background, p)
+                )
+                if self.workers is not None
+                else [self.translate(background, patch) for patch in new.values()]
+            )
+            read = {element.patch.digest: element for element in translated}
+            with self._lock:
+                for digest, element in read.items():
+                    self._keep((background.key, digest), element)
+            found = [
+                read[p.digest] if e is None else e for p, e in zip(patches, found, strict=True)
+            ]
+        return [
+            e if e.patch.name == p.name else Element(p, _renamed(e.layout, p.name), e.error)
+            for p, e in zip(patches, found, strict=True)
+        ]
 
-    def _translate(self, background: Background, patch: PatchSpec) -> Element:
+    def translate(self, background: Background, patch: PatchSpec) -> Element:
+        """``patch`` on ``background``, read now (not cached): its layout, or its error."""
         translator = self._translator(background)
         try:
             layout = translator.element(list(patch.operations), patch.name)

@@ -575,6 +575,13 @@ class ClusterState(_Declared):
     )
 
 
+class TranslationWorkersState(_Declared):
+    """The processes that translate shares of requests with many new patches."""
+
+    workers: int = Field(description="forked at start-up and still in use")
+    shared_requests: int = Field(description="requests whose patches they helped translate")
+
+
 class ServerInfo(_Declared):
     """GET /info: device, versions, limits, queue and warm models."""
 
@@ -587,6 +594,7 @@ class ServerInfo(_Declared):
     auth: bool
     queue: QueueDepth
     batches_run: int
+    translation_workers: TranslationWorkersState
     models: list[WarmModel] = Field(description="most recently used first")
     device_memory_bytes: float = Field(
         description="allocated CUDA memory, or the warm models' bytes on a CPU"

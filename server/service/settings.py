@@ -23,6 +23,11 @@ DEFAULT_CALLER = "default"
 """The caller's name when the server has one token (``--api-token``, or a one-token file)."""
 
 
+def default_translate_workers() -> int:
+    """One translation worker per core beyond the first, at most 4 (``--translate-workers -1``)."""
+    return max(0, min(4, (os.cpu_count() or 1) - 1))
+
+
 def default_data_dir() -> Path:
     """``$XDG_DATA_HOME/pyhf-gpu`` (``~/.local/share/pyhf-gpu`` when unset)."""
     base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
@@ -171,6 +176,13 @@ class Settings:
         default=4096,
         metadata={"help": "most translated patches (signal points) kept, over all backgrounds"},
     )
+    translate_workers: int = field(
+        default=-1,
+        metadata={
+            "help": "processes forked at start-up that translate shares of a request with many "
+            "new patches (-1: one per core beyond the first, at most 4; 0: none)"
+        },
+    )
     model_cache_memory_mb: float = field(
         default=4096.0, metadata={"help": "most device memory (MiB) held by warm models"}
     )
@@ -296,6 +308,8 @@ class Settings:
             problems.append(
                 f"dask_scheduler {self.dask_scheduler!r} is not an address like tcp://HOST:8786"
             )
+        if self.translate_workers < -1:
+            problems.append("translate_workers must be -1 (one per spare core), 0 or more")
         if self.max_jobs_per_caller < 0:
             problems.append("max_jobs_per_caller must not be negative (0: no cap)")
         if problems:
@@ -312,6 +326,13 @@ class Settings:
     def max_body_bytes(self) -> int:
         """:attr:`max_body_mb` in bytes."""
         return int(self.max_body_mb * 1024 * 1024)
+
+    @property
+    def translate_worker_count(self) -> int:
+        """:attr:`translate_workers`, ``-1`` resolved for this machine."""
+        if self.translate_workers == -1:
+            return default_translate_workers()
+        return self.translate_workers
 
     def compile_enabled(self, device: str) -> bool:
         """Whether to compile on ``device``: ``auto`` compiles on CUDA only (slow on CPU)."""

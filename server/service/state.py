@@ -31,6 +31,7 @@ from .metrics import Metrics
 from .models_cache import ModelCache, host_memory_releaser, memory_releaser
 from .scheduler import Scheduler
 from .settings import Settings
+from .translation_workers import TranslationWorkers
 from .workspace_store import WorkspaceStore
 
 if TYPE_CHECKING:
@@ -89,9 +90,14 @@ class ServiceState:
     device_ok: bool = False
 
     @classmethod
-    async def open(cls, settings: Settings, metrics: Metrics) -> ServiceState:
+    async def open(
+        cls,
+        settings: Settings,
+        metrics: Metrics,
+        translation_workers: TranslationWorkers | None = None,
+    ) -> ServiceState:
         """Create the parts, check the device (or connect to the Dask scheduler), start the
-        scheduler and job workers."""
+        scheduler and job workers; ``translation_workers`` help read large patchsets."""
         device = resolve_device(settings)
         dtype = DTYPES[settings.dtype]
         # models are built (pyhf parsing: slow, CPU-bound) apart from the device thread, so a
@@ -154,7 +160,9 @@ class ServiceState:
             release_memory=release,
             max_in_flight=max_in_flight,
         )
-        elements = ElementStore(max_elements=settings.element_cache_size)
+        elements = ElementStore(
+            max_elements=settings.element_cache_size, workers=translation_workers
+        )
         limits = FitLimits(
             max_parameters=settings.max_parameters,
             max_bins=settings.max_bins,

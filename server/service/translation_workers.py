@@ -1,0 +1,317 @@
+"""Worker processes that translate shares of a large patchset beside the build thread.
+
+Translating a patch is host-side Python (~1 ms a patch, the GIL held): the 218 published
+sbottom region B points cost ~0.2 s, which no device shortens. :class:`TranslationWorkers`
+are processes forked once at start-up, before the server starts any thread (they never use
+torch nor the device). Each keeps its own warm translators and, for a request with at least
+``min_patches`` new patches, translates a share of them while the build thread translates
+its own; a worker's elements come back pickled, in the element's own numbers.
+
+Whatever goes wrong with a worker (it died, did not answer within its bound, could not
+pickle an element) costs only time: its share is translated in the server process, and that
+worker is not used again (a fork later, with threads running, would not be safe).
+
+Example:
+    >>> import pyhf
+    >>> spec = pyhf.simplemodels.uncorrelated_background([5.0], [10.0], [2.5]).spec
+    >>> ws = {**spec, "observations": [{"name": "singlechannel", "data": [12.0]}],
+    ...       "measurements": [{"name": "m", "config": {"poi": "mu", "parameters": []}}],
+    ...       "version": "1.0.0"}
+    >>> background = Background(ws, "ws", "m", None)
+    >>> double = [{"op": "replace", "path": "/channels/0/samples/0/data", "value": [10.0]}]
+    >>> patches = [PatchSpec(f"p{i}", str(i), tuple(double)) for i in range(4)]
+    >>> workers = TranslationWorkers.fork(1, min_patches=2)
+    >>> store = ElementStore(workers=workers)
+    >>> [e.layout.samples[0].nominal.tolist() for e in store.elements(background, patches)]
+    [[10.0], [10.0], [10.0], [10.0]]
+    >>> workers.used, workers.close()
+    (1, None)
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing
+import pickle
+import signal
+import socket
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from .elements import Background, Element, ElementStore, PatchSpec
+
+log = logging.getLogger("pyhf_gpu_server.service")
+
+#: a request's new patches below this count are all translated in the server process
+MIN_PATCHES = 32
+#: the bound on a worker's answer: this, plus ``SECONDS_PER_PATCH`` for each patch it has
+BASE_TIMEOUT_S = 10.0
+SECONDS_PER_PATCH = 0.05
+#: the server's own share, relative to a worker's (the worker's trip both ways costs too)
+SERVER_SHARE_WEIGHT = 1.25
+#: the bound on handing a worker its share (an idle worker reads at once: milliseconds)
+SEND_TIMEOUT_S = 1.0
+KEPT_BACKGROUND_KEYS = 64  # backgrounds the server remembers having sent a worker
+_MISSING = b"missing background"
+
+
+@dataclass(eq=False)
+class _Worker:
+    """The server's end of one worker: its process and socket, and the backgrounds sent."""
+
+    process: Any
+    channel: socket.socket
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    backgrounds: set[tuple] = field(default_factory=set)
+    broken: bool = False
+
+    def send(
+        self,
+        background: Background,
+        patches: Sequence[PatchSpec],
+        with_spec: bool,
+        deadline: float,
+    ) -> None:
+        """Ask for the layouts of ``patches`` (the operations as JSON, the background's
+        workspace only with ``with_spec``); ``TimeoutError`` at ``deadline``."""
+        spec = (background.workspace, background.measurement, background.modifier_settings)
+        operations = orjson.dumps([p.operations for p in patches])
+        names = [p.name for p in patches]
+        message = (background.key, background.workspace_digest, spec if with_spec else None)
+        payload = pickle.dumps((*message, names, operations), protocol=5)
+        _send(self.channel, payload, min(deadline, time.monotonic() + SEND_TIMEOUT_S))
+        if len(self.backgrounds) >= KEPT_BACKGROUND_KEYS:  # sent again when next needed
+            self.backgrounds.clear()
+        self.backgrounds.add(background.key)
+
+    def receive(self, deadline: float) -> bytearray:
+        """The answer, once it came; ``TimeoutError`` at ``deadline`` (monotonic seconds)."""
+        return _receive(self.channel, deadline)
+
+    def stop(self, kill: bool = False) -> None:
+        """Close the socket (the worker exits on it) and end the process: at once with
+        ``kill`` (a worker given up on), else after a second at most."""
+        self.broken = True
+        self.channel.close()
+        if not kill:
+            self.process.join(timeout=1.0)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout=1.0)
+
+
+class TranslationWorkers:
+    """Forked translation workers; :meth:`elements` uses the idle ones."""
+
+    def __init__(self, workers: Sequence[_Worker], min_patches: int = MIN_PATCHES) -> None:
+        self._workers = list(workers)
+        self.min_patches = min_patches
+        self.used = 0  # requests that had a share translated by a worker
+
+    @classmethod
+    def fork(cls, count: int, min_patches: int = MIN_PATCHES) -> TranslationWorkers:
+        """Start ``count`` workers (none where ``fork`` is not available). Call it before the
+        process starts threads: a forked child has only the forking thread."""
+        if count <= 0 or "fork" not in multiprocessing.get_all_start_methods():
+            return cls([], min_patches)
+        context = multiprocessing.get_context("fork")
+        workers: list[_Worker] = []
+        for _ in range(count):
+            mine, theirs = socket.socketpair()
+            process = context.Process(
+                target=_serve,
+                args=(theirs, [mine, *(w.channel for w in workers)]),
+                name="pyhf-gpu-translate",
+                daemon=True,
+            )
+            process.start()
+            theirs.close()
+            workers.append(_Worker(process, mine))
+        return cls(workers, min_patches)
+
+    @property
+    def count(self) -> int:
+        """Workers still in use."""
+        return sum(not w.broken for w in self._workers)
+
+    @staticmethod
+    def describe(workers: TranslationWorkers | None) -> dict[str, int]:
+        """For ``GET /info``: the workers in use, and the requests they shared (none: 0, 0)."""
+        if workers is None:
+            return {"workers": 0, "shared_requests": 0}
+        return {"workers": workers.count, "shared_requests": workers.used}
+
+    def elements(
+        self,
+        background: Background,
+        patches: Sequence[PatchSpec],
+        translate: Callable[[PatchSpec], Element],
+    ) -> list[Element]:
+        """The element of each of ``patches`` (new ones): the idle workers each translate a
+        share, ``translate`` the first share and any share a worker did not answer."""
+        workers = []
+        if len(patches) >= self.min_patches:
+            workers = [w for w in self._workers if not w.broken and w.lock.acquire(blocking=False)]
+        try:
+            shares = _split(patches, len(workers) + 1)
+            start = time.monotonic()
+            asked = [
+                (w, share, start + BASE_TIMEOUT_S + SECONDS_PER_PATCH * len(share))
+                for w, share in zip(workers, shares[1:], strict=True)
+            ]
+            for worker, share, deadline in asked:
+                self._send(worker, background, share, deadline)
+            found = [translate(patch) for patch in shares[0]]
+            for worker, share, deadline in asked:
+                found += self._receive(worker, background, share, deadline) or [
+                    translate(patch) for patch in share
+                ]
+        finally:
+            for worker in workers:
+                worker.lock.release()
+        self.used += bool(workers)
+        return found
+
+    def close(self) -> None:
+        """Stop every worker."""
+        for worker in self._workers:
+            if worker.channel.fileno() != -1:
+                worker.stop()
+
+    def _send(
+        self, worker: _Worker, background: Background, share: Sequence[PatchSpec], deadline: float
+    ) -> None:
+        try:
+            worker.send(background, share, background.key not in worker.backgrounds, deadline)
+        except (OSError, ValueError, pickle.PicklingError) as exc:  # TimeoutError included
+            self._give_up(worker, f"could not send it work: {type(exc).__name__}: {exc}")
+
+    def _receive(
+        self,
+        worker: _Worker,
+        background: Background,
+        share: Sequence[PatchSpec],
+        deadline: float,
+    ) -> list[Element] | None:
+        """The elements of ``share`` from ``worker`` (None: translate them here)."""
+        if worker.broken:
+            return None
+        try:
+            answer = worker.receive(deadline)
+            if answer == _MISSING:  # it let the background go: once more, with it
+                worker.send(background, share, True, deadline)
+                answer = worker.receive(deadline)
+            outcomes = pickle.loads(answer)
+        except (OSError, EOFError, TimeoutError, pickle.UnpicklingError) as exc:
+            self._give_up(worker, f"no answer: {type(exc).__name__}: {exc}")
+            return None
+        if not isinstance(outcomes, list):  # the worker could not translate or pickle them
+            log.warning("a translation worker failed on a share: %s", outcomes)
+            return None
+        return [
+            Element(patch, layout, error)
+            for patch, (layout, error) in zip(share, outcomes, strict=True)
+        ]
+
+    def _give_up(self, worker: _Worker, why: str) -> None:
+        log.warning("a translation worker is not used any more (%s)", why)
+        worker.stop(kill=True)
+
+
+def _split(patches: Sequence[PatchSpec], parts: int) -> list[list[PatchSpec]]:
+    """``patches`` in ``parts`` consecutive shares, the first (the server's own) larger by
+    :data:`SERVER_SHARE_WEIGHT`: a worker's share also costs its trip both ways.
+
+    >>> [len(share) for share in _split(list(range(10)), 3)]
+    [4, 3, 3]
+    """
+    weights = [SERVER_SHARE_WEIGHT] + [1.0] * (parts - 1)
+    bounds = [round(len(patches) * sum(weights[:i]) / sum(weights)) for i in range(parts + 1)]
+    return [list(patches[a:b]) for a, b in itertools.pairwise(bounds)]
+
+
+def _serve(channel: socket.socket, servers_ends: Sequence[socket.socket]) -> None:
+    """A worker: translate the shares it is sent until its socket closes. The server's ends,
+    inherited, are closed here: the server's exit ends the worker."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C: the server stops us
+    for other in servers_ends:
+        other.close()
+    store = ElementStore()
+    backgrounds: OrderedDict[tuple, Background] = OrderedDict()
+    while True:
+        try:
+            message = _receive(channel, None)
+        except (EOFError, OSError):
+            return
+        key, digest, spec, names, operations = pickle.loads(message)
+        if spec is not None:
+            backgrounds[key] = Background(spec[0], digest, spec[1], spec[2])
+            while len(backgrounds) > store.max_backgrounds:
+                backgrounds.popitem(last=False)
+        background = backgrounds.get(key)
+        if background is None:
+            answer = _MISSING
+        else:
+            backgrounds.move_to_end(key)
+            answer = _translated(store, background, names, operations)
+        try:
+            _send(channel, answer, None)
+        except OSError:  # the server stopped waiting for us (and closed its end)
+            return
+
+
+def _translated(store: ElementStore, background: Background, names: list, operations: bytes):
+    """The pickled ``(layout, error)`` of each patch, or of a message why there are none."""
+    try:
+        patches = [
+            PatchSpec(name, "", tuple(ops))
+            for name, ops in zip(names, orjson.loads(operations), strict=True)
+        ]
+        elements = [store.translate(background, patch) for patch in patches]
+        return pickle.dumps([(e.layout, e.error) for e in elements], protocol=5)
+    except Exception as exc:  # reported: the server translates the share itself
+        return pickle.dumps(f"{type(exc).__name__}: {exc}")
+
+
+def _send(channel: socket.socket, payload: bytes, deadline: float | None) -> None:
+    """``payload`` after its length (8 bytes); ``TimeoutError`` at ``deadline`` (None: none)."""
+    _bound(channel, deadline)
+    channel.sendall(len(payload).to_bytes(8, "little"))
+    _bound(channel, deadline)
+    channel.sendall(payload)
+
+
+def _receive(channel: socket.socket, deadline: float | None) -> bytearray:
+    """One message of :func:`_send`; ``EOFError`` when the other end closed."""
+    size = int.from_bytes(_exactly(channel, 8, deadline), "little")
+    return _exactly(channel, size, deadline)
+
+
+def _exactly(channel: socket.socket, size: int, deadline: float | None) -> bytearray:
+    buffer = bytearray(size)
+    view, got = memoryview(buffer), 0
+    while got < size:
+        _bound(channel, deadline)
+        count = channel.recv_into(view[got:])
+        if not count:
+            raise EOFError("the other end closed")
+        got += count
+    return buffer
+
+
+def _bound(channel: socket.socket, deadline: float | None) -> None:
+    """The socket's timeout: what is left until ``deadline`` (None: blocking)."""
+    if deadline is None:
+        channel.settimeout(None)
+        return
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("no answer in time")
+    channel.settimeout(left)
