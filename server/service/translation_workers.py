@@ -212,8 +212,9 @@ class TranslationWorkers:
         except (OSError, EOFError, TimeoutError, pickle.UnpicklingError) as exc:
             self._give_up(worker, f"no answer: {type(exc).__name__}: {exc}")
             return None
-        if not isinstance(outcomes, list):  # the worker could not translate or pickle them
-            log.warning("a translation worker failed on a share: %s", outcomes)
+        if not isinstance(outcomes, list) or len(outcomes) != len(share):
+            # the worker could not translate or pickle them (its message says why)
+            log.warning("a translation worker failed on a share: %.200s", outcomes)
             return None
         return [
             Element(patch, layout, error)
