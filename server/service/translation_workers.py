@@ -190,7 +190,7 @@ class TranslationWorkers:
     ) -> None:
         try:
             worker.send(background, share, background.key not in worker.backgrounds, deadline)
-        except (OSError, ValueError, pickle.PicklingError) as exc:  # TimeoutError included
+        except (OSError, TypeError, ValueError, pickle.PicklingError) as exc:  # timeouts too
             self._give_up(worker, f"could not send it work: {type(exc).__name__}: {exc}")
 
     def _receive(
