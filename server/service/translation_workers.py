@@ -86,14 +86,14 @@ class _Worker:
         names = [p.name for p in patches]
         message = (background.key, background.workspace_digest, spec if with_spec else None)
         payload = pickle.dumps((*message, names, operations), protocol=5)
-        _send(self.channel, payload, min(deadline, time.monotonic() + SEND_TIMEOUT_S))
+        _send_message(self.channel, payload, min(deadline, time.monotonic() + SEND_TIMEOUT_S))
         if len(self.backgrounds) >= KEPT_BACKGROUND_KEYS:  # sent again when next needed
             self.backgrounds.clear()
         self.backgrounds.add(background.key)
 
     def receive(self, deadline: float) -> bytearray:
         """The answer, once it came; ``TimeoutError`` at ``deadline`` (monotonic seconds)."""
-        return _receive(self.channel, deadline)
+        return _receive_message(self.channel, deadline)
 
     def stop(self, kill: bool = False) -> None:
         """Close the socket (the worker exits on it) and end the process: at once with
@@ -248,7 +248,7 @@ def _serve(channel: socket.socket, servers_ends: Sequence[socket.socket]) -> Non
     backgrounds: OrderedDict[tuple, Background] = OrderedDict()
     while True:
         try:
-            message = _receive(channel, None)
+            message = _receive_message(channel, None)
         except (EOFError, OSError):
             return
         key, digest, spec, names, operations = pickle.loads(message)
@@ -263,7 +263,7 @@ def _serve(channel: socket.socket, servers_ends: Sequence[socket.socket]) -> Non
             backgrounds.move_to_end(key)
             answer = _translated(store, background, names, operations)
         try:
-            _send(channel, answer, None)
+            _send_message(channel, answer, None)
         except OSError:  # the server stopped waiting for us (and closed its end)
             return
 
@@ -281,7 +281,7 @@ def _translated(store: ElementStore, background: Background, names: list, operat
         return pickle.dumps(f"{type(exc).__name__}: {exc}")
 
 
-def _send(channel: socket.socket, payload: bytes, deadline: float | None) -> None:
+def _send_message(channel: socket.socket, payload: bytes, deadline: float | None) -> None:
     """``payload`` after its length (8 bytes); ``TimeoutError`` at ``deadline`` (None: none)."""
     _bound(channel, deadline)
     channel.sendall(len(payload).to_bytes(8, "little"))
@@ -289,8 +289,8 @@ def _send(channel: socket.socket, payload: bytes, deadline: float | None) -> Non
     channel.sendall(payload)
 
 
-def _receive(channel: socket.socket, deadline: float | None) -> bytearray:
-    """One message of :func:`_send`; ``EOFError`` when the other end closed."""
+def _receive_message(channel: socket.socket, deadline: float | None) -> bytearray:
+    """One message of :func:`_send_message`; ``EOFError`` when the other end closed."""
     size = int.from_bytes(_exactly(channel, 8, deadline), "little")
     return _exactly(channel, size, deadline)
 
