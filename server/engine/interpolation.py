@@ -118,6 +118,25 @@ def histosys_basis_derivative(code: str, alpha: torch.Tensor) -> torch.Tensor:
     )
 
 
+def histosys_basis_and_derivative(
+    code: str, alpha: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`histosys_basis` and :func:`histosys_basis_derivative` at once; for code4p
+    (pyhf's default) sharing their masks and powers: a third of their operations."""
+    if code != "code4p":
+        return histosys_basis(code, alpha), histosys_basis_derivative(code, alpha)
+    above = alpha > 1
+    below = alpha < -1
+    inside = torch.logical_not(above | below)
+    regions = torch.stack([inside, inside, above, below], 1).to(alpha.dtype)
+    inner = alpha.clamp(-1.0, 1.0)  # equals alpha where it counts
+    a2 = inner * inner
+    ones = torch.ones_like(alpha)
+    basis = torch.stack([inner, a2 * (a2 * (a2 * 3.0 - 10.0) + 15.0), alpha, alpha], 1)
+    slope = torch.stack([ones, inner * (a2 * (a2 * 18.0 - 40.0) + 30.0), ones, ones], 1)
+    return basis * regions, slope * regions
+
+
 def histosys_basis_second_derivative(code: str, alpha: torch.Tensor) -> torch.Tensor:
     """``d2 basis / d alpha2`` ``[B, K, J]`` (0 at the kinks and jumps of code0 and code2)."""
     zero = torch.zeros_like(alpha)
@@ -199,16 +218,32 @@ def normsys_coefficients(code: str, lo, hi) -> np.ndarray:
     return np.concatenate([log_hi[None], log_lo[None], poly])
 
 
+def normsys_kernel_coefficients(coefficients: np.ndarray) -> np.ndarray:
+    """The kernel's normsys coefficients ``[19, ...]`` from :func:`normsys_coefficients`'
+    ``[8, ...]``: those rows, then the polynomial's derivative ``i c_i`` (i = 1..6) and second
+    derivative ``i (i - 1) c_i`` (i = 2..6), computed once so that each evaluation is a chain
+    of fused multiply-adds over rows of one :meth:`torch.Tensor.unbind`.
+
+    >>> normsys_kernel_coefficients(normsys_coefficients("code4", lo=[0.9], hi=[1.2])).shape
+    (19, 1)
+    """
+    coefficients = np.asarray(coefficients)
+    poly = coefficients[2:8]
+    degree = np.arange(1, 7, dtype=np.float64).reshape(-1, *([1] * (poly.ndim - 1)))
+    return np.concatenate([coefficients, degree * poly, (degree * (degree - 1) * poly)[1:]])
+
+
 def normsys_log_factor(
     code: str, alpha: torch.Tensor, coefficients: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``log |factor|`` and ``factor < 0`` (as 0/1) at ``alpha [B, T]``, coefficients ``[8, T]``.
+    """``log |factor|`` and ``factor < 0`` (as 0/1) at ``alpha [B, T]``, coefficients ``[19,
+    T]`` (:func:`normsys_kernel_coefficients`).
 
     Extreme variations (``lo = 0.01, hi = 40`` occur in published workspaces) can drive the
     code4 polynomial below zero; pyhf multiplies such factors as they are, so the sign is
     carried separately to multiply exactly as pyhf does.
     """
-    log_abs, negative, _ = _normsys(code, alpha, coefficients, with_slope=False)
+    log_abs, negative, _ = _normsys(code, alpha, coefficients.unbind(0), with_slope=False)
     return log_abs, negative
 
 
@@ -216,15 +251,15 @@ def normsys_log_factor_and_slope(
     code: str, alpha: torch.Tensor, coefficients: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`normsys_log_factor` and ``d log|factor| / d alpha``, sharing the polynomial."""
-    return _normsys(code, alpha, coefficients, with_slope=True)
+    return _normsys(code, alpha, coefficients.unbind(0), with_slope=True)
 
 
 def _normsys(
-    code: str, alpha: torch.Tensor, coefficients: torch.Tensor, with_slope: bool
+    code: str, alpha: torch.Tensor, rows: tuple[torch.Tensor, ...], with_slope: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     # Written with clamps and fused multiply-adds rather than masks and torch.where: on the
     # CPU a where over [B, T] costs as much as six multiply-adds.
-    log_hi, minus_log_lo = coefficients.select(0, 0), coefficients.select(0, 1).neg()
+    log_hi, minus_log_lo = rows[0], rows[1].neg()
     if code == "code1":  # alpha log(hi) above 0, -alpha log(lo) below
         log_abs = torch.addcmul(alpha.clamp(min=0.0) * log_hi, alpha.clamp(max=0.0), minus_log_lo)
         slope = torch.where(alpha > 0, log_hi, minus_log_lo) if with_slope else None
@@ -234,7 +269,7 @@ def _normsys(
     # at +-1 it equals hi or lo (> 0, so only the inside can be negative); beyond, the
     # exponential continues log|factor| linearly: log(hi) + (alpha - 1) log(hi) = alpha log(hi).
     inner_alpha = alpha.clamp(-1.0, 1.0)
-    inner = _code4_factor(inner_alpha, coefficients)
+    inner = _horner(rows[2:8], inner_alpha).mul_(inner_alpha).add_(1.0)
     beyond = alpha - inner_alpha  # > 0 above 1, < 0 below -1, else 0
     log_abs = torch.addcmul(inner.abs().log_(), beyond.clamp(min=0.0), log_hi)
     log_abs = log_abs.addcmul_(beyond.clamp(max=0.0), minus_log_lo)
@@ -244,7 +279,7 @@ def _normsys(
         # the polynomial matches the exponential's value and slope at +-1, so its log-slope
         # at the clamped alpha is also the slope beyond: log(hi) above 1, -log(lo) below -1
         # (to the precision of the polynomial's coefficients, ~1e-11 for lo = 0.01, hi = 40)
-        slope = _code4_factor_derivative(inner_alpha, coefficients).div_(inner)
+        slope = _horner(rows[8:14], inner_alpha).div_(inner)
     return log_abs, negative, slope
 
 
@@ -255,40 +290,18 @@ def normsys_log_curvature(
     code4 beyond ``|alpha| = 1``), ``f''/f - (f'/f)^2`` on the code4 polynomial."""
     if code == "code1":
         return torch.zeros_like(alpha)
+    rows = coefficients.unbind(0)
     inner_alpha = alpha.clamp(-1.0, 1.0)
-    factor = _code4_factor(inner_alpha, coefficients)
-    slope = _code4_factor_derivative(inner_alpha, coefficients) / factor
-    curvature = _code4_factor_second_derivative(inner_alpha, coefficients) / factor - slope**2
+    factor = _horner(rows[2:8], inner_alpha).mul_(inner_alpha).add_(1.0)
+    slope = _horner(rows[8:14], inner_alpha) / factor
+    curvature = _horner(rows[14:19], inner_alpha) / factor - slope**2
     return torch.where(alpha == inner_alpha, curvature, torch.zeros_like(alpha))
 
 
-def _code4_factor(alpha: torch.Tensor, coefficients: torch.Tensor) -> torch.Tensor:
-    """``1 + sum_i c_i alpha^i`` for i = 1..6 (Horner, one fused multiply-add per degree);
-    coefficients rows 2..7 are ``c_1 .. c_6``."""
-    poly = torch.addcmul(coefficients.select(0, 6), coefficients.select(0, 7), alpha)
-    for row in range(5, 1, -1):
-        poly = torch.addcmul(coefficients.select(0, row), poly, alpha)
-    return poly.mul_(alpha).add_(1.0)
-
-
-def _code4_factor_derivative(alpha: torch.Tensor, coefficients: torch.Tensor) -> torch.Tensor:
-    """``sum_i i c_i alpha^(i-1)`` for i = 1..6 (Horner)."""
-    derivative = torch.addcmul(
-        5.0 * coefficients.select(0, 6), 6.0 * coefficients.select(0, 7), alpha
-    )
-    for row in range(5, 1, -1):
-        derivative = torch.addcmul((row - 1) * coefficients.select(0, row), derivative, alpha)
-    return derivative
-
-
-def _code4_factor_second_derivative(
-    alpha: torch.Tensor, coefficients: torch.Tensor
-) -> torch.Tensor:
-    """``sum_i i (i - 1) c_i alpha^(i-2)`` for i = 2..6 (Horner)."""
-    second = torch.addcmul(
-        20.0 * coefficients.select(0, 6), 30.0 * coefficients.select(0, 7), alpha
-    )
-    for row in range(5, 2, -1):
-        degree = row - 1
-        second = torch.addcmul(degree * (degree - 1) * coefficients.select(0, row), second, alpha)
-    return second
+def _horner(rows: tuple[torch.Tensor, ...], alpha: torch.Tensor) -> torch.Tensor:
+    """``rows[0] + rows[1] alpha + ... + rows[-1] alpha^(n - 1)``: one fused multiply-add per
+    degree."""
+    poly = torch.addcmul(rows[-2], rows[-1], alpha)
+    for row in reversed(rows[:-2]):
+        poly = torch.addcmul(row, poly, alpha)
+    return poly

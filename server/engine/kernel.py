@@ -16,7 +16,7 @@ import torch
 
 from .interpolation import (
     histosys_basis,
-    histosys_basis_derivative,
+    histosys_basis_and_derivative,
     histosys_basis_second_derivative,
     normsys_log_curvature,
     normsys_log_factor,
@@ -40,14 +40,14 @@ class MainTensors(NamedTuple):
     histosys_coefficients: torch.Tensor  # [K * J_h, Q]
     normsys_param: torch.Tensor  # [T] parameter index of each normsys entry
     normsys_column: torch.Tensor  # [T] column of each normsys entry
-    normsys_coefficients: torch.Tensor  # [8, T]
+    normsys_coefficients: torch.Tensor  # [19, T] (normsys_kernel_coefficients)
     multiplier_params: torch.Tensor  # [M, Q] parameter indices
     own_nominal: torch.Tensor  # [E, Q_s]
     own_histosys_params: torch.Tensor  # [J_s]
     own_histosys_coefficients: torch.Tensor  # [E, K * J_s, Q_s]
     own_normsys_param: torch.Tensor  # [E, T_s]
     own_normsys_column: torch.Tensor  # [E, T_s]
-    own_normsys_coefficients: torch.Tensor  # [8, E, T_s]
+    own_normsys_coefficients: torch.Tensor  # [19, E, T_s]
     own_multiplier_params: torch.Tensor  # [E, M_s, Q_s]
 
 
@@ -71,7 +71,7 @@ class _Block(NamedTuple):
     histosys_coefficients: torch.Tensor  # [K * J, Q] or [B, K * J, Q]
     normsys_param: torch.Tensor  # [T] or [B, T]
     normsys_column: torch.Tensor  # [T] or [B, T]
-    normsys_coefficients: torch.Tensor  # [8, T] or [8, B, T]
+    normsys_coefficients: torch.Tensor  # [19, T] or [19, B, T]
     multiplier_params: torch.Tensor  # [M, Q] or [B, M, Q]
     weight: torch.Tensor | None  # [B, Q] element weights of the columns (None: all 1)
 
@@ -80,7 +80,9 @@ class _RateFactors(NamedTuple):
     base: torch.Tensor  # [B, Q] nominal + histosys shift
     normsys: torch.Tensor  # [B, Q] product of normsys factors
     multipliers: torch.Tensor  # [B, Q] product of plain multipliers
+    multiplier_values: torch.Tensor | None  # [B, M, Q] the multipliers themselves
     normsys_slope: torch.Tensor | None = None  # [B, T] d log|factor| / d alpha per entry
+    histosys_slope: torch.Tensor | None = None  # [B, K, J] d basis / d alpha
 
 
 def _blocks(element: torch.Tensor, main: MainTensors) -> tuple[_Block, _Block]:
@@ -119,14 +121,18 @@ def _rate_factors(
     normsys_code: str,
     with_slopes: bool = False,
 ) -> _RateFactors:
-    """The factors of every column's rate."""
+    """The factors of every column's rate (``with_slopes``: and the interpolations' slopes)."""
     base = block.nominal
     normsys = torch.ones_like(base)
     multipliers = torch.ones_like(base)
-    slope = None
+    values = slope = histosys_slope = None
     if block.histosys_params.shape[0]:
         alpha = pars.index_select(1, block.histosys_params)
-        basis = histosys_basis(histosys_code, alpha).reshape(pars.shape[0], 1, -1)
+        if with_slopes:
+            basis, histosys_slope = histosys_basis_and_derivative(histosys_code, alpha)
+        else:
+            basis = histosys_basis(histosys_code, alpha)
+        basis = basis.reshape(pars.shape[0], 1, -1)
         base = base + (basis @ block.histosys_coefficients).squeeze(1)
     if block.normsys_column.shape[-1]:
         alpha = _take(pars, block.normsys_param)
@@ -140,8 +146,9 @@ def _rate_factors(
         total_negative = _add_at(torch.zeros_like(base), block.normsys_column, negative)
         normsys = (1.0 - 2.0 * torch.remainder(total_negative, 2.0)) * torch.exp(total_log)
     if block.multiplier_params.shape[-2]:
-        multipliers = _multiplier_factors(pars, block).prod(dim=1)
-    return _RateFactors(base, normsys, multipliers, slope)
+        values = _multiplier_factors(pars, block)
+        multipliers = values.prod(dim=1)
+    return _RateFactors(base, normsys, multipliers, values, slope, histosys_slope)
 
 
 def _take(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -237,11 +244,8 @@ def expected_main_jacobian(
         weight = block.weight if block.weight is not None else torch.ones_like(rates)
         column_bin = main.bins.repeat(n_columns // n_main)  # [Q]
         if block.histosys_params.shape[0]:
-            slope = histosys_basis_derivative(
-                histosys_code, pars.index_select(1, block.histosys_params)
-            )  # [B, K, J]
             scale = factors.normsys * factors.multipliers * weight
-            per_bin = _histosys_per_bin(block, scale, slope, n_main)  # [B, N, J]
+            per_bin = _histosys_per_bin(block, scale, factors.histosys_slope, n_main)  # [B, N, J]
             target = (main.bins.unsqueeze(1) * width + block.histosys_params.unsqueeze(0)).flatten()
             jacobian = jacobian.index_add(1, target, per_bin.reshape(rows, -1))
         if block.normsys_column.shape[-1]:
@@ -255,8 +259,7 @@ def expected_main_jacobian(
             )
             jacobian = _add_at(jacobian, target, factors.normsys_slope * weighted)
         if block.multiplier_params.shape[-2]:
-            values = _multiplier_factors(pars, block)  # [B, M, Q]
-            others = _others(values)
+            others = _others(factors.multiplier_values)
             scale = (factors.base * factors.normsys * weight).unsqueeze(1)
             target = column_bin * width + block.multiplier_params  # [M, Q] or [B, M, Q]
             jacobian = _add_at(jacobian, target.flatten(-2), (others * scale).reshape(rows, -1))
@@ -311,7 +314,7 @@ def main_rates_curvature(
         factor_slope = factor.unsqueeze(-1) * slope  # f s, then df
         weighted_base = weight * factors.base  # w b
         if block.multiplier_params.shape[-2]:
-            values = _multiplier_factors(pars, block)  # [B, M, Q]
+            values = factors.multiplier_values  # [B, M, Q]
             columns = torch.arange(n_columns, device=pars.device)
             params = block.multiplier_params  # [M, Q] or [B, M, Q]
             others = (factors.normsys.unsqueeze(1) * _others(values)).reshape(rows, -1)
@@ -350,9 +353,7 @@ def main_rates_curvature(
             base_slope = pars.new_zeros(rows, n_columns, width).index_add(
                 2,
                 block.histosys_params,
-                torch.einsum(
-                    pattern, histosys_basis_derivative(histosys_code, alpha), coefficients
-                ),
+                torch.einsum(pattern, factors.histosys_slope, coefficients),
             )  # v
             base_second = torch.einsum(
                 pattern, histosys_basis_second_derivative(histosys_code, alpha), coefficients
@@ -461,7 +462,7 @@ def _present(
 ) -> torch.Tensor:
     """Per row ``[B]``: the sum of the constraint terms ``[B, A]`` its element has."""
     present = constraint.present.index_select(0, element)
-    return torch.where(present, terms, torch.zeros_like(terms)).sum(dim=1)
+    return torch.where(present, terms, 0.0).sum(dim=1)
 
 
 def _constraint_terms(

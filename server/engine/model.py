@@ -36,6 +36,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from . import schema
 from .errors import IncompatibleModelsError
+from .interpolation import normsys_kernel_coefficients
 from .kernel import (
     ConstraintTensors,
     MainTensors,
@@ -197,14 +198,18 @@ class HistFactoryModel:
             histosys_coefficients=self._tensor(common.histosys[0]),
             normsys_param=self._tensor(common.normsys_param[0], long),
             normsys_column=self._tensor(common.normsys_column[0], long),
-            normsys_coefficients=self._tensor(common.normsys_coefficients[:, 0]),
+            normsys_coefficients=self._tensor(
+                normsys_kernel_coefficients(common.normsys_coefficients[:, 0])
+            ),
             multiplier_params=self._tensor(common.multiplier_params[0], long),
             own_nominal=self._tensor(own.nominal),
             own_histosys_params=self._tensor(own.histosys_params, long),
             own_histosys_coefficients=self._tensor(own.histosys),
             own_normsys_param=self._tensor(own.normsys_param, long),
             own_normsys_column=self._tensor(own.normsys_column, long),
-            own_normsys_coefficients=self._tensor(own.normsys_coefficients),
+            own_normsys_coefficients=self._tensor(
+                normsys_kernel_coefficients(own.normsys_coefficients)
+            ),
             own_multiplier_params=self._tensor(own.multiplier_params, long),
         )
         self.constraint = ConstraintTensors(

@@ -84,18 +84,18 @@ def _secant_pair(
     J_old)^T r_new``, what ``S`` should explain (``S_new step = y_sharp``). Rows not
     ``valid`` (not accepted, or ``y.step`` not positive) keep their ``S``: ``tau = 1, a = 0``.
     """
-    sSs = (step * Ss).sum(-1)
-    sy_sharp = (step * y_sharp).sum(-1)
+    sSs = torch.linalg.vecdot(step, Ss)
+    sy_sharp = torch.linalg.vecdot(step, y_sharp)
     tau = torch.where(
         sSs.abs() > 0, (sy_sharp.abs() / sSs.abs()).clamp(max=1.0), torch.ones_like(sSs)
     )
     v = y_sharp - Ss * tau.unsqueeze(-1)
-    ys = (y * step).sum(-1)
+    ys = torch.linalg.vecdot(y, step)
     valid = accept & (ys > 1e-12 * y.norm(dim=-1) * step.norm(dim=-1))
-    ys = torch.where(valid, ys, torch.ones_like(ys))
-    a = v / ys.unsqueeze(-1) - 0.5 * ((step * v).sum(-1) / ys**2).unsqueeze(-1) * y
-    a = torch.where(valid.unsqueeze(-1), a, torch.zeros_like(a))
-    return torch.where(valid, tau, torch.ones_like(tau)), a, valid
+    ys = torch.where(valid, ys, 1.0)
+    a = v / ys.unsqueeze(-1) - 0.5 * (torch.linalg.vecdot(step, v) / ys**2).unsqueeze(-1) * y
+    a = torch.where(valid.unsqueeze(-1), a, 0.0)
+    return torch.where(valid, tau, 1.0), a, valid
 
 
 def _masked_scale(diag: Tensor, m: Tensor) -> Tensor:
@@ -133,7 +133,7 @@ class DenseCurvature:
         rhs = torch.nan_to_num(-g * m).unsqueeze(-1).expand(lams.shape[0], -1, -1, 1)
         p = torch.cholesky_solve(rhs, L).squeeze(-1)
         ok = (info == 0) & finite & torch.isfinite(p.sum(-1))
-        return torch.where(ok.unsqueeze(-1), p * m, torch.zeros_like(p)), ok
+        return torch.where(ok.unsqueeze(-1), p * m, 0.0), ok
 
     def gauss_newton(self) -> Tensor:
         """The objective's own curvature ``H [R, P, P]``, without the secant term."""
@@ -194,7 +194,7 @@ class LowRankCurvature:
         (``a y^T + y a^T = (b a)(y / b)^T + ...``) so that neither column cancels."""
         a, y = self.pairs_a, self.pairs_y
         a_norm, y_norm = a.norm(dim=-1, keepdim=True), y.norm(dim=-1, keepdim=True)
-        ratio = torch.where(a_norm > 0, y_norm / a_norm.clamp(min=1e-300), torch.ones_like(a_norm))
+        ratio = torch.where(a_norm > 0, y_norm / a_norm.clamp(min=1e-300), 1.0)
         beta = ratio.sqrt()
         a, y = a * beta, y / beta
         weight = (0.5 * self.c).sqrt().unsqueeze(-1)
@@ -296,10 +296,10 @@ class LowRankCurvature:
         else:
             t = -torch.cholesky_solve(h_u, L_u)
         W = Wb.narrow(1, 0, n_u + n_v)
-        p = torch.stack([(tk.mT @ W).squeeze(-2) for tk in t.unbind(0)])
+        p = (t.squeeze(-1).transpose(0, 1) @ W).transpose(0, 1)  # [K, R, P], W not copied K times
         p = (b + p) * E_inv * m
         ok = ok & torch.isfinite(gram.sum((-2, -1)) + p.sum(-1))
-        return torch.where(ok.unsqueeze(-1), p, torch.zeros_like(p)), ok
+        return torch.where(ok.unsqueeze(-1), p, 0.0), ok
 
     def adopt(self, new: Derivatives, accept: Tensor, step: Tensor, y: Tensor) -> None:
         """As :meth:`DenseCurvature.adopt`; the newest secant pair replaces the oldest."""

@@ -291,7 +291,7 @@ def _iterate(
     # the decrement of a trusted step (positive definite, damping at most 1e-3): pure
     # Newton's, or where the curvature is singular the step at the row's own damping
     trusted = ok & (lams <= 1e-3)
-    decrements = torch.where(trusted, -(s.g * steps).sum(-1), torch.full_like(lams, torch.inf))
+    decrements = torch.where(trusted, -(s.g * steps).sum(-1), torch.inf)
     newton_trusted = trusted.select(0, 0)
     own = decrements.select(0, options.own_damping_candidate())
     s.decrement = torch.where(newton_trusted, decrements.select(0, 0), own)
@@ -313,7 +313,7 @@ def _iterate(
         x_new = torch.minimum(torch.maximum(s.x + steps.select(0, -1), lo), hi)
         d = _as_derivatives(objective.derivatives(x_new, s.rows))
         trial_ok = ok.select(0, -1) & torch.isfinite(d.f)
-        f_new = torch.where(trial_ok, d.f, torch.full_like(d.f, torch.inf))
+        f_new = torch.where(trial_ok, d.f, torch.inf)
     else:
         x_new, f_new = _best_trial(objective, s, steps, ok, alphas, lo, hi, unit)
     accept = moving & (f_new < s.f)

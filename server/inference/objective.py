@@ -142,7 +142,7 @@ class TwiceNLL:
         aux = data.narrow(1, model.n_main, model.n_aux)
         rates, J = model.expected_main_jacobian(x, element)
         # n / lambda with 0 / 0 = 0 (an empty bin with zero rate), as pyhf's xlogy
-        ratio = torch.where(observed_main > 0, observed_main / rates, torch.zeros_like(rates))
+        ratio = torch.where(observed_main > 0, observed_main / rates, 0.0)
         residual = 2.0 * (1.0 - ratio)  # d(-2 log L)/d lambda
         g = torch.einsum("rn,rnp->rp", residual, J)
         cg, ch = self._constraint_derivatives(x, aux, element)
@@ -173,12 +173,11 @@ class TwiceNLL:
         theta = x.index_select(1, constraint.param)
         sigma = constraint.sigma.index_select(0, element)
         scale = constraint.scale.index_select(0, element)
-        normal_g = 2.0 * (theta - aux) / sigma**2
         normal_h = 2.0 / sigma**2
+        normal_g = (theta - aux) * normal_h
         poisson_g = 2.0 * (scale - aux / theta)
         poisson_h = 2.0 * aux / theta**2
         present = constraint.present.index_select(0, element)
-        zero = torch.zeros_like(theta)
-        g = torch.where(present, torch.where(constraint.is_poisson, poisson_g, normal_g), zero)
+        g = torch.where(present, torch.where(constraint.is_poisson, poisson_g, normal_g), 0.0)
         h = torch.where(constraint.is_poisson, poisson_h, normal_h.expand_as(theta))
-        return g, torch.where(present, h, zero)
+        return g, torch.where(present, h, 0.0)
