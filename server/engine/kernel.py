@@ -375,6 +375,8 @@ def main_rates_curvature(
 def _others(values: torch.Tensor) -> torch.Tensor:
     """``[B, M, Q]``: for each multiplier of a column, the product of the column's others
     (no division: a multiplier may be 0)."""
+    if values.shape[1] <= 2:  # the other one, or none (times 1)
+        return values.flip(1) if values.shape[1] == 2 else torch.ones_like(values)
     ones = torch.ones_like(values.narrow(1, 0, 1))
     before = torch.cumprod(torch.cat([ones, values], dim=1), dim=1).narrow(1, 0, values.shape[1])
     after = torch.cumprod(torch.cat([ones, values.flip(1)], dim=1), dim=1)
