@@ -12,7 +12,8 @@ Python::
 
 from __future__ import annotations
 
-from ._client import AsyncClient, Client
+from typing import TYPE_CHECKING, Any
+
 from .exceptions import (
     AuthenticationError,
     BadRequestError,
@@ -50,10 +51,19 @@ from .results import (
 )
 from .workspace import WorkspaceId, digest, load_json
 
+if TYPE_CHECKING:
+    from ._client import AsyncClient, Client
 
-def __getattr__(name: str) -> str:
-    """``__version__``, read from the installed metadata when asked (``importlib.metadata``
-    costs ~20 ms of every command's start-up otherwise)."""
+
+def __getattr__(name: str) -> Any:
+    """``Client`` and ``AsyncClient``, imported with httpx when first asked for (the command
+    line speaks ``http.client`` and never imports httpx, ~45 ms of its start-up), and
+    ``__version__``, read from the installed metadata when asked (``importlib.metadata``
+    costs ~20 ms otherwise)."""
+    if name in ("Client", "AsyncClient"):
+        from . import _client
+
+        return getattr(_client, name)
     if name != "__version__":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     from importlib.metadata import PackageNotFoundError, version

@@ -26,7 +26,8 @@ from typing import IO, Any
 
 import click
 
-from ._client import Client
+from ._base import ClientBase
+from ._stdlib import StdlibClient
 from .exceptions import (
     JobError,
     PyhfGpuError,
@@ -41,6 +42,7 @@ from .protocol import (
     ENV_TOKEN,
     MAX_SEED,
     PLOT_KINDS,
+    ClientConfig,
     default_plot_kind,
     plot_format,
     plot_kinds_for,
@@ -138,15 +140,22 @@ def connection_options(f: Callable[..., Any]) -> Callable[..., Any]:
     return f
 
 
-def _client(ctx: click.Context) -> Client:
-    """A :class:`Client` from the connection options (environment variables fill the rest)."""
+def _client(ctx: click.Context) -> ClientBase:
+    """A client from the connection options (environment variables fill the rest): over
+    ``http.client`` for a plain ``http://`` server (:class:`~._stdlib.StdlibClient`: no httpx
+    to import), else httpx's :class:`~pyhf_gpu_client.Client` (TLS, proxies)."""
     opts = ctx.meta.get(_META, {})
     kwargs: dict[str, Any] = {}
     if "timeout" in opts:
         kwargs["timeout"] = opts["timeout"]
     if "retries" in opts:
         kwargs["retries"] = opts["retries"]
-    return Client(opts.get("server"), token=opts.get("token"), **kwargs)
+    server = opts.get("server") or os.environ.get(ENV_SERVER) or DEFAULT_SERVER
+    if ClientConfig(server=server).plain_http():
+        return StdlibClient(server, token=opts.get("token"), **kwargs)
+    from ._client import Client
+
+    return Client(server, token=opts.get("token"), **kwargs)
 
 
 # -------------------------------------------------------------------------- helpers
@@ -650,7 +659,7 @@ def _run_submit(operation: str) -> Callable[..., None]:
     return command
 
 
-def _wait(client: Client, job_id: str, timeout: float | None) -> Job:
+def _wait(client: ClientBase, job_id: str, timeout: float | None) -> Job:
     progress = Progress()
     try:
         return client.wait(job_id, timeout=timeout, on_update=progress)

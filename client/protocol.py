@@ -3,7 +3,8 @@
 Nothing here does I/O. Every operation is a *flow*: a generator that yields commands and
 receives their outcomes::
 
-    Request(...)  -> the driver sends it and ``send``s back the ``httpx.Response``
+    Request(...)  -> the driver sends it and ``send``s back the response (an ``httpx.Response``
+                     or a :class:`Response`: whatever has their few attributes)
                      (or ``throw``s a :class:`~pyhf_gpu_client.exceptions.TransportError`)
     Sleep(s)      -> the driver sleeps ``s`` seconds (``time.sleep`` / ``asyncio.sleep``)
 
@@ -11,7 +12,8 @@ and finally returns the parsed result (``StopIteration.value``). A response is r
 so a plot's image (``image_of``) travels the same way as JSON. Request building, gzip
 encoding, workspace upload/deduplication, retries with backoff and ``Retry-After``, error
 mapping, job polling and response parsing all live here, once; the two clients only differ
-in how they send a request and how they sleep (see ``_client.py``).
+in how they send a request and how they sleep (see ``_client.py``; the command line's
+``_stdlib.py`` sends over the standard library's ``http.client``). Nothing here imports httpx.
 """
 
 from __future__ import annotations
@@ -27,8 +29,6 @@ from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 from urllib.parse import quote
-
-import httpx
 
 from .exceptions import (
     AuthenticationError,
@@ -69,9 +69,11 @@ __all__ = [
     "ClientState",
     "Flow",
     "Request",
+    "Response",
     "RetryPolicy",
     "SSEParser",
     "Sleep",
+    "Timeout",
     "default_plot_kind",
     "plot_format",
     "plot_kinds_for",
@@ -82,11 +84,35 @@ DEFAULT_SERVER = "http://127.0.0.1:8000"
 ENV_SERVER = "PYHF_GPU_SERVER"
 ENV_TOKEN = "PYHF_GPU_API_TOKEN"
 MAX_SEED = 2**64 - 1  # toy seeds are unsigned 64-bit integers (torch's generators)
-#: seconds: long enough for a patchset batch on a busy server; connecting must be quick
-DEFAULT_TIMEOUT = httpx.Timeout(600.0, connect=10.0)
 RETRY_STATUSES = frozenset({429, 503})
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Timeout:
+    """Seconds for each phase of a request (``None``: no limit), as ``httpx.Timeout`` has
+    them (one converts to the other, :meth:`of`)."""
+
+    connect: float | None
+    read: float | None
+    write: float | None
+    pool: float | None
+
+    @classmethod
+    def of(cls, value: Any) -> Timeout | None:
+        """``value`` as a :class:`Timeout`: seconds (connecting at most 10 of them), an
+        ``httpx.Timeout`` (or anything with its four attributes), or ``None`` (no limit)."""
+        if value is None or isinstance(value, Timeout):
+            return value
+        if isinstance(value, (int, float)):
+            seconds = float(value)
+            return cls(min(10.0, seconds), seconds, seconds, seconds)
+        return cls(value.connect, value.read, value.write, value.pool)
+
+
+#: long enough for a patchset batch on a busy server; connecting must be quick
+DEFAULT_TIMEOUT = Timeout.of(600.0)
 
 
 @dataclass(frozen=True)
@@ -117,6 +143,26 @@ class Sleep:
 
 Command = Request | Sleep
 Flow = Generator[Command, Any, T]
+
+
+@dataclass(frozen=True)
+class Response:
+    """A response read whole, as a driver without httpx hands it to a flow: the attributes
+    of ``httpx.Response`` that flows read (``headers``: any mapping whose ``get`` ignores
+    case, e.g. ``http.client``'s)."""
+
+    status_code: int
+    reason_phrase: str
+    headers: Any
+    content: bytes
+    request: Request
+
+    @property
+    def text(self) -> str:
+        return self.content.decode("utf-8", errors="replace")
+
+    def json(self) -> Any:
+        return json.loads(self.content)
 
 
 @dataclass(frozen=True)
@@ -172,7 +218,7 @@ class ClientConfig:
     Attributes:
         server: base URL (``--server`` / ``PYHF_GPU_SERVER``).
         token: API token sent as ``Authorization: Bearer <token>``.
-        timeout: an ``httpx.Timeout`` or seconds.
+        timeout: a :class:`Timeout` (an ``httpx.Timeout`` or seconds become one).
         retry: the :class:`RetryPolicy`.
         compress: gzip request bodies of at least ``compress_min_bytes`` bytes.
         upload_threshold: workspaces of at least this many JSON bytes are uploaded once to
@@ -181,7 +227,7 @@ class ClientConfig:
 
     server: str = DEFAULT_SERVER
     token: str | None = None
-    timeout: httpx.Timeout | float | None = field(default_factory=lambda: DEFAULT_TIMEOUT)
+    timeout: Timeout | float | None = field(default_factory=lambda: DEFAULT_TIMEOUT)
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     compress: bool = True
     compress_min_bytes: int = 1024
@@ -192,18 +238,20 @@ class ClientConfig:
         self.server = self.server.rstrip("/")
         if not self.server.startswith(("http://", "https://")):
             self.server = "http://" + self.server
-        if isinstance(self.timeout, (int, float)):
-            self.timeout = httpx.Timeout(float(self.timeout), connect=min(10.0, self.timeout))
+        self.timeout = Timeout.of(self.timeout)
+
+    def plain_http(self) -> bool:
+        """Whether requests go to an ``http://`` server directly: no TLS, no proxy settings
+        (redirects are not followed)."""
+        proxied = any(os.environ.get(v) for v in PROXY_VARIABLES)
+        return self.server.startswith("http://") and not proxied
 
     def tls_verify(self) -> ssl.SSLContext | bool:
         """httpx's ``verify``: its default (the system's CA certificates, ~20 ms to load) for an
         ``https://`` server or where a proxy may be reached over TLS; for a plain ``http://``
-        server without proxy settings, where no TLS is ever spoken (redirects are not
-        followed), an empty client context that costs nothing to build."""
-        proxied = any(os.environ.get(v) for v in PROXY_VARIABLES)
-        if self.server.startswith("https://") or proxied:
-            return True
-        return ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        server, where no TLS is ever spoken, an empty client context that costs nothing to
+        build."""
+        return ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT) if self.plain_http() else True
 
     def headers(self) -> dict[str, str]:
         """Headers of every request."""
@@ -229,15 +277,12 @@ class ClientConfig:
         headers, content = self.encode(request)
         if request.accept:
             headers["Accept"] = request.accept
-        params = None
-        if request.params:
-            params = {k: _param(v) for k, v in request.params.items() if v is not None}
         return {
             "method": request.method,
             "url": request.path,
             "content": content,
             "headers": headers,
-            "params": params,
+            "params": query_params(request),
         }
 
 
@@ -299,6 +344,13 @@ def explain_malformed(body: Any, error: BadRequestError) -> None:
                 value.parsed()
 
 
+def query_params(request: Request) -> dict[str, Any] | None:
+    """The query parameters of ``request`` (``None`` values left out), as httpx sends them."""
+    if not request.params:
+        return None
+    return {k: _param(v) for k, v in request.params.items() if v is not None}
+
+
 def _param(value: Any) -> Any:
     """A query value as httpx sends it: booleans as ``true``/``false``, a list or tuple as a
     repeated parameter."""
@@ -319,21 +371,22 @@ class ClientState:
 # --------------------------------------------------------------------------- transport errors
 
 
-def map_transport_error(exc: httpx.TransportError, request: Request) -> TransportError:
-    """Translate an httpx transport failure into the client's exceptions.
+def transport_error(kind: str, exc: BaseException, request: Request) -> TransportError:
+    """The client's exception for a transport failure of ``kind``: ``"connect-timeout"``,
+    ``"read-timeout"``, ``"connect"`` or anything else (the connection failed later).
 
     Connect errors/timeouts never reached the server: always retryable. A read timeout or a
     dropped connection after sending may have reached it: retryable only when idempotent.
     """
     where = f"{request.method} {request.path}"
-    if isinstance(exc, (httpx.ConnectTimeout, httpx.PoolTimeout)):
+    if kind == "connect-timeout":
         return TimeoutError(f"timed out connecting ({where}): {exc}", retryable=True)
-    if isinstance(exc, httpx.TimeoutException):
+    if kind == "read-timeout":
         return TimeoutError(
             f"the server did not answer in time ({where}); raise --timeout: {exc}",
             retryable=False,
         )
-    if isinstance(exc, httpx.ConnectError):
+    if kind == "connect":
         return TransportError(f"cannot connect to the server ({where}): {exc}", retryable=True)
     return TransportError(f"connection failed ({where}): {exc}", retryable=request.idempotent)
 
@@ -341,7 +394,7 @@ def map_transport_error(exc: httpx.TransportError, request: Request) -> Transpor
 # ------------------------------------------------------------------------------ responses
 
 
-def error_from_response(response: httpx.Response) -> ServerError:
+def error_from_response(response: Any) -> ServerError:
     """A :class:`ServerError` subclass carrying the status and the server's ``detail``."""
     status = response.status_code
     try:
@@ -363,17 +416,21 @@ def error_from_response(response: httpx.Response) -> ServerError:
         cls = BadRequestError
     else:
         cls = ServerError
-    request = response.request if response._request is not None else None
-    return cls(
-        status,
-        detail,
-        method=request.method if request else "",
-        url=str(request.url) if request else "",
-        retry_after=retry_after,
-    )
+    method, url = _request_of(response)
+    return cls(status, detail, method=method, url=url, retry_after=retry_after)
 
 
-def json_of(response: httpx.Response) -> Any:
+def _request_of(response: Any) -> tuple[str, str]:
+    """The method and URL (or path) of the request ``response`` answers; empty if unknown."""
+    try:
+        request = response.request
+    except RuntimeError:  # an httpx.Response made without its request (tests)
+        return "", ""
+    url = getattr(request, "url", None) or getattr(request, "path", "")
+    return request.method, str(url)
+
+
+def json_of(response: Any) -> Any:
     """The JSON body of a successful response (a ``ServerError`` if it is not JSON)."""
     try:
         return response.json()
@@ -386,7 +443,7 @@ def json_of(response: httpx.Response) -> Any:
 # ---------------------------------------------------------------------------------- flows
 
 
-def call(request: Request, policy: RetryPolicy) -> Flow[httpx.Response]:
+def call(request: Request, policy: RetryPolicy) -> Flow[Any]:
     """Send ``request``; retry transport errors, 429 and 503 per ``policy``; raise on >= 400."""
     attempt = 0
     while True:
@@ -594,7 +651,7 @@ def post_operation(
     config: ClientConfig,
     state: ClientState,
     accept: str | None = None,
-) -> Flow[httpx.Response]:
+) -> Flow[Any]:
     """``POST /<operation>`` with the workspace (inline or by id) and ``options``; the answer.
 
     If the server forgot an uploaded workspace (404 on a ``workspace_id``), upload it again once
@@ -860,7 +917,7 @@ def plot_params(options: Mapping[str, Any]) -> dict[str, Any]:
     return params
 
 
-def image_of(response: httpx.Response, fmt: str) -> bytes:
+def image_of(response: Any, fmt: str) -> bytes:
     """The image bytes of a plot answer (a ``ServerError`` when it is not the image asked for)."""
     media = response.headers.get("content-type", "").split(";")[0].strip().lower()
     if media != PLOT_MEDIA_TYPES[fmt]:
