@@ -28,6 +28,7 @@ def _httpx_timeout(timeout: p.Timeout | None) -> httpx.Timeout:
 
 def _transport_error(exc: httpx.TransportError, request: p.Request) -> TransportError:
     """An httpx transport failure as the client's exception."""
+    kind: p.TransportFailure
     if isinstance(exc, (httpx.ConnectTimeout, httpx.PoolTimeout)):
         kind = "connect-timeout"
     elif isinstance(exc, httpx.TimeoutException):

@@ -27,7 +27,7 @@ import ssl
 import time
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 from urllib.parse import quote
 
 from .exceptions import (
@@ -371,9 +371,12 @@ class ClientState:
 # --------------------------------------------------------------------------- transport errors
 
 
-def transport_error(kind: str, exc: BaseException, request: Request) -> TransportError:
+TransportFailure = Literal["connect-timeout", "read-timeout", "connect", "failed"]
+
+
+def transport_error(kind: TransportFailure, exc: BaseException, request: Request) -> TransportError:
     """The client's exception for a transport failure of ``kind``: ``"connect-timeout"``,
-    ``"read-timeout"``, ``"connect"`` or anything else (the connection failed later).
+    ``"read-timeout"``, ``"connect"`` or ``"failed"`` (the connection failed later).
 
     Connect errors/timeouts never reached the server: always retryable. A read timeout or a
     dropped connection after sending may have reached it: retryable only when idempotent.

@@ -122,7 +122,7 @@ def histosys_basis_and_derivative(
     code: str, alpha: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`histosys_basis` and :func:`histosys_basis_derivative` at once; for code4p
-    (pyhf's default) sharing their masks and powers: a third of their operations."""
+    (pyhf's default) sharing their masks and powers: a third fewer operations."""
     if code != "code4p":
         return histosys_basis(code, alpha), histosys_basis_derivative(code, alpha)
     above = alpha > 1
@@ -295,7 +295,7 @@ def normsys_log_curvature(
     factor = _horner(rows[2:8], inner_alpha).mul_(inner_alpha).add_(1.0)
     slope = _horner(rows[8:14], inner_alpha) / factor
     curvature = _horner(rows[14:19], inner_alpha) / factor - slope**2
-    return torch.where(alpha == inner_alpha, curvature, torch.zeros_like(alpha))
+    return torch.where(alpha == inner_alpha, curvature, 0.0)
 
 
 def _horner(rows: tuple[torch.Tensor, ...], alpha: torch.Tensor) -> torch.Tensor:

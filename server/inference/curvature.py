@@ -86,9 +86,7 @@ def _secant_pair(
     """
     sSs = torch.linalg.vecdot(step, Ss)
     sy_sharp = torch.linalg.vecdot(step, y_sharp)
-    tau = torch.where(
-        sSs.abs() > 0, (sy_sharp.abs() / sSs.abs()).clamp(max=1.0), torch.ones_like(sSs)
-    )
+    tau = torch.where(sSs.abs() > 0, (sy_sharp.abs() / sSs.abs()).clamp(max=1.0), 1.0)
     v = y_sharp - Ss * tau.unsqueeze(-1)
     ys = torch.linalg.vecdot(y, step)
     valid = accept & (ys > 1e-12 * y.norm(dim=-1) * step.norm(dim=-1))
