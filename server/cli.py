@@ -13,11 +13,11 @@ from pyhf_gpu_server.blas import limit_blas_threads
 from pyhf_gpu_server.service.app import create_app
 from pyhf_gpu_server.service.dependencies import with_file_token
 from pyhf_gpu_server.service.jobstore import StoreError, preflight
+from pyhf_gpu_server.service.local_workers import LocalWorkers
 from pyhf_gpu_server.service.logs import configure_logging
 from pyhf_gpu_server.service.middleware import header_deadline_protocol
 from pyhf_gpu_server.service.settings import settings_from_args
 from pyhf_gpu_server.service.state import resolve_device
-from pyhf_gpu_server.service.translation_workers import TranslationWorkers
 
 # The server keeps published workspaces, their translations and warm models in memory: hundreds
 # of thousands of Python objects that live for hours. With CPython's default thresholds
@@ -33,7 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(settings.log_level)
     try:
         settings = with_file_token(settings)
-        resolve_device(settings)
+        device = resolve_device(settings)
     except ValueError as exc:
         print(f"pyhf-gpu-server: error: {exc}", file=sys.stderr)
         return 2
@@ -45,11 +45,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     gc.set_threshold(*GC_THRESHOLDS)
     tune_cpu_allocator()  # freed tensor memory reused, not page-faulted in again
     limit_blas_threads()  # numpy's BLAS threads would spin on the engine's cores
-    # forked now, before the server starts any thread: a child has only the forking thread
-    workers = TranslationWorkers.fork(settings.translate_worker_count)
+    # forked now, before the server starts any thread: a child has only the forking thread;
+    # on a CPU device they also fit shares of engine calls (a GPU fits every row itself)
+    engine = device == "cpu" and settings.dask_scheduler is None
+    workers = LocalWorkers.fork(settings.local_worker_count, engine=engine)
     try:
         uvicorn.run(
-            create_app(settings, translation_workers=workers),
+            create_app(settings, local_workers=workers),
             host=settings.host,
             port=settings.port,
             log_config=None,

@@ -1,6 +1,8 @@
 """Cluster mode (``--dask-scheduler``): a Dask scheduler, two ``pyhf-gpu-worker`` processes
 (CPU, one thread, a ``GPU`` resource each) and a server subprocess on 127.0.0.1, against an
-in-process server: every result equal within 1e-12; batches of one model stay on the worker
+in-process server: every result equal within 1e-10 (the two stack the elements in other
+batches, and the in-process one shares a batch's elements with its local worker: fits of
+one element in two stacks agree to ~1e-12, their sums taken in another order); batches of one model stay on the worker
 holding it; a job survives a worker killed mid-job, and its scheduler killed mid-job;
 ``/readyz`` fails with no worker.
 
@@ -37,7 +39,7 @@ from pyhf_gpu_server.cluster.placement import Placement, rendezvous
 
 pytestmark = pytest.mark.timeout(300)
 
-EXACT = 1e-12
+EXACT = 1e-10  # the same element fitted in two stacks (module docstring)
 
 
 # ------------------------------------------------------------------------------ units

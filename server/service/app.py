@@ -14,12 +14,12 @@ from fastapi.staticfiles import StaticFiles
 
 from .dependencies import require_token, with_file_token
 from .errors import install_error_handlers
+from .local_workers import LocalWorkers
 from .metrics import Metrics
 from .middleware import BodyLimitMiddleware, RequestContextMiddleware, TokenAuthMiddleware
 from .routers import health, inference, jobs, pages, workspaces
 from .settings import Settings
 from .state import ServiceState
-from .translation_workers import TranslationWorkers
 
 DESCRIPTION = """
 pyhf-compatible HistFactory inference, batched on one device.
@@ -43,11 +43,9 @@ OPEN_PREFIXES = (DOCS_ASSETS + "/", pages.STATIC_URL + "/")
 OPEN_PATTERNS = (pages.REPORT_PATTERN,)
 
 
-def create_app(
-    settings: Settings, translation_workers: TranslationWorkers | None = None
-) -> FastAPI:
+def create_app(settings: Settings, local_workers: LocalWorkers | None = None) -> FastAPI:
     """A new app serving with ``settings``; its state is created at start-up (lifespan).
-    ``translation_workers`` (forked by the caller, which stops them) read shares of large
+    ``local_workers`` (forked by the caller, which stops them) read shares of large
     patchsets.
 
     Raises ``ValueError`` when ``settings.api_token_file`` cannot be read.
@@ -57,7 +55,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.service = await ServiceState.open(settings, metrics, translation_workers)
+        app.state.service = await ServiceState.open(settings, metrics, local_workers)
         _build_routes(app)
         await anyio.to_thread.run_sync(lambda: None)  # the worker threads' backend, imported
         try:

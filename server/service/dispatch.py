@@ -64,6 +64,14 @@ class ModelRecipe:
         """The short id of :attr:`key` (results' meta, /info)."""
         return model_id(self.key)
 
+    def share(self, digests: Sequence[str]) -> ModelRecipe:
+        """The recipe of the model stacking only the elements ``digests`` (some of this one's,
+        whose digests its key holds)."""
+        *background, all_digests, dtype = self.key
+        index = {digest: i for i, digest in enumerate(all_digests)}
+        layouts = tuple(self.layouts[index[digest]] for digest in digests)
+        return ModelRecipe((*background, tuple(digests), dtype), layouts, self.dtype)
+
     def build(self, device: str) -> HistFactoryModel:
         """The stacked model on ``device``."""
         return HistFactoryModel(list(self.layouts), device=device, dtype=getattr(torch, self.dtype))

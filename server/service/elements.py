@@ -26,7 +26,7 @@ from pyhf_gpu_server.engine.translate import WorkspaceTranslator
 from .errors import ServiceError, Unprocessable, translate
 
 if TYPE_CHECKING:
-    from .translation_workers import TranslationWorkers
+    from .local_workers import LocalWorkers
 
 log = logging.getLogger("pyhf_gpu_server.service")
 
@@ -76,7 +76,7 @@ class ElementStore:
         self,
         max_backgrounds: int = 8,
         max_elements: int = 4096,
-        workers: TranslationWorkers | None = None,
+        workers: LocalWorkers | None = None,
     ) -> None:
         """Keep ``max_backgrounds`` translators and ``max_elements`` elements; ``workers``
         translate shares of a request's new patches when there are many."""

@@ -575,11 +575,13 @@ class ClusterState(_Declared):
     )
 
 
-class TranslationWorkersState(_Declared):
-    """The processes that translate shares of requests with many new patches."""
+class LocalWorkersState(_Declared):
+    """The processes forked at start-up that take shares of the CPU work: the translation of
+    requests with many new patches and, on a CPU device, the fits of engine calls."""
 
     workers: int = Field(description="forked at start-up and still in use")
     shared_requests: int = Field(description="requests whose patches they helped translate")
+    shared_batches: int = Field(description="engine calls whose fits they shared")
 
 
 class ServerInfo(_Declared):
@@ -594,7 +596,7 @@ class ServerInfo(_Declared):
     auth: bool
     queue: QueueDepth
     batches_run: int
-    translation_workers: TranslationWorkersState
+    local_workers: LocalWorkersState
     models: list[WarmModel] = Field(description="most recently used first")
     device_memory_bytes: float = Field(
         description="allocated CUDA memory, or the warm models' bytes on a CPU"

@@ -23,8 +23,8 @@ DEFAULT_CALLER = "default"
 """The caller's name when the server has one token (``--api-token``, or a one-token file)."""
 
 
-def default_translate_workers() -> int:
-    """One translation worker per core beyond the first, at most 4 (``--translate-workers -1``)."""
+def default_local_workers() -> int:
+    """One local worker per core beyond the first, at most 4 (``--local-workers -1``)."""
     return max(0, min(4, (os.cpu_count() or 1) - 1))
 
 
@@ -176,11 +176,12 @@ class Settings:
         default=4096,
         metadata={"help": "most translated patches (signal points) kept, over all backgrounds"},
     )
-    translate_workers: int = field(
+    local_workers: int = field(
         default=-1,
         metadata={
-            "help": "processes forked at start-up that translate shares of a request with many "
-            "new patches (-1: one per core beyond the first, at most 4; 0: none)"
+            "help": "processes forked at start-up that take shares of the CPU work: translating "
+            "a request's many new patches and, on a CPU device, fitting an engine call's "
+            "elements (-1: one per core beyond the first, at most 4; 0: none)"
         },
     )
     model_cache_memory_mb: float = field(
@@ -308,8 +309,8 @@ class Settings:
             problems.append(
                 f"dask_scheduler {self.dask_scheduler!r} is not an address like tcp://HOST:8786"
             )
-        if self.translate_workers < -1:
-            problems.append("translate_workers must be -1 (one per spare core), 0 or more")
+        if self.local_workers < -1:
+            problems.append("local_workers must be -1 (one per spare core), 0 or more")
         if self.max_jobs_per_caller < 0:
             problems.append("max_jobs_per_caller must not be negative (0: no cap)")
         if problems:
@@ -328,11 +329,11 @@ class Settings:
         return int(self.max_body_mb * 1024 * 1024)
 
     @property
-    def translate_worker_count(self) -> int:
-        """:attr:`translate_workers`, ``-1`` resolved for this machine."""
-        if self.translate_workers == -1:
-            return default_translate_workers()
-        return self.translate_workers
+    def local_worker_count(self) -> int:
+        """:attr:`local_workers`, ``-1`` resolved for this machine."""
+        if self.local_workers == -1:
+            return default_local_workers()
+        return self.local_workers
 
     def compile_enabled(self, device: str) -> bool:
         """Whether to compile on ``device``: ``auto`` compiles on CUDA only (slow on CPU)."""

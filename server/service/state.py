@@ -25,13 +25,14 @@ from .admission import FitLimits, FitMemory
 from .compiling import BackgroundCompiler
 from .dispatch import Dispatcher, ServiceScheduler, run_rows
 from .elements import ElementStore
+from .engine_shares import EngineShares
 from .jobrunner import JobRunner
 from .jobstore import DATABASE_NAME, JobStore
+from .local_workers import LocalWorkers
 from .metrics import Metrics
 from .models_cache import ModelCache, host_memory_releaser, memory_releaser
 from .scheduler import Scheduler
 from .settings import Settings
-from .translation_workers import TranslationWorkers
 from .workspace_store import WorkspaceStore
 
 if TYPE_CHECKING:
@@ -94,10 +95,10 @@ class ServiceState:
         cls,
         settings: Settings,
         metrics: Metrics,
-        translation_workers: TranslationWorkers | None = None,
+        local_workers: LocalWorkers | None = None,
     ) -> ServiceState:
         """Create the parts, check the device (or connect to the Dask scheduler), start the
-        scheduler and job workers; ``translation_workers`` help read large patchsets."""
+        scheduler and job workers; ``local_workers`` take shares of large patchsets."""
         device = resolve_device(settings)
         dtype = DTYPES[settings.dtype]
         # models are built (pyhf parsing: slow, CPU-bound) apart from the device thread, so a
@@ -128,6 +129,8 @@ class ServiceState:
             )
         else:
             executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pyhf-gpu-device")
+            if local_workers is not None and local_workers.engine and device == "cpu":
+                runner = EngineShares(local_workers)
             if settings.compile_enabled(device):
                 compiler = BackgroundCompiler(KernelCache(), executor)
         jobstore = JobStore(settings.data_dir / DATABASE_NAME)
@@ -160,9 +163,7 @@ class ServiceState:
             release_memory=release,
             max_in_flight=max_in_flight,
         )
-        elements = ElementStore(
-            max_elements=settings.element_cache_size, workers=translation_workers
-        )
+        elements = ElementStore(max_elements=settings.element_cache_size, workers=local_workers)
         limits = FitLimits(
             max_parameters=settings.max_parameters,
             max_bins=settings.max_bins,

@@ -13,9 +13,9 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..dependencies import StateDep, require_token
+from ..local_workers import LocalWorkers
 from ..schemas import Liveness, Readiness, ServerInfo, error_responses
 from ..state import device_name
-from ..translation_workers import TranslationWorkers
 
 public = APIRouter(tags=["health"])
 private = APIRouter(tags=["health"], dependencies=[Depends(require_token)])
@@ -107,7 +107,7 @@ async def info(state: StateDep) -> dict[str, Any]:
             "jobs": state.scheduler.pending_rows("jobs"),
         },
         "batches_run": state.scheduler.batches_run,
-        "translation_workers": TranslationWorkers.describe(state.dispatcher.elements.workers),
+        "local_workers": LocalWorkers.describe(state.dispatcher.elements.workers),
         "device_memory_bytes": state.device_memory_bytes(),
         "started_at": state.started_at,
         "job_store": state.jobstore.describe(),

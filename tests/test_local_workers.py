@@ -1,7 +1,8 @@
-"""Translation workers (processes forked before any thread, translating shares of a request's
-many new patches): their elements equal the server process's own, bit for bit, errors
-included; a worker that died, stalls or let the background go costs time, not results; a
-server with one answers a published patchset exactly as one without (real servers, HTTP)."""
+"""Local workers (processes forked before any thread) translating shares of a request's many
+new patches: their elements equal the server process's own, bit for bit, errors included; a
+worker that died, stalls or let the background go costs time, not results; a server with
+one, which also fits shares of its engine calls (``test_engine_shares.py``), answers a
+published patchset as one without (real servers, HTTP)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,10 @@ from conftest import WORKSPACES_DIR, load_json, load_patchset
 from service_support import ServerProcess, running_server
 from test_translator_parity import assert_layouts_equal
 
-from pyhf_gpu_server.service import translation_workers
+from pyhf_gpu_server.service import local_workers
 from pyhf_gpu_server.service.elements import Background, Element, ElementStore, PatchSpec
+from pyhf_gpu_server.service.local_workers import LocalWorkers
 from pyhf_gpu_server.service.requests import patch_digest
-from pyhf_gpu_server.service.translation_workers import TranslationWorkers
 
 SBOTTOM_B = "atlas-susy-2018-31-sbottom-B"
 STAU = "atlas-susy-2018-04-stau"
@@ -55,8 +56,8 @@ def assert_elements_equal(actual: list[Element], expected: list[Element]) -> Non
 
 
 @pytest.fixture
-def workers() -> Iterator[TranslationWorkers]:
-    forked = TranslationWorkers.fork(2, min_patches=4)
+def workers() -> Iterator[LocalWorkers]:
+    forked = LocalWorkers.fork(2, min_patches=4)
     yield forked
     forked.close()
 
@@ -99,8 +100,8 @@ def test_a_dead_worker_costs_time_not_results(workers) -> None:
 
 
 def test_a_worker_that_does_not_answer_in_time_is_stopped(workers, monkeypatch) -> None:
-    monkeypatch.setattr(translation_workers, "SEND_TIMEOUT_S", 0.2)
-    monkeypatch.setattr(translation_workers, "BASE_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(local_workers, "SEND_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(local_workers, "BASE_TIMEOUT_S", 1.0)
     stalled = workers._workers[0].process
     os.kill(stalled.pid, signal.SIGSTOP)  # alive, never answering
     chosen = patches(SBOTTOM_B, "patchset.hepdata.json.gz", 40)
@@ -110,7 +111,7 @@ def test_a_worker_that_does_not_answer_in_time_is_stopped(workers, monkeypatch) 
 
 
 def test_a_worker_that_let_the_background_go_is_sent_it_again() -> None:
-    workers = TranslationWorkers.fork(1, min_patches=2)
+    workers = LocalWorkers.fork(1, min_patches=2)
     try:
         store = ElementStore(workers=workers)
         chosen = patches(STAU, "patchset.heterogeneous.json", 4)
@@ -130,11 +131,13 @@ def test_a_worker_that_let_the_background_go_is_sent_it_again() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_server_with_a_worker_answers_a_published_patchset_as_one_without(tmp_path) -> None:
+    """The worker translates a share of the patches and fits a share of the engine call's
+    elements (a CPU server): the answers are the same, the points it fitted say so."""
     patchset = load_patchset(WORKSPACES_DIR / SBOTTOM_B / "patchset.hepdata.json.gz")
     names = [*(p["metadata"]["name"] for p in patchset["patches"][:48]), NO_SIGNAL]
     answers, infos = [], []
     for count in (1, 0):
-        args, data_dir = ["--translate-workers", str(count)], tmp_path / str(count)
+        args, data_dir = ["--local-workers", str(count)], tmp_path / str(count)
         data_dir.mkdir()
         with running_server(data_dir, args) as server, server.client(timeout_s=300) as client:
             body = {
@@ -145,28 +148,33 @@ def test_a_server_with_a_worker_answers_a_published_patchset_as_one_without(tmp_
             response = client.post("/cls", json=body)
             assert response.status_code == 200, response.text
             answers.append(response.json())
-            infos.append(client.get("/info").json()["translation_workers"])
-    assert infos == [{"workers": 1, "shared_requests": 1}, {"workers": 0, "shared_requests": 0}]
+            infos.append(client.get("/info").json()["local_workers"])
     with_worker, without = answers
+    assert infos[0]["workers"] == 1 and infos[0]["shared_requests"] == 1
+    assert infos[0]["shared_batches"] >= 1  # 48 rows: one engine call (64 rows at most)
+    assert infos[1] == {"workers": 0, "shared_requests": 0, "shared_batches": 0}
     assert list(with_worker) == names
     assert with_worker[NO_SIGNAL] == without[NO_SIGNAL]
+    fitted_by = {with_worker[name]["meta"].get("worker") for name in names[:-1]}
+    assert len(fitted_by) == 2 and None in fitted_by  # the server and its worker
     for name in names[:-1]:
-        for key in ("CLs_obs", "CLs_exp"):
-            assert with_worker[name][key] == pytest.approx(without[name][key], abs=1e-12)
+        for key in ("CLs_obs", "CLs_exp"):  # two stacks holding the point: ~1e-12 apart
+            assert with_worker[name][key] == pytest.approx(without[name][key], abs=1e-10)
+        assert "worker" not in without[name]["meta"]
 
 
 def test_the_worker_count_setting() -> None:
-    from pyhf_gpu_server.service.settings import Settings, default_translate_workers
+    from pyhf_gpu_server.service.settings import Settings, default_local_workers
 
-    assert Settings(translate_workers=-1).translate_worker_count == default_translate_workers()
-    assert Settings(translate_workers=3).translate_worker_count == 3
-    assert 0 <= default_translate_workers() <= 4
-    with pytest.raises(ValueError, match="translate_workers"):
-        Settings(translate_workers=-2)
+    assert Settings(local_workers=-1).local_worker_count == default_local_workers()
+    assert Settings(local_workers=3).local_worker_count == 3
+    assert 0 <= default_local_workers() <= 4
+    with pytest.raises(ValueError, match="local_workers"):
+        Settings(local_workers=-2)
 
 
 def test_a_server_process_stops_its_workers(tmp_path) -> None:
-    server = ServerProcess(tmp_path, ["--translate-workers", "2"]).start()
+    server = ServerProcess(tmp_path, ["--local-workers", "2"]).start()
     try:
         children = _children(server.process.pid)
         assert len(children) == 2

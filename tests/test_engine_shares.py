@@ -1,0 +1,155 @@
+"""Engine shares (CPU): a batch's elements fitted partly by a forked local worker, on its own
+model of its share's elements. Every answer equals the device thread's own (any two stacks
+holding an element agree to ~1e-12), rows in their order; a worker that dies, stalls, fails
+or let its model go costs time, not results; nobody waiting stops the worker's fits too, and
+the next batch is answered as before. Real forked workers; the server-level check (a real
+server, HTTP) is in ``test_local_workers.py``."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+from collections.abc import Iterator
+
+import pytest
+from conftest import WORKSPACES_DIR, load_json
+
+from pyhf_gpu_server.engine.translate import WorkspaceTranslator
+from pyhf_gpu_server.inference.errors import FitStopped
+from pyhf_gpu_server.service import engine_shares
+from pyhf_gpu_server.service.admission import FitMemory, FitPlan
+from pyhf_gpu_server.service.dispatch import (
+    BatchContext,
+    ComputedRow,
+    EngineCall,
+    ModelRecipe,
+    run_rows,
+)
+from pyhf_gpu_server.service.engine_shares import EngineShares
+from pyhf_gpu_server.service.local_workers import LocalWorkers
+from pyhf_gpu_server.service.models_cache import CachedModel
+from pyhf_gpu_server.service.requests import Row
+from pyhf_gpu_server.service.schemas import ClsOptions
+
+STAU = WORKSPACES_DIR / "atlas-susy-2018-04-stau"
+SAME = 1e-10  # two stacks holding an element: the same answer (their sums differ at ~1e-12)
+
+
+def stau_batch(count: int, options: ClsOptions | None = None) -> tuple[BatchContext, list[Row]]:
+    """A batch of ``count`` heterogeneous stau signals (each with its own systematics): its
+    context, warm in process, and one row per element at mu = 1 plus one at mu = 2."""
+    translator = WorkspaceTranslator(load_json(STAU / "BkgOnly.json"))
+    patches = load_json(STAU / "patchset.heterogeneous.json")["patches"][:count]
+    layouts = tuple(translator.element(p["patch"], p["metadata"]["name"]) for p in patches)
+    digests = tuple(p["metadata"]["name"] for p in patches)
+    recipe = ModelRecipe(("stau", digests, "float64"), layouts, "float64")
+    options = options or ClsOptions(test_poi=1.0)
+    call = EngineCall("cls", options, digests, 8192, FitPlan("auto", 0), 4.0)
+    cached = CachedModel(recipe.build("cpu"), recipe.model_id, False, 0.0)
+    rows = [Row(d, 1.0) for d in digests] + [Row(digests[-1], 2.0)]
+    return BatchContext(call, recipe, cached, FitMemory()), rows
+
+
+@pytest.fixture(scope="module")
+def batch() -> tuple[BatchContext, list[Row], list[ComputedRow]]:
+    context, rows = stau_batch(6)
+    return context, rows, run_rows(context, rows)
+
+
+@pytest.fixture
+def workers() -> Iterator[LocalWorkers]:
+    forked = LocalWorkers.fork(1, engine=True)
+    yield forked
+    forked.close()
+
+
+def assert_same(shared: list[ComputedRow], alone: list[ComputedRow]) -> None:
+    assert len(shared) == len(alone)
+    for s, a in zip(shared, alone, strict=True):
+        for key in ("CLs_obs", "CLs_exp"):
+            assert s.result.payload[key] == pytest.approx(a.result.payload[key], abs=SAME)
+        assert s.result.status.converged == a.result.status.converged
+        assert s.model_id == a.model_id
+
+
+def test_a_shared_batch_answers_as_the_device_thread_alone(batch, workers) -> None:
+    context, rows, alone = batch
+    shared = EngineShares(workers)(context, rows)
+    assert_same(shared, alone)
+    fitted_by = [row.worker for row in shared]
+    worker = workers._workers[0].name
+    assert set(fitted_by) == {None, worker}  # both fitted some, elements interleaved
+    assert fitted_by[0] is None and fitted_by[1] == worker
+    assert fitted_by[-1] == fitted_by[-2]  # an element's rows stay together
+    assert all(row.worker_s > 0 for row in shared if row.worker is not None)
+    assert workers.shared_batches == 1 and workers.count == 1
+
+
+def test_a_worker_that_let_its_model_go_is_sent_it_again(batch, workers) -> None:
+    context, rows, alone = batch
+    shares = EngineShares(workers)
+    assert_same(shares(context, rows), alone)  # sent with its model's layouts
+    assert_same(shares(context, rows), alone)  # the worker's warm model
+    # a batch the server believes the worker holds, which it never got: it answers that it
+    # does not hold it, and the share goes again with the layouts
+    other, other_rows = stau_batch(4)
+    expected = run_rows(other, other_rows)
+    its_share = other.recipe.share([r.element for r in other_rows[1:4:2]])  # elements 1, 3
+    workers._workers[0].models.add(its_share.key)
+    assert_same(shares(other, other_rows), expected)
+    assert workers.shared_batches == 3 and workers.count == 1
+
+
+def test_toys_and_lone_elements_stay_on_the_device_thread(workers) -> None:
+    lone, rows = stau_batch(1)
+    assert all(r.worker is None for r in EngineShares(workers)(lone, rows))
+    toys = ClsOptions(test_poi=1.0, calctype="toybased", ntoys=20)
+    context, rows = stau_batch(2, toys)
+    answered = EngineShares(workers)(context, rows[:2])
+    assert all(r.worker is None for r in answered)
+    assert workers.shared_batches == 0
+
+
+def test_a_dead_worker_costs_time_not_results(batch, workers) -> None:
+    context, rows, alone = batch
+    workers._workers[0].process.kill()
+    workers._workers[0].process.join()
+    assert_same(EngineShares(workers)(context, rows), alone)
+    assert workers.count == 0
+    assert all(r.worker is None for r in EngineShares(workers)(context, rows))
+
+
+def test_a_stalled_worker_is_given_up(batch, workers, monkeypatch) -> None:
+    context, rows, alone = batch
+    monkeypatch.setattr(engine_shares, "WAIT_S", 0.5)
+    monkeypatch.setattr(engine_shares, "WAIT_FACTOR", 0.0)
+    stalled = workers._workers[0].process
+    os.kill(stalled.pid, signal.SIGSTOP)  # alive, never answering
+    assert_same(EngineShares(workers)(context, rows), alone)
+    assert workers.count == 0 and not stalled.is_alive()
+
+
+def test_nobody_waiting_stops_the_worker_and_the_next_batch_is_answered(batch, workers) -> None:
+    context, rows, alone = batch
+    shares = EngineShares(workers)
+    with pytest.raises(FitStopped):
+        shares(context, rows, lambda: True)
+    assert workers.count == 1  # it stopped and answered: still in use
+    assert_same(shares(context, rows), alone)
+    assert workers.shared_batches == 1
+
+
+def test_a_share_the_worker_failed_on_is_fitted_here(batch, monkeypatch) -> None:
+    context, rows, alone = batch
+    # patched before the fork: the worker answers every share with a failure
+    failure = pickle.dumps(("failed", "RuntimeError: boom"))
+    monkeypatch.setattr(engine_shares, "answer", lambda *_: failure)
+    workers = LocalWorkers.fork(1, engine=True)
+    try:
+        answered = EngineShares(workers)(context, rows)
+        assert_same(answered, alone)
+        assert all(r.worker is None for r in answered)
+        assert workers.count == 1  # it answered: still in use
+    finally:
+        workers.close()
