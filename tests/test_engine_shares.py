@@ -101,14 +101,17 @@ def test_a_worker_that_let_its_model_go_is_sent_it_again(batch, workers) -> None
     assert workers.shared_batches == 3 and workers.count == 1
 
 
-def test_toys_and_lone_elements_stay_on_the_device_thread(workers) -> None:
-    lone, rows = stau_batch(1)
-    assert all(r.worker is None for r in EngineShares(workers)(lone, rows))
+def test_a_lone_element_s_rows_are_shared_but_not_toys_nor_a_lone_row(workers) -> None:
+    lone, rows = stau_batch(1)  # one element, at mu = 1 and 2
+    assert len(rows) == 2
+    answered = EngineShares(workers)(lone, rows)
+    assert_same(answered, run_rows(lone, rows))
+    assert [r.worker is None for r in answered] == [True, False]
+    assert all(r.worker is None for r in EngineShares(workers)(lone, rows[:1]))
     toys = ClsOptions(test_poi=1.0, calctype="toybased", ntoys=20)
     context, rows = stau_batch(2, toys)
-    answered = EngineShares(workers)(context, rows[:2])
-    assert all(r.worker is None for r in answered)
-    assert workers.shared_batches == 0
+    assert all(r.worker is None for r in EngineShares(workers)(context, rows[:2]))
+    assert workers.shared_batches == 1
 
 
 def test_a_dead_worker_costs_time_not_results(batch, workers) -> None:

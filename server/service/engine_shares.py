@@ -5,14 +5,14 @@ torch calls an iteration whatever the batch size), which one process cannot spre
 cores: intra-op threads help only the largest tensors, and two Python threads take turns on
 the GIL. :class:`EngineShares`, the scheduler's runner in process when the server has local
 workers that take engine shares (:mod:`.local_workers`, ``fork(..., engine=True)``), splits a
-batch's elements into shares: one for each idle worker, one for the device thread. A worker
-fits its share's rows on its own warm model of those elements (built from their layouts,
+batch's elements (or a lone element's rows) into shares: one for each idle worker, one for
+the device thread. A worker fits its share's rows on its own warm model of those elements (built from their layouts,
 which travel once per model and worker), the device thread fits its share on the batch's
 model, one intra-op thread each. A row's fits depend on its own element's data only, so its
 answer is the same (to ~1e-12, as any two stacks holding the element) wherever it is fitted.
 
-Not shared: batches with toys (their random draws follow the batch), batches of one element,
-and any batch while every worker is busy (translating, or fitting another batch). A worker
+Not shared: batches with toys (their random draws follow the batch), batches of one row, and
+any batch while every worker is busy (translating, or fitting another batch). A worker
 that fails on its share, or dies, or does not answer within its bound costs time only: the
 device thread fits that share too (the worker is given up after a death or a stall). Once
 nobody waits for the rows, the worker's fits stop between two iterations (its stop flag).
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pyhf_gpu_server.service")
 
-MIN_ELEMENTS = 2  # a batch of fewer elements is fitted by the device thread alone
+MIN_UNITS = 2  # a batch of fewer units (elements, or rows of one) stays on the device thread
 #: the bound on a worker's answer once the device thread's own share is done: this, plus
 #: ``WAIT_FACTOR`` times what that share took (the shares are alike, element for element)
 WAIT_S = 30.0
@@ -85,14 +85,14 @@ class EngineShares:
         self, context: BatchContext, rows: Sequence[Row], stop: Callable[[], bool] | None = None
     ) -> list[ComputedRow]:
         """ONE engine call's answers for ``rows``, in their order."""
-        groups = _element_groups(context, rows)
-        helpers = self.workers.idle(len(groups) - 1) if len(groups) >= MIN_ELEMENTS else []
+        units = _units(context, rows)
+        helpers = self.workers.idle(len(units) - 1) if len(units) >= MIN_UNITS else []
         if not helpers:
             return run_rows(context, rows, stop)
         asked: list[_Share] = []
         try:
             parts = len(helpers) + 1
-            shares = [sorted(i for g in groups[k::parts] for i in g) for k in range(parts)]
+            shares = [sorted(i for u in units[k::parts] for i in u) for k in range(parts)]
             own = shares[0]
             for worker, indices in zip(helpers, shares[1:], strict=True):
                 share = _Share(worker, indices, context, [rows[i] for i in indices])
@@ -224,9 +224,10 @@ class _Share:
         ]
 
 
-def _element_groups(context: BatchContext, rows: Sequence[Row]) -> list[list[int]]:
-    """The indices of ``rows`` by element, in order; no groups when the batch cannot be
-    shared (toys, or not in process)."""
+def _units(context: BatchContext, rows: Sequence[Row]) -> list[list[int]]:
+    """The indices of ``rows`` in the units shares are made of, in order: each element's
+    rows (kept together: fewer models to build), or with one element each row; none when
+    the batch cannot be shared (toys, or not in process)."""
     if context.cached is None:
         return []
     call = context.call
@@ -235,7 +236,7 @@ def _element_groups(context: BatchContext, rows: Sequence[Row]) -> list[list[int
     groups: dict[str, list[int]] = {}
     for i, row in enumerate(rows):
         groups.setdefault(row.element, []).append(i)
-    return list(groups.values())
+    return list(groups.values()) if len(groups) > 1 else [[i] for i in range(len(rows))]
 
 
 def _readable(worker: _Worker, timeout_s: float) -> bool:
