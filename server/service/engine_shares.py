@@ -25,9 +25,9 @@ import pickle
 import select
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -103,7 +103,7 @@ class EngineShares:
             shared = bool(asked)
             computed: list[ComputedRow | None] = [None] * len(rows)
             start = time.monotonic()
-            with intra_op_threads(1 if asked else torch.get_num_threads()):
+            with intra_op_threads(1) if asked else nullcontext():
                 mine = run_rows(context, [rows[i] for i in own], stop)
             for i, row in zip(own, mine, strict=True):
                 computed[i] = row
@@ -121,7 +121,7 @@ class EngineShares:
                 self._abandon(share)
             self.workers.release(helpers)
         self.workers.shared_batches += shared
-        return [row for row in computed if row is not None]
+        return cast(list[ComputedRow], computed)  # every index is in exactly one share
 
     def _ask(self, share: _Share) -> bool:
         """Send ``share`` to its worker (its model's layouts unless the worker holds it);
