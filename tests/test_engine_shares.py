@@ -2,18 +2,23 @@
 model of its share's elements. Every answer equals the device thread's own (any two stacks
 holding an element agree to ~1e-12), rows in their order; a worker that dies, stalls, fails
 or let its model go costs time, not results; nobody waiting stops the worker's fits too, and
-the next batch is answered as before. Real forked workers; the server-level check (a real
-server, HTTP) is in ``test_local_workers.py``."""
+the next batch is answered as before. Real forked workers; real servers (HTTP) with and
+without a worker answer every operation alike (and a published patchset:
+``test_local_workers.py``)."""
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import signal
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import WORKSPACES_DIR, load_json
+from service_support import running_server
 
 from pyhf_gpu_server.engine.translate import WorkspaceTranslator
 from pyhf_gpu_server.inference.errors import FitStopped
@@ -156,3 +161,63 @@ def test_a_share_the_worker_failed_on_is_fitted_here(batch, monkeypatch) -> None
         assert workers.count == 1  # it answered: still in use
     finally:
         workers.close()
+
+
+OPERATIONS = {  # every operation, on four heterogeneous stau points: several elements a batch
+    "cls": {"test_poi": [0.5, 1.0, 2.0]},
+    "fit": {},
+    "upper-limit": {},
+    "significance": {},
+    "ranking": {},
+    "scan": {"x": {}},
+    "yields": {},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_every_operation_answers_alike_with_and_without_a_worker(tmp_path: Path) -> None:
+    patchset = load_json(STAU / "patchset.heterogeneous.json")
+    body = {
+        "workspace": load_json(STAU / "BkgOnly.json"),
+        "patchset": patchset,
+        "patch_names": [p["metadata"]["name"] for p in patchset["patches"][:4]],
+    }
+    answers: dict[str, dict[str, Any]] = {}
+    for count in ("1", "0"):
+        data_dir = tmp_path / count
+        data_dir.mkdir()
+        args = ["--local-workers", count, "--max-batch-size", "512"]
+        with running_server(data_dir, args) as server, server.client(timeout_s=300) as client:
+            for operation, options in OPERATIONS.items():
+                response = client.post(f"/{operation}", json={**body, **options})
+                assert response.status_code == 200, (operation, response.text)
+                answers[count, operation] = response.json()
+            shared = client.get("/info").json()["local_workers"]["shared_batches"]
+            assert shared == (len(OPERATIONS) if count == "1" else 0)
+    for operation in OPERATIONS:
+        with_worker, without = answers["1", operation], answers["0", operation]
+        assert_alike(with_worker, without, operation)
+        fitted_by = {_meta(answer).get("worker") for answer in with_worker.values()}
+        assert len(fitted_by) == 2 and None in fitted_by, operation
+
+
+def assert_alike(ours: Any, theirs: Any, path: str) -> None:
+    """The same JSON, numbers within :data:`SAME` (relative above 1), ``meta`` aside."""
+    if isinstance(ours, dict):
+        assert set(ours) == set(theirs), path
+        for key in ours.keys() - {"meta"}:
+            assert_alike(ours[key], theirs[key], f"{path}/{key}")
+    elif isinstance(ours, list):
+        assert len(ours) == len(theirs), path
+        for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+            assert_alike(a, b, f"{path}/{i}")
+    elif isinstance(ours, float) and math.isfinite(ours):
+        assert ours == pytest.approx(theirs, rel=SAME, abs=SAME), path
+    else:
+        assert ours == theirs, path
+
+
+def _meta(answer: Any) -> dict[str, Any]:
+    """A patch's ``meta`` (of its first row, for a list over POI values)."""
+    return (answer[0] if isinstance(answer, list) else answer)["meta"]
