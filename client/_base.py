@@ -122,10 +122,9 @@ class ClientBase:
         outcome: Any = None
         error: TransportError | None = None
         while True:
-            try:
-                command = flow.throw(error) if error is not None else flow.send(outcome)
-            except StopIteration as stop:
-                return stop.value
+            command = p.advance(flow, outcome, error)
+            if isinstance(command, p.Done):
+                return command.value
             outcome, error = None, None
             if isinstance(command, p.Sleep):
                 time.sleep(command.seconds)

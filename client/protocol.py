@@ -27,7 +27,7 @@ import ssl
 import time
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 from urllib.parse import quote
 
 from .exceptions import (
@@ -444,6 +444,23 @@ def json_of(response: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------- flows
+
+
+@dataclass(frozen=True)
+class Done(Generic[T]):
+    """A flow's return value (what :func:`advance` answers once the flow has finished)."""
+
+    value: T
+
+
+def advance(flow: Flow[T], outcome: Any, error: TransportError | None) -> Command | Done[T]:
+    """One step of a driver: ``flow`` resumed with the last command's ``outcome`` (or with its
+    transport ``error`` thrown in); its next command, or :class:`Done` with its value. The
+    blocking and the async drivers differ only in how they sleep and send."""
+    try:
+        return flow.throw(error) if error is not None else flow.send(outcome)
+    except StopIteration as stop:
+        return Done(stop.value)
 
 
 def call(request: Request, policy: RetryPolicy) -> Flow[Any]:
