@@ -148,7 +148,16 @@ class FakeClient:
     def close(self) -> None:
         self.status = "closed"
 
-    def scheduler_info(self, n_workers: int = -1) -> dict[str, Any]:
+    def sync(self, function: Any, **kwargs: Any) -> Any:
+        return function(**kwargs)
+
+    @property
+    def scheduler(self) -> Any:
+        from types import SimpleNamespace
+
+        return SimpleNamespace(identity=self._identity)
+
+    def _identity(self, n_workers: int = -1) -> dict[str, Any]:
         if self.scheduler_down:
             raise TimeoutError("the scheduler did not answer")
         return {"workers": {a: {"name": a, "resources": {"GPU": 1}} for a in self.workers}}
@@ -200,6 +209,32 @@ def test_models_travel_once_per_worker_and_again_when_evicted(
     fourth = runner(context, rows, lambda: False)
     assert [r.result for r in fourth] == expected
     assert client.sent[-1] == (next(iter(client.workers)), True)  # placed by the scheduler
+
+
+def test_live_workers_are_never_lost_to_the_client_s_periodic_refresh() -> None:
+    """Dask's ``Client.scheduler_info`` returns a cache that the client's periodic refresh
+    (which leaves the workers out) can overwrite before it returns: asked 300 times while
+    the refresh runs every 5 ms, the runner must list both workers of a real cluster every
+    time (``/info`` once lost a worker that had just fitted a batch)."""
+    import dask
+    from distributed import LocalCluster
+
+    from pyhf_gpu_server.cluster.runner import ClusterRunner
+    from pyhf_gpu_server.service.metrics import Metrics
+
+    refresh = {"distributed.client.scheduler-info-interval": "5ms"}
+    with (
+        dask.config.set(refresh),
+        LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=False, resources={"GPU": 1}
+        ) as local,
+    ):
+        runner = ClusterRunner.connect(local.scheduler_address, Metrics())
+        try:
+            counts = [len(runner.workers(max_age_s=0)) for _ in range(300)]
+        finally:
+            runner.close()
+    assert counts == [2] * 300
 
 
 def test_a_closed_client_answers_503_until_the_watcher_connects_a_new_one(

@@ -138,7 +138,9 @@ class ClusterRunner:
         try:
             if self.client.status != "running":
                 raise ConnectionError(self._disconnected())
-            info = self.client.scheduler_info(n_workers=-1)["workers"]
+            # the scheduler's own answer: Client.scheduler_info returns a cache that its
+            # periodic refresh (workers left out) may overwrite before it returns
+            info = self.client.sync(self.client.scheduler.identity, n_workers=-1)["workers"]
             problem = None
         except Exception as exc:  # the scheduler is gone: no workers until it answers again
             info, problem = {}, f"{type(exc).__name__}: {exc}"
