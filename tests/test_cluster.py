@@ -226,7 +226,11 @@ def test_live_workers_are_never_lost_to_the_client_s_periodic_refresh() -> None:
     with (
         dask.config.set(refresh),
         LocalCluster(
-            n_workers=2, threads_per_worker=1, processes=False, resources={"GPU": 1}
+            n_workers=2,
+            threads_per_worker=1,
+            processes=False,
+            resources={"GPU": 1},
+            dashboard_address=None,
         ) as local,
     ):
         runner = ClusterRunner.connect(local.scheduler_address, Metrics())
