@@ -141,6 +141,7 @@ class FakeClient:
         self.workers = {a: SimpleNamespace(address=a, plugins={}) for a in addresses}
         self.sent: list[tuple[str, bool]] = []
         self.current = None
+        self.scheduler = SimpleNamespace(identity=self._identity)  # Dask's scheduler RPC
         monkeypatch.setattr(tasks, "get_worker", lambda: self.current)
 
     status = "running"  # Dask's client: connecting, running, closing, closed
@@ -150,12 +151,6 @@ class FakeClient:
 
     def sync(self, function: Any, **kwargs: Any) -> Any:
         return function(**kwargs)
-
-    @property
-    def scheduler(self) -> Any:
-        from types import SimpleNamespace
-
-        return SimpleNamespace(identity=self._identity)
 
     def _identity(self, n_workers: int = -1) -> dict[str, Any]:
         if self.scheduler_down:
