@@ -102,13 +102,14 @@ def test_no_process_wide_backend_state():
 
 
 @pytest.mark.parametrize(
-    ("solver", "trials"), [("dense", "damped"), ("low-rank", "damped"), ("low-rank", "grid")]
+    ("solver", "trials"),
+    [("dense", "damped"), ("low-rank", "damped"), ("low-rank", "grid"), ("block", "damped")],
 )
 def test_fit_runs_on_fake_cuda(solver, trials):
     """A batched fit (Gauss-Newton with secant updates, fixed budget, no host synchronisation)
-    on a simulated cuda device, with either step solver, and with the grid's trials (the
-    exact curvature's Newton step among them): any cpu tensor created inside the fit loop
-    would raise."""
+    on a simulated cuda device, with each step solver (the block one: the Jacobian in block
+    form, per-bin parameters eliminated), and with the grid's trials (the exact curvature's
+    Newton step among them): any cpu tensor created inside the fit loop would raise."""
     from pyhf_gpu_server.inference.minimize import MinimizeOptions, minimize
     from pyhf_gpu_server.inference.objective import TwiceNLL
 
@@ -116,7 +117,8 @@ def test_fit_runs_on_fake_cuda(solver, trials):
         model = small_patchset_model("cuda")
         element = torch.arange(model.n_elements, device="cuda").repeat(2)
         data = model.observed.index_select(0, element)
-        objective = TwiceNLL(model, data, element, "gauss-newton")
+        objective = TwiceNLL(model, data, element, "gauss-newton", solver=solver)
+        assert (objective.blocks is not None) is (solver == "block")
         result = minimize(
             objective,
             model.init.index_select(0, element),

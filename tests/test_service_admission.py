@@ -121,9 +121,10 @@ def test_rows_split_to_fit_the_memory_bound_give_the_same_answers(default_server
         assert a["CLs_exp"] == pytest.approx(b["CLs_exp"], abs=1e-10)
 
 
-def normsys_heavy_workspace(bins: int = 100, systematics: int = 80) -> dict:
-    """``bins`` bins with a staterror and ``systematics`` small samples with a normsys each:
-    181 parameters, rank 117 for the low-rank solver, so ``"auto"`` would pick dense."""
+def normsys_heavy_workspace(bins: int = 100, systematics: int = 200) -> dict:
+    """``bins`` bins and ``systematics`` small samples with a normsys each, the background's
+    normalisation constrained: 202 parameters, rank 117 for the low-rank solver, no per-bin
+    parameter (no block solver), so ``"auto"`` would pick dense."""
     samples = [
         {
             "name": "signal",
@@ -133,7 +134,9 @@ def normsys_heavy_workspace(bins: int = 100, systematics: int = 80) -> dict:
         {
             "name": "background",
             "data": [20.0] * bins,
-            "modifiers": [{"name": "stat", "type": "staterror", "data": [2.0] * bins}],
+            "modifiers": [
+                {"name": "bkg_norm", "type": "normsys", "data": {"hi": 1.05, "lo": 0.95}}
+            ],
         },
     ]
     for k in range(systematics):
@@ -150,20 +153,20 @@ def normsys_heavy_workspace(bins: int = 100, systematics: int = 80) -> dict:
 
 
 def test_the_low_memory_solver_where_a_dense_row_would_not_fit(default_server, tmp_path):
-    """A dense row of this model needs 3.3 MiB, a low-rank one 1.3 MiB: with a 1.5 MiB bound it is
+    """A dense row of this model needs 4.0 MiB, a low-rank one 1.5 MiB: with a 2 MiB bound it is
     fitted with the low-rank solver (not refused), and answers as the dense one does."""
     body = {"workspace": normsys_heavy_workspace(), "test_poi": [0.5, 2.0]}
     with default_server.client() as client:
         dense = client.post("/cls", json=body)
     assert dense.status_code == 200, dense.text[:300]
-    with running_server(tmp_path, ["--max-fit-memory-mb", "1.5"]) as server, server.client() as c:
+    with running_server(tmp_path, ["--max-fit-memory-mb", "2"]) as server, server.client() as c:
         low_rank = c.post("/cls", json=body)
     assert low_rank.status_code == 200, low_rank.text[:300]
     for a, b in zip(dense.json(), low_rank.json(), strict=True):
         assert a["CLs_obs"] == pytest.approx(b["CLs_obs"], rel=1e-7)
         assert a["CLs_exp"] == pytest.approx(b["CLs_exp"], rel=1e-7)
     (tmp_path / "tight").mkdir()
-    tight = ["--max-fit-memory-mb", "1.2"]
+    tight = ["--max-fit-memory-mb", "1.4"]
     with running_server(tmp_path / "tight", tight) as server, server.client() as client:
         refused = client.post("/cls", json=body)
     assert refused.status_code == 422
@@ -189,6 +192,39 @@ def test_too_many_toys_are_refused_before_any_work(tmp_path):
         assert "(--max-toys-per-request)" in job.json()["detail"]
 
 
+def two_bin_channels_workspace(channels: int) -> dict:
+    """``channels`` regions of two bins, each with a signal (normfactor ``mu``) and a
+    background with two normsys of its own: ``2 channels + 1`` parameters, none of them
+    per-bin (each moves two bins), ``2 channels`` bins: a model the dense solver fits."""
+    regions = [
+        {
+            "name": f"r{c}",
+            "samples": [
+                {
+                    "name": "signal",
+                    "data": [1.0, 0.5],
+                    "modifiers": [{"name": "mu", "type": "normfactor", "data": None}],
+                },
+                {
+                    "name": "background",
+                    "data": [10.0, 12.0],
+                    "modifiers": [
+                        {"name": f"a{c}", "type": "normsys", "data": {"hi": 1.1, "lo": 0.9}},
+                        {"name": f"b{c}", "type": "normsys", "data": {"hi": 1.05, "lo": 0.97}},
+                    ],
+                },
+            ],
+        }
+        for c in range(channels)
+    ]
+    return {
+        "channels": regions,
+        "observations": [{"name": f"r{c}", "data": [11.0, 12.0]} for c in range(channels)],
+        "measurements": [{"name": "m", "config": {"poi": "mu", "parameters": []}}],
+        "version": "1.0.0",
+    }
+
+
 def proc_status_mb(server: ServerProcess, key: str) -> float:
     status = Path(f"/proc/{server.process.pid}/status").read_text()
     line = next(line for line in status.splitlines() if line.startswith(key))
@@ -200,8 +236,8 @@ def metric(client, name: str) -> float:
 
 
 def test_the_memory_metric_counts_what_fits_hold_and_the_process_gives_it_back(tmp_path):
-    """A 1200-bin staterror model (1201 parameters, 154 MiB a dense row) under a 400 MiB
-    bound: two rows per minimiser call. ``pyhf_gpu_fit_memory_peak_bytes`` shows what they
+    """A 1200-bin model of 1201 parameters none of which is per-bin (600 two-bin regions: 161
+    MiB a dense row) under a 400 MiB bound: two rows per minimiser call. ``pyhf_gpu_fit_memory_peak_bytes`` shows what they
     held, the process's peak grew by no more than 2x that (measured 1.7x, the request's
     parsing, translation and model build included), and once the fit
     is over its resident memory is back where it was (it kept ~400 MB before)."""
@@ -212,7 +248,7 @@ def test_the_memory_metric_counts_what_fits_hold_and_the_process_gives_it_back(t
         assert client.post("/cls", json={"workspace": staterror_workspace(20)}).is_success
         before = proc_status_mb(server, "VmRSS:")
         peak_before = proc_status_mb(server, "VmHWM:")
-        body = {"workspace": staterror_workspace(1200), "test_poi": [1.0, 2.0]}
+        body = {"workspace": two_bin_channels_workspace(600), "test_poi": [1.0, 2.0]}
         response = client.post("/cls", json=body, timeout=300)
         assert response.status_code == 200, response.text[:300]
         held = metric(client, "pyhf_gpu_fit_memory_peak_bytes") / 2**20

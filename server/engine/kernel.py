@@ -37,7 +37,7 @@ class MainTensors(NamedTuple):
     membership: torch.Tensor  # [E, U] how often element e sums common variant u
     nominal: torch.Tensor  # [Q]
     histosys_params: torch.Tensor  # [J_h] parameter index of each histosys parameter
-    histosys_coefficients: torch.Tensor  # [K * J_h, Q]
+    histosys_by_bin: torch.Tensor  # [N, U, K * J_h]: by bin, so no product copies it
     normsys_param: torch.Tensor  # [T] parameter index of each normsys entry
     normsys_column: torch.Tensor  # [T] column of each normsys entry
     normsys_coefficients: torch.Tensor  # [19, T] (normsys_kernel_coefficients)
@@ -68,12 +68,13 @@ class _Block(NamedTuple):
 
     nominal: torch.Tensor  # [B, Q]
     histosys_params: torch.Tensor  # [J]
-    histosys_coefficients: torch.Tensor  # [K * J, Q] or [B, K * J, Q]
+    histosys_coefficients: torch.Tensor | None  # own: [B, K * J, Q]; common: None
     normsys_param: torch.Tensor  # [T] or [B, T]
     normsys_column: torch.Tensor  # [T] or [B, T]
     normsys_coefficients: torch.Tensor  # [19, T] or [19, B, T]
     multiplier_params: torch.Tensor  # [M, Q] or [B, M, Q]
     weight: torch.Tensor | None  # [B, Q] element weights of the columns (None: all 1)
+    histosys_by_bin: torch.Tensor | None = None  # common: [N, U, K * J]; own: None
 
 
 class _RateFactors(NamedTuple):
@@ -92,7 +93,7 @@ def _blocks(element: torch.Tensor, main: MainTensors) -> tuple[_Block, _Block]:
     common = _Block(
         nominal=main.nominal.expand(rows, -1),
         histosys_params=main.histosys_params,
-        histosys_coefficients=main.histosys_coefficients,
+        histosys_coefficients=None,
         normsys_param=main.normsys_param,
         normsys_column=main.normsys_column,
         normsys_coefficients=main.normsys_coefficients,
@@ -100,6 +101,7 @@ def _blocks(element: torch.Tensor, main: MainTensors) -> tuple[_Block, _Block]:
         weight=main.membership.index_select(0, element).repeat_interleave(n_main, dim=1)
         if n_common
         else None,
+        histosys_by_bin=main.histosys_by_bin,
     )
     own = _Block(
         nominal=main.own_nominal.index_select(0, element),
@@ -132,8 +134,7 @@ def _rate_factors(
             basis, histosys_slope = histosys_basis_and_derivative(histosys_code, alpha)
         else:
             basis = histosys_basis(histosys_code, alpha)
-        basis = basis.reshape(pars.shape[0], 1, -1)
-        base = base + (basis @ block.histosys_coefficients).squeeze(1)
+        base = base + _histosys_shift(block, basis.reshape(pars.shape[0], -1))
     if block.normsys_column.shape[-1]:
         alpha = _take(pars, block.normsys_param)
         if with_slopes:
@@ -149,6 +150,15 @@ def _rate_factors(
         values = _multiplier_factors(pars, block)
         multipliers = values.prod(dim=1)
     return _RateFactors(base, normsys, multipliers, values, slope, histosys_slope)
+
+
+def _histosys_shift(block: _Block, basis: torch.Tensor) -> torch.Tensor:
+    """``[B, Q]``: every column's histosys shift for the basis values ``[B, K * J]``."""
+    if block.histosys_by_bin is None:  # own: per row
+        return (basis.unsqueeze(1) @ block.histosys_coefficients).squeeze(1)
+    n_main, n_variants, width = block.histosys_by_bin.shape
+    shift = block.histosys_by_bin.reshape(n_main * n_variants, width) @ basis.mT  # [N U, B]
+    return shift.reshape(n_main, n_variants, -1).permute(2, 1, 0).reshape(basis.shape[0], -1)
 
 
 def _take(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -216,24 +226,45 @@ def variant_rates(
     return torch.cat(parts, dim=1)
 
 
+class JacobianColumns(NamedTuple):
+    """Where :func:`expected_main_jacobian` puts each parameter's derivatives (see
+    :mod:`~pyhf_gpu_server.engine.sparsity`): a shared parameter's column of the dense
+    ``[B, N, K]`` Jacobian, or a per-bin parameter's entry of ``[B, M]`` (its one bin's
+    derivative). Index ``P`` (the "times 1" padding) maps past both."""
+
+    shared: torch.Tensor  # [P + 1] column among the K shared parameters (K: not shared)
+    per_bin: torch.Tensor  # [P + 1] position among the M per-bin parameters (M: not per-bin)
+    n_shared: int  # K
+    n_per_bin: int  # M
+
+
 def expected_main_jacobian(
     pars: torch.Tensor,
     element: torch.Tensor,
     main: MainTensors,
     histosys_code: str,
     normsys_code: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    columns: JacobianColumns | None = None,
+) -> tuple[torch.Tensor, ...]:
     """Expected main data ``[B, N]`` and its Jacobian ``[B, N, P]``, in closed form.
 
     One forward pass per modifier kind, no autograd: the fit loop runs on any device, and
-    under FakeTensorMode, with the same code.
+    under FakeTensorMode, with the same code. With ``columns``, the Jacobian comes in two
+    parts and nothing structurally zero is built: ``[B, N, K]`` over the shared parameters
+    and ``[B, M]``, each per-bin parameter's derivative of its own bin (a triple).
     """
     rows, n_pars = pars.shape
     n_main = main.bins.shape[0]
-    # flattened (bin, parameter) Jacobian with one spare parameter slot for "no parameter"
-    width = n_pars + 1
+    # flattened (bin, parameter) with one spare slot for "no parameter" (or a per-bin one)
+    if columns is None:
+        shared, per_bin, width = None, None, n_pars + 1
+    else:
+        shared, per_bin, width = columns.shared, columns.per_bin, columns.n_shared + 1
     expected = torch.zeros(rows, n_main, dtype=pars.dtype, device=pars.device)
     jacobian = torch.zeros(rows, n_main * width, dtype=pars.dtype, device=pars.device)
+    bin_jacobian = None
+    if per_bin is not None:
+        bin_jacobian = pars.new_zeros(rows, columns.n_per_bin + 1)
     for block in _blocks(element, main):
         n_columns = block.nominal.shape[1]
         if not n_columns:
@@ -245,26 +276,37 @@ def expected_main_jacobian(
         column_bin = main.bins.repeat(n_columns // n_main)  # [Q]
         if block.histosys_params.shape[0]:
             scale = factors.normsys * factors.multipliers * weight
-            per_bin = _histosys_per_bin(block, scale, factors.histosys_slope, n_main)  # [B, N, J]
-            target = (main.bins.unsqueeze(1) * width + block.histosys_params.unsqueeze(0)).flatten()
-            jacobian = jacobian.index_add(1, target, per_bin.reshape(rows, -1))
+            per_bin_shift = _histosys_per_bin(block, scale, factors.histosys_slope, n_main)
+            target = main.bins.unsqueeze(1) * width + _remap(
+                shared, block.histosys_params
+            ).unsqueeze(0)
+            jacobian = jacobian.index_add(1, target.flatten(), per_bin_shift.reshape(rows, -1))
         if block.normsys_column.shape[-1]:
             weighted = _take(rates * weight, block.normsys_column)
-            target = (
-                column_bin.index_select(0, block.normsys_column.reshape(-1)).reshape_as(
-                    block.normsys_column
-                )
-                * width
-                + block.normsys_param
-            )
+            target = column_bin.index_select(0, block.normsys_column.reshape(-1)).reshape_as(
+                block.normsys_column
+            ) * width + _remap(shared, block.normsys_param)
             jacobian = _add_at(jacobian, target, factors.normsys_slope * weighted)
         if block.multiplier_params.shape[-2]:
             others = _others(factors.multiplier_values)
             scale = (factors.base * factors.normsys * weight).unsqueeze(1)
-            target = column_bin * width + block.multiplier_params  # [M, Q] or [B, M, Q]
-            jacobian = _add_at(jacobian, target.flatten(-2), (others * scale).reshape(rows, -1))
-    jacobian = jacobian.reshape(rows, n_main, width).narrow(2, 0, n_pars)
-    return expected, jacobian
+            values = (others * scale).reshape(rows, -1)
+            params = block.multiplier_params  # [M, Q] or [B, M, Q]
+            target = column_bin * width + _remap(shared, params)
+            jacobian = _add_at(jacobian, target.flatten(-2), values)
+            if bin_jacobian is not None:
+                bin_jacobian = _add_at(bin_jacobian, _remap(per_bin, params).flatten(-2), values)
+    jacobian = jacobian.reshape(rows, n_main, width).narrow(2, 0, width - 1)
+    if bin_jacobian is None:
+        return expected, jacobian
+    return expected, jacobian, bin_jacobian.narrow(1, 0, columns.n_per_bin)
+
+
+def _remap(table: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor:
+    """``table`` at every entry of ``index`` (any shape); ``index`` itself without a table."""
+    if table is None:
+        return index
+    return table.index_select(0, index.reshape(-1)).reshape(index.shape)
 
 
 def main_rates_curvature(
@@ -345,19 +387,22 @@ def main_rates_curvature(
                 pairs = _add_at(pairs, target.flatten(-3), (scale * kept).reshape(rows, -1))
         if block.histosys_params.shape[0]:
             alpha = pars.index_select(1, block.histosys_params)
-            coefficients = block.histosys_coefficients
-            coefficients = coefficients.reshape(
-                *coefficients.shape[:-2], -1, alpha.shape[1], n_columns
-            )  # [K, J, Q] or [B, K, J, Q]
-            pattern = "bkj,kjq->bqj" if coefficients.dim() == 3 else "bkj,bkjq->bqj"
+            n_params = alpha.shape[1]
+            if block.histosys_by_bin is None:  # own: [B, K, J, Q]
+                coefficients = block.histosys_coefficients
+                coefficients = coefficients.reshape(rows, -1, n_params, n_columns)
+                pattern = "bkj,bkjq->bqj"
+            else:  # common: [N, U, K, J]
+                coefficients = block.histosys_by_bin
+                coefficients = coefficients.reshape(*coefficients.shape[:2], -1, n_params)
+                pattern = "bkj,nukj->bunj"
+            slope_by_column = torch.einsum(pattern, factors.histosys_slope, coefficients)
             base_slope = pars.new_zeros(rows, n_columns, width).index_add(
-                2,
-                block.histosys_params,
-                torch.einsum(pattern, factors.histosys_slope, coefficients),
+                2, block.histosys_params, slope_by_column.reshape(rows, n_columns, -1)
             )  # v
-            base_second = torch.einsum(
-                pattern, histosys_basis_second_derivative(histosys_code, alpha), coefficients
-            )  # [B, Q, J]
+            second = histosys_basis_second_derivative(histosys_code, alpha)
+            base_second = torch.einsum(pattern, second, coefficients)
+            base_second = base_second.reshape(rows, n_columns, -1)  # [B, Q, J]
             diagonal = diagonal.index_add(
                 1, block.histosys_params, ((weight * factor).unsqueeze(-1) * base_second).sum(1)
             )
@@ -391,15 +436,15 @@ def _histosys_per_bin(
     rows = scale.shape[0]
     n_variants = scale.shape[1] // n_main
     scale = scale.reshape(rows, n_variants, n_main)
-    coefficients = block.histosys_coefficients
-    if coefficients.dim() == 2:  # common: one product per bin, sum_u C[kj, u, n] scale[b, u, n]
-        coefficients = coefficients.reshape(-1, n_variants, n_main)  # [K * J, U, N]
-        scaled = scale.permute(2, 0, 1) @ coefficients.permute(2, 1, 0)  # [N, B, K * J]
-        scaled = scaled.permute(1, 2, 0)  # [B, K * J, N]
-    else:  # own: per row
-        coefficients = coefficients.reshape(rows, -1, n_variants, n_main)  # [B, K * J, S, N]
-        scaled = (coefficients * scale.unsqueeze(1)).sum(dim=2)  # [B, K * J, N]
-    scaled = scaled.reshape(rows, -1, block.histosys_params.shape[0], n_main)  # [B, K, J, N]
+    n_params = block.histosys_params.shape[0]
+    if block.histosys_by_bin is not None:  # common: per bin, sum_u scale[b, u, n] C[n, u, kj]
+        scaled = scale.permute(2, 0, 1) @ block.histosys_by_bin  # [N, B, K * J]
+        scaled = scaled.reshape(n_main, rows, -1, n_params)  # [N, B, K, J]
+        return (scaled * slope.unsqueeze(0)).sum(dim=2).transpose(0, 1)  # [B, N, J]
+    # own: per row
+    coefficients = block.histosys_coefficients.reshape(rows, -1, n_variants, n_main)
+    scaled = (coefficients * scale.unsqueeze(1)).sum(dim=2)  # [B, K * J, N]
+    scaled = scaled.reshape(rows, -1, n_params, n_main)  # [B, K, J, N]
     return (scaled * slope.unsqueeze(3)).sum(dim=1).transpose(1, 2)  # [B, N, J]
 
 

@@ -39,6 +39,7 @@ from .errors import IncompatibleModelsError
 from .interpolation import normsys_kernel_coefficients
 from .kernel import (
     ConstraintTensors,
+    JacobianColumns,
     MainTensors,
     constraint_deviance,
     constraint_logpdf,
@@ -53,6 +54,7 @@ from .kernel import (
     variant_rates,
 )
 from .layout import ElementLayout
+from .sparsity import BinBlocks, bin_parameters, slot_positions
 from .stacking import StackLayout
 from .translate import WorkspaceTranslator
 
@@ -195,7 +197,11 @@ class HistFactoryModel:
             membership=self._tensor(stack.membership),
             nominal=self._tensor(common.nominal[0]),
             histosys_params=self._tensor(common.histosys_params, long),
-            histosys_coefficients=self._tensor(common.histosys[0]),
+            histosys_by_bin=self._tensor(
+                common.histosys[0]
+                .reshape(common.histosys.shape[1], stack.n_common, self.n_main)
+                .transpose(2, 1, 0)  # [K * J, U, N] -> [N, U, K * J]
+            ),
             normsys_param=self._tensor(common.normsys_param[0], long),
             normsys_column=self._tensor(common.normsys_column[0], long),
             normsys_coefficients=self._tensor(
@@ -231,6 +237,10 @@ class HistFactoryModel:
         # does not start them at 0, a stationary point of theirs whatever the data
         self.symmetric_params = self._tensor(stack.symmetric_params, torch.bool)
         self.has_symmetric_params = bool(stack.symmetric_params.any())  # known on the host
+        # parameters that multiply one bin each: the block solver eliminates them
+        self.bin_parameters = bin_parameters(stack)
+        self._jacobian_columns: JacobianColumns | None = None
+        self._bin_blocks: BinBlocks | None = None
         self.init = self._tensor(stack.init)
         self.bounds = self._tensor(stack.bounds)
         self.fixed = self._tensor(stack.fixed, torch.bool)
@@ -329,6 +339,52 @@ class HistFactoryModel:
         element = self.element_index(element, pars.shape[0])
         return expected_main_jacobian(
             pars, element, self.main, self.histosys_code, self.normsys_code
+        )
+
+    def jacobian_columns(self) -> JacobianColumns:
+        """Where the block Jacobian puts each parameter (:mod:`.sparsity`), on the device (built
+        on first use)."""
+        if self._jacobian_columns is None:
+            structure, P = self.bin_parameters, self.n_pars
+            shared = np.full(P + 1, structure.n_shared, dtype=np.int64)
+            shared[structure.shared] = np.arange(structure.n_shared)
+            per_bin = np.full(P + 1, structure.n_per_bin, dtype=np.int64)
+            per_bin[structure.params] = np.arange(structure.n_per_bin)
+            self._jacobian_columns = JacobianColumns(
+                self._tensor(shared, torch.long),
+                self._tensor(per_bin, torch.long),
+                structure.n_shared,
+                structure.n_per_bin,
+            )
+        return self._jacobian_columns
+
+    def bin_blocks(self) -> BinBlocks:
+        """:attr:`bin_parameters` as index tensors on the device (built on first use)."""
+        if self._bin_blocks is None:
+            structure, long = self.bin_parameters, torch.long
+            self._bin_blocks = BinBlocks(
+                shared=self._tensor(structure.shared, long),
+                params=self._tensor(structure.params, long),
+                bins=self._tensor(structure.bins, long),
+                slots=self._tensor(structure.slots, long),
+                position=self._tensor(slot_positions(structure), long),
+            )
+        return self._bin_blocks
+
+    def expected_main_block_jacobian(
+        self, pars: torch.Tensor, element: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Expected main data ``[B, N]`` and its Jacobian in the two parts of
+        :attr:`bin_parameters`: ``[B, N, K]`` over the shared parameters and ``[B, M]``, each
+        per-bin parameter's derivative of its own bin (no structural zeros built). Eager."""
+        element = self.element_index(element, pars.shape[0])
+        return expected_main_jacobian(
+            pars,
+            element,
+            self.main,
+            self.histosys_code,
+            self.normsys_code,
+            self.jacobian_columns(),
         )
 
     def main_rates_curvature(

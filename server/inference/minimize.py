@@ -14,7 +14,9 @@ fixed-parameter mask) is advanced in one loop. Every iteration:
    which turns the linear convergence of Gauss-Newton into a superlinear one. The solve is
    a Cholesky factorisation of the ``P x P`` matrix, or, for an objective that gives ``H`` as
    diagonal plus low rank (many constrained parameters, few bins), Woodbury's identity on
-   ``r << P`` columns (:mod:`~pyhf_gpu_server.inference.curvature`),
+   ``r << P`` columns, or, for one whose per-bin parameters touch one bin each (many bins, a
+   gamma per bin), their elimination bin by bin and a Cholesky factorisation of the shared
+   parameters' Schur complement (:mod:`~pyhf_gpu_server.inference.curvature`),
 4. takes the derivatives at the projected trial point ``clip(x + p, lo, hi)`` of the damped
    step, and keeps it if it lowers the objective (Levenberg-Marquardt), else raises the
    damping: one derivative evaluation per iteration. (``trials="grid"`` instead evaluates
@@ -61,7 +63,14 @@ from typing import Literal, Protocol
 import torch
 from torch import Tensor
 
-from .curvature import DenseCurvature, Derivatives, LowRankCurvature, curvature_of
+from .curvature import (
+    BlockCurvature,
+    DenseCurvature,
+    Derivatives,
+    LowRankCurvature,
+    Solver,
+    curvature_of,
+)
 from .errors import FitStopped
 
 __all__ = [
@@ -132,8 +141,9 @@ class MinimizeOptions:
             without it a row converges only once its damping is below ``1e-3``.
         solver: how steps are solved from the curvature (see
             :mod:`~pyhf_gpu_server.inference.curvature`): ``"dense"`` (Cholesky),
-            ``"low-rank"`` (Woodbury, for objectives that give the low-rank pieces) or
-            ``"auto"``.
+            ``"low-rank"`` (Woodbury, for objectives that give the low-rank pieces),
+            ``"block"`` (the per-bin parameters eliminated, for objectives that give their
+            Jacobian in block form) or ``"auto"`` (``choose_solver``).
         secant_memory: secant pairs the low-rank curvature keeps.
         tail_rows: once at most this many rows still run after ``tail_after`` iterations
             (and the host looks, see ``check_every``), iterate with ``"grid"`` trials over
@@ -169,7 +179,7 @@ class MinimizeOptions:
     bound_tol: float = 1e-12
     secant: bool = True
     pure_newton: bool = True
-    solver: Literal["auto", "dense", "low-rank"] = "auto"
+    solver: Solver = "auto"
     secant_memory: int = 8
     tail_rows: int = 16
     tail_after: int = 20
@@ -233,7 +243,7 @@ class _State:
     x: Tensor
     f: Tensor
     g: Tensor
-    curvature: DenseCurvature | LowRankCurvature
+    curvature: DenseCurvature | LowRankCurvature | BlockCurvature
     lam: Tensor
     iterations: Tensor
     decrement: Tensor
@@ -297,7 +307,8 @@ def _iterate(
     s.decrement = torch.where(newton_trusted, decrements.select(0, 0), own)
     unit = None  # the grid's steps tried at their full length only: the exact Newton step
     grid = options.trials == "grid"
-    if grid and exact and hasattr(objective, "second_order") and s.curvature.r is not None:
+    exact = exact and s.curvature.exact_step and s.curvature.r is not None
+    if grid and exact and hasattr(objective, "second_order"):
         unit = _exact_newton_step(objective, s, movable)
         # where the model's curvature gives no certificate (not positive definite at lambda
         # = 0), the exact one does: a row at its minimum would only raise its damping until

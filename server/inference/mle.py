@@ -214,7 +214,14 @@ def _minimize(
         data_, element_, init_, bounds_, fixed_ = (
             t.narrow(0, start, length) for t in (data, element, init, bounds, fixed)
         )
-        objective = TwiceNLL(model, data_, element_, options.curvature)
+        objective = TwiceNLL(
+            model,
+            data_,
+            element_,
+            options.curvature,
+            solver=options.minimize.solver,
+            secant_memory=options.minimize.secant_memory,
+        )
         parts.append(minimize(objective, init_, bounds_, fixed_, options.minimize, options.stop))
     if len(parts) == 1:
         return parts[0]

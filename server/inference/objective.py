@@ -38,7 +38,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from .curvature import CPU_BLOCK_ROWS, Derivatives
+from .curvature import CPU_BLOCK_ROWS, Derivatives, Solver, choose_solver
 from .errors import InferenceError
 
 __all__ = ["CURVATURES", "Curvature", "TwiceNLL"]
@@ -58,6 +58,13 @@ class TwiceNLL:
         block_rows: evaluate at most this many rows per engine call (``None``: all at once).
             The default: :data:`~pyhf_gpu_server.inference.curvature.CPU_BLOCK_ROWS` on the
             CPU (cache-sized blocks, of equal size), unlimited elsewhere.
+        solver: the minimiser's solver (``MinimizeOptions.solver``); where it is (or
+            ``"auto"`` picks, :func:`~pyhf_gpu_server.inference.curvature.choose_solver`)
+            ``"block"``, the Jacobian-based curvatures come in block form: the shared
+            parameters' Jacobian and the per-bin parameters' one entry each, nothing
+            structurally zero built.
+        secant_memory: the minimiser's secant pairs (``MinimizeOptions.secant_memory``),
+            for that choice.
     """
 
     def __init__(
@@ -67,6 +74,8 @@ class TwiceNLL:
         element: Tensor,
         curvature: Curvature = "hessian",
         block_rows: int | Literal["auto"] | None = "auto",
+        solver: Solver = "auto",
+        secant_memory: int = 8,
     ):
         if curvature not in CURVATURES:
             raise InferenceError(f"curvature must be one of {CURVATURES}, not {curvature!r}")
@@ -78,6 +87,19 @@ class TwiceNLL:
         if block_rows == "auto":
             block_rows = CPU_BLOCK_ROWS if model.device.type == "cpu" else None
         self.block_rows = block_rows
+        self.blocks = None
+        if curvature != "hessian":
+            structure = model.bin_parameters
+            pick = choose_solver(
+                model.n_main,
+                model.n_pars,
+                structure.n_per_bin,
+                int(self.flat.shape[0]),
+                secant_memory * (curvature == "gauss-newton"),
+                solver,
+            )
+            if pick == "block" and structure.n_per_bin:
+                self.blocks = model.bin_blocks()
 
     def _blocks(self, x: Tensor, rows: Tensor) -> list[tuple[Tensor, Tensor]]:
         total = x.shape[0]
@@ -110,7 +132,11 @@ class TwiceNLL:
             return parts[0]
         return Derivatives(
             *(
-                None if field[0] is None else field[0] if name == "flat" else torch.cat(field)
+                None
+                if field[0] is None
+                else field[0]
+                if name in ("flat", "blocks")
+                else torch.cat(field)
                 for name, field in zip(Derivatives._fields, zip(*parts, strict=True), strict=True)
             )
         )
@@ -137,26 +163,62 @@ class TwiceNLL:
         """The closed-form gradient ``[R, P]`` of ``-2 log L`` (``J^T r`` plus the constraint
         terms'), with what it is made of: the rates ``[R, N]``, their Jacobian ``[R, N, P]``,
         ``n / lambda`` and ``r`` ``[R, N]``, and the constraint terms' curvature ``[R, P]``."""
-        model = self.model
-        observed_main = data.narrow(1, 0, model.n_main)
-        aux = data.narrow(1, model.n_main, model.n_aux)
-        rates, J = model.expected_main_jacobian(x, element)
-        # n / lambda with 0 / 0 = 0 (an empty bin with zero rate), as pyhf's xlogy
-        ratio = torch.where(observed_main > 0, observed_main / rates, 0.0)
-        residual = 2.0 * (1.0 - ratio)  # d(-2 log L)/d lambda
-        g = torch.einsum("rn,rnp->rp", residual, J)
-        cg, ch = self._constraint_derivatives(x, aux, element)
-        g = g.index_add(1, model.constraint.param, cg)
-        diagonal = torch.zeros_like(g).index_add(1, model.constraint.param, ch)
+        rates, J = self.model.expected_main_jacobian(x, element)
+        ratio, residual = self._residual(data, rates)
+        g, diagonal = self._with_constraints(
+            torch.einsum("rn,rnp->rp", residual, J), x, data, element
+        )
         return g, rates, J, ratio, residual, diagonal
 
     def _jacobian_based(self, x: Tensor, rows: Tensor) -> Derivatives:
         data, element = self.data.index_select(0, rows), self.element.index_select(0, rows)
-        g, rates, J, ratio, residual, diagonal = self._gradient(x, data, element)
+        if self.blocks is None:
+            g, rates, J, ratio, residual, diagonal = self._gradient(x, data, element)
+            bin_jacobian = None
+        else:
+            g, rates, J, bin_jacobian, ratio, residual, diagonal = self._block_gradient(
+                x, data, element
+            )
         weight = 2.0 / rates if self.curvature == "fisher" else 2.0 * ratio / rates
         f = self.model.deviance(x, data, element, rates)
         residual = residual if self.curvature == "gauss-newton" else None  # secant terms
-        return Derivatives(f, g, None, J, residual, weight, diagonal, self.flat)
+        return Derivatives(
+            f, g, None, J, residual, weight, diagonal, self.flat, bin_jacobian, self.blocks
+        )
+
+    def _block_gradient(
+        self, x: Tensor, data: Tensor, element: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """:meth:`_gradient` from the Jacobian in block form: the gradient, the rates, the
+        shared parameters' Jacobian ``[R, N, K]`` and the per-bin ones' ``[R, M]``, ``n /
+        lambda``, ``r`` and the constraint terms' curvature."""
+        model, blocks = self.model, self.blocks
+        rates, J, bin_jacobian = model.expected_main_block_jacobian(x, element)
+        ratio, residual = self._residual(data, rates)
+        g = torch.zeros_like(x)
+        g = g.index_copy(1, blocks.shared, (residual.unsqueeze(1) @ J).squeeze(1))
+        g = g.index_copy(1, blocks.params, residual.index_select(1, blocks.bins) * bin_jacobian)
+        g, diagonal = self._with_constraints(g, x, data, element)
+        return g, rates, J, bin_jacobian, ratio, residual, diagonal
+
+    def _residual(self, data: Tensor, rates: Tensor) -> tuple[Tensor, Tensor]:
+        """``n / lambda`` (with 0 / 0 = 0: an empty bin with zero rate, as pyhf's xlogy) and
+        ``r = d(-2 log L) / d lambda`` ``[R, N]``."""
+        observed_main = data.narrow(1, 0, self.model.n_main)
+        ratio = torch.where(observed_main > 0, observed_main / rates, 0.0)
+        return ratio, 2.0 * (1.0 - ratio)
+
+    def _with_constraints(
+        self, g: Tensor, x: Tensor, data: Tensor, element: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """The gradient ``g`` of the main terms plus the constraint terms', and the constraint
+        terms' curvature ``[R, P]``."""
+        model = self.model
+        aux = data.narrow(1, model.n_main, model.n_aux)
+        cg, ch = self._constraint_derivatives(x, aux, element)
+        g = g.index_add(1, model.constraint.param, cg)
+        diagonal = torch.zeros_like(g).index_add(1, model.constraint.param, ch)
+        return g, diagonal
 
     def second_order(self, x: Tensor, rows: Tensor, r: Tensor) -> Tensor:
         """``sum_n r_n Hess(lambda_n)`` ``[R, P, P]`` of the main-bin rates at ``x`` for the

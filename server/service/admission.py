@@ -8,11 +8,14 @@ their assembly, and a fit's exact Hessian is built in column blocks: ``10 P^2`` 
 measured (the peak resident memory of CPU fits of 1200- and 2400-bin staterror models grows
 by 5.6 ``P^2`` + 2 ``N P`` numbers per extra row, by 10-22 ``P^2`` for a first row); the
 low-rank solver (``inference/curvature.py``: diagonal + rank ``r`` Woodbury, ``r`` = main bins
-+ secant pairs + unconstrained parameters) keeps ``2 r P + 2 r^2`` instead. A 129 kB workspace
-of 6000 bins with a staterror has ``P = 6001``: 3.8 GiB a row. So before any work:
++ secant pairs + unconstrained parameters) keeps ``2 r P + 2 r^2`` instead, and the block solver
+(the ``M`` per-bin parameters eliminated, ``K = P - M`` shared ones dense) ``6 N K + 4 K^2``
+and its secant columns' solves. A 129 kB workspace of 6000 bins with a staterror has ``P =
+6001``: 3.8 GiB a dense row, 2.3 MiB a block one. So before any work:
 
-- the solver of a model is the one the minimiser would pick (``"auto"``), or the low-rank one
-  where the dense one would not fit a row in ``--max-fit-memory-mb`` but the low-rank one does;
+- the solver of a model is the one the minimiser would pick (``"auto"``,
+  ``inference.curvature.choose_solver``), or the low-rank one where the dense one would not
+  fit a row in ``--max-fit-memory-mb`` but the low-rank one does;
 - a model is refused when it can never fit (``--max-parameters``, ``--max-bins``, or one row
   above ``--max-fit-memory-mb`` with either solver), and a toy-based request when it asks for
   more than ``--max-toys-per-request`` toys in all;
@@ -35,6 +38,9 @@ Example:
     'low-rank'
     >>> limits.refusal(wide)[:44]
     'the model has 6001 parameters, more than the'
+    >>> analysis = ModelShape(n_pars=2107, n_main=1600, n_aux=2102, n_flat=5, n_per_bin=1600)
+    >>> limits.fit_plan(analysis)  # block: 46 MiB a row (dense: 459 MiB)
+    FitPlan(solver='auto', bytes_per_row=48681152)
 """
 
 from __future__ import annotations
@@ -45,21 +51,31 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
+from ..inference.curvature import choose_solver
+
 BYTES_PER_NUMBER = 8  # float64; float32 halves it, the bound stays conservative
 SECANT_PAIRS = 8  # MinimizeOptions.secant_memory: two columns each in the low-rank curvature
+DAMPINGS = 2  # steps solved per iteration: pure Newton's and the damped one
 
 Solver = Literal["auto", "low-rank"]
 
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The sizes admission looks at: parameters, main bins, auxiliary data, and parameters
-    without a Normal constraint (their curvature may be zero: a low-rank column each)."""
+    """The sizes admission looks at: parameters, main bins, auxiliary data, parameters
+    without a Normal constraint (their curvature may be zero: a low-rank column each), and
+    per-bin parameters (``engine.sparsity``; 0 where unknown: no block solver assumed)."""
 
     n_pars: int
     n_main: int
     n_aux: int
     n_flat: int
+    n_per_bin: int = 0
+
+    @property
+    def solver(self) -> str:
+        """The solver ``"auto"`` picks for this shape (``inference.curvature.choose_solver``)."""
+        return choose_solver(self.n_main, self.n_pars, self.n_per_bin, self.n_flat, SECANT_PAIRS)
 
     @property
     def n_data(self) -> int:
@@ -84,6 +100,18 @@ def low_rank_bytes_per_row(shape: ModelShape) -> int:
     return BYTES_PER_NUMBER * (2 * shape.n_data * P + 2 * r * P + 2 * r * r)
 
 
+def block_bytes_per_row(shape: ModelShape) -> int:
+    """``2 N K`` (the shared parameters' Jacobians, current and trial) + ``D (2 N K + 2 K^2)``
+    (per damping: the weighted Jacobian, the Schur complement and its factor) + ``2 D (2 m + 1)
+    P`` (the secant columns and their solves) + ``8 (N + A + P)`` (the per-bin blocks and the
+    per-row vectors): nothing grows with ``M P`` or ``P^2``."""
+    P, N = shape.n_pars, shape.n_main
+    K = P - shape.n_per_bin
+    m = SECANT_PAIRS
+    numbers = 2 * N * K + DAMPINGS * (2 * N * K + 2 * K * K) + 2 * DAMPINGS * (2 * m + 1) * P
+    return BYTES_PER_NUMBER * (numbers + 8 * (shape.n_data + P))
+
+
 @dataclass(frozen=True)
 class FitPlan:
     """How a model's fits run: the solver and what one row holds with it."""
@@ -104,11 +132,13 @@ class FitLimits:
     def fit_plan(self, shape: ModelShape) -> FitPlan:
         """The solver a model's fits use, and their bytes per row.
 
-        ``"auto"`` picks low-rank when ``2 r <= P`` (as the minimiser does); where it would
+        ``"auto"`` picks as the minimiser does (:attr:`ModelShape.solver`); where it would
         pick dense and a dense row does not fit but a low-rank one does, low-rank is forced."""
         dense, low = dense_bytes_per_row(shape), low_rank_bytes_per_row(shape)
-        if 2 * shape.low_rank <= shape.n_pars:
+        if shape.solver == "low-rank":
             return FitPlan("auto", low)
+        if shape.solver == "block":
+            return FitPlan("auto", block_bytes_per_row(shape))
         if dense > self.max_fit_bytes and low <= self.max_fit_bytes:
             return FitPlan("low-rank", low)
         return FitPlan("auto", dense)

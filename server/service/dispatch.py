@@ -23,6 +23,7 @@ from pydantic import BaseModel
 
 from pyhf_gpu_server.engine import HistFactoryModel
 from pyhf_gpu_server.engine.layout import ElementLayout
+from pyhf_gpu_server.engine.sparsity import layout_per_bin_count
 from pyhf_gpu_server.engine.stacking import partition, split_reason
 from pyhf_gpu_server.inference.minimize import MinimizeOptions
 from pyhf_gpu_server.inference.mle import FitOptions
@@ -469,6 +470,7 @@ def layout_shape(layout: ElementLayout) -> ModelShape:
         layout.n_main,
         len(layout.aux_param),
         layout.n_pars - len(constrained) + len(poisson),
+        layout_per_bin_count(layout),
     )
 
 
@@ -494,7 +496,8 @@ def stack_shape(layouts: Sequence[ElementLayout]) -> ModelShape:
 def model_shape(model: HistFactoryModel) -> ModelShape:
     """The sizes of a (stacked) model that admission looks at."""
     n_flat = model.unconstrained.numel() + model.poisson_constrained.numel()
-    return ModelShape(model.n_pars, model.n_main, model.n_aux, n_flat)
+    n_per_bin = model.bin_parameters.n_per_bin
+    return ModelShape(model.n_pars, model.n_main, model.n_aux, n_flat, n_per_bin)
 
 
 class _Progress:
