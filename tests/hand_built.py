@@ -194,3 +194,62 @@ def symmetric_workspace(seed: int) -> dict:
         "measurements": [{"name": "m", "config": {"poi": "mu", "parameters": []}}],
         "version": "1.0.0",
     }
+
+
+def large_scale_shapesys_workspace(seed: int = 2, bins: int = 40) -> dict:
+    """Three regions whose main background has a shapesys with Poisson scales of 10^4-10^6
+    (relative widths 10^-2 to 10^-3 on counts of 10^4-10^6, as some published likelihoods
+    have), a minor background with a wide shapesys and a floating normalisation that fits to
+    its bound: a deviance of ~10^3 summed from counts of ~10^7, whose rounding errors (~10^-8)
+    are far above an absolute convergence tolerance of 10^-10."""
+    rng = np.random.default_rng(seed)
+    channels, observations = [], []
+    peak = np.exp(-0.5 * ((np.arange(bins) - bins / 2) / 3) ** 2) * 200
+    for c in range(3):
+        background = rng.uniform(5e3, 5e5, bins)
+        relative = 10 ** (-0.5 * rng.uniform(4, 6, bins))  # tau = relative^-2: 1e4 .. 1e6
+        minor = rng.uniform(10, 500, bins)
+        channels.append(
+            {
+                "name": f"c{c}",
+                "samples": [
+                    {
+                        "name": "signal",
+                        "data": peak.tolist(),
+                        "modifiers": [{"name": "mu", "type": "normfactor", "data": None}],
+                    },
+                    {
+                        "name": "background",
+                        "data": background.tolist(),
+                        "modifiers": [
+                            {
+                                "name": f"shape_{c}",
+                                "type": "shapesys",
+                                "data": (background * relative).tolist(),
+                            },
+                            {"name": "norm", "type": "normsys", "data": {"hi": 1.05, "lo": 0.95}},
+                        ],
+                    },
+                    {
+                        "name": "minor",
+                        "data": minor.tolist(),
+                        "modifiers": [
+                            {
+                                "name": f"minor_shape_{c}",
+                                "type": "shapesys",
+                                "data": (minor * 0.3).tolist(),
+                            },
+                            {"name": f"minor_norm_{c}", "type": "normfactor", "data": None},
+                        ],
+                    },
+                ],
+            }
+        )
+        counts = rng.poisson(background * rng.normal(1, 0.02, bins) + minor * 0.2)
+        observations.append({"name": f"c{c}", "data": counts.astype(float).tolist()})
+    return {
+        "channels": channels,
+        "observations": observations,
+        "measurements": [{"name": "m", "config": {"poi": "mu", "parameters": []}}],
+        "version": "1.0.0",
+    }

@@ -390,3 +390,48 @@ def test_the_hard_fits_of_strongly_excluded_signals_converge():
     )
     assert left <= 1 and left_by_last_rows_only >= 10
     torch.testing.assert_close(cls, cls_last_rows_only, rtol=0, atol=1e-6)
+
+
+def test_fits_converge_where_the_deviance_is_summed_from_huge_counts():
+    """shapesys with Poisson scales of 10^4-10^6 (counts of ~10^7 behind a deviance of ~10^3):
+    the Newton decrement cannot fall below 1e-10 there, as every value carries rounding errors
+    of ~10^-8, and such fits were reported not converged although at their minimum. The
+    tolerance relative to the terms' size (decrement_tolerance's scale) reports them converged,
+    at a minimum no higher than pyhf's with scipy at a tight tolerance (and the free fit of a
+    hypotest as well as its conditional ones)."""
+    import numpy as np
+    import pyhf
+    from hand_built import large_scale_shapesys_workspace
+    from pyhf_global import global_pyhf
+
+    from pyhf_gpu_server.engine import HistFactoryModel
+    from pyhf_gpu_server.inference.hypotest import hypotest
+    from pyhf_gpu_server.inference.mle import fit
+    from pyhf_gpu_server.inference.objective import TwiceNLL
+
+    spec = large_scale_shapesys_workspace(seed=2, bins=12)
+    model = HistFactoryModel.from_workspace(spec, device=DEVICE)
+    ours = fit(model, uncertainties=False)
+    assert ours.converged.all()
+
+    class AbsoluteTolerance(TwiceNLL):  # no rounding scale: the tolerance as it was
+        rounding_scale = property(lambda self: (_ for _ in ()).throw(AttributeError()))
+
+    element = torch.zeros(1, dtype=torch.long, device=DEVICE)
+    for objective, converges in ((TwiceNLL, True), (AbsoluteTolerance, False)):
+        nll = objective(model, model.observed, element, "gauss-newton")
+        result = minimize(nll, model.init, model.bounds[0], model.fixed[0])
+        assert bool(result.converged.all()) is converges, objective
+    lo, hi = model.bounds[0].unbind(-1)
+    at_bound = ((ours.bestfit[0] - lo).abs() < 1e-9) | ((hi - ours.bestfit[0]).abs() < 1e-9)
+    assert at_bound.any()  # the projected steps hold some parameter on its bound
+    assert hypotest(model, [1.0]).status.converged.all()
+
+    workspace = pyhf.Workspace(spec)
+    reference = workspace.model()
+    data = workspace.data(reference)
+    with global_pyhf(tolerance=1e-12):  # pyhf's own fit (one start), scipy at 1e-12
+        _, twice_nll = pyhf.infer.mle.fit(data, reference, return_fitted_val=True)
+    ours_at_pyhf = -2 * reference.logpdf(ours.bestfit[0].cpu().numpy(), data)[0]
+    assert ours.best_twice_nll[0].item() == pytest.approx(ours_at_pyhf, abs=1e-6)
+    assert ours_at_pyhf <= float(np.asarray(twice_nll)) + 1e-6

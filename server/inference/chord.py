@@ -156,6 +156,12 @@ def chord_conditional_fits(
             return x, converged
     point = x.index_select(0, fits)
     f, g = objective.derivatives(point, fits)[:2]
+    everyone = torch.arange(F, device=device)
+    scale = (  # the objective's rounding scale per fit (decrement_tolerance)
+        objective.rounding_scale(everyone)
+        if hasattr(objective, "rounding_scale")
+        else torch.zeros(F, dtype=x.dtype, device=device)
+    )
     outward = _outward(g, held, at_lo, fits)
     g = g * moving.index_select(0, fits)
     work = _WorkingSet(fits, point, f, g, outward, usable.index_select(0, fits))
@@ -182,7 +188,7 @@ def chord_conditional_fits(
             r = r + (a - b).unsqueeze(1) * s_k
         step = -r * moving.index_select(0, fits) * work.active.unsqueeze(1)
         decrement = -(g * step).sum(-1)
-        tol_f = decrement_tolerance(f, tol)
+        tol_f = decrement_tolerance(f, tol, scale.index_select(0, fits))
         stop = work.active & (decrement <= tol_f)  # converged, or an uphill step (no certificate)
         # a held parameter whose gradient turned inward could still lower the objective:
         # by ``g_j^2 (H^-1)_jj`` alone, which must be within the tolerance too

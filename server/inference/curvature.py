@@ -469,8 +469,9 @@ class BlockCurvature(_SecantMemory):
         L_bin, info_bin = torch.linalg.cholesky_ex(torch.diag_embed(E_bin) + u_outer)
         u_solved = torch.cholesky_solve(u.unsqueeze(-1).expand(K_d, -1, -1, -1, -1), L_bin)
         eliminated = w - w * w * (u.unsqueeze(-1) * u_solved).sum((-2, -1))  # w' [K, R, N]
-        J_w = J * eliminated.clamp(min=0).sqrt().unsqueeze(-1)  # [K, R, N, K_s]
-        schur = J_w.mT @ J_w
+        schur = torch.stack(  # J^T diag(w') J [K, R, K_s, K_s], one damping's J at a time
+            [(J * e.unsqueeze(-1)).mT @ J for e in eliminated.clamp(min=0).unbind(0)]
+        )
         schur.diagonal(dim1=-2, dim2=-1).add_(E.index_select(2, blocks.shared))
         L_s, info_s = torch.linalg.cholesky_ex(schur)
 

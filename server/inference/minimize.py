@@ -98,7 +98,11 @@ class BatchedObjective(Protocol):
 
     def derivatives(self, x: Tensor, rows: Tensor) -> Derivatives | tuple[Tensor, Tensor, Tensor]:
         """Value ``[R]``, gradient ``[R, P]`` and a symmetric curvature matrix ``[R, P, P]``, or
-        its low-rank pieces (see :class:`~pyhf_gpu_server.inference.curvature.Derivatives`)."""
+        its low-rank pieces (see :class:`~pyhf_gpu_server.inference.curvature.Derivatives`).
+
+        Optionally also ``rounding_scale(rows) -> [R]``: the size of the terms a row's value
+        is summed from, which its rounding errors scale with (:func:`decrement_tolerance`).
+        """
         ...
 
 
@@ -249,6 +253,7 @@ class _State:
     decrement: Tensor
     converged: Tensor
     failed: Tensor
+    scale: Tensor  # [R] the objective's rounding scale (decrement_tolerance)
 
     def select(self, keep: Tensor) -> _State:
         """The sub-state of the rows where ``keep`` (bool ``[R]``) is true."""
@@ -258,12 +263,21 @@ class _State:
         )
 
 
-def decrement_tolerance(f: Tensor, tol: float) -> Tensor:
+def decrement_tolerance(f: Tensor, tol: float, scale: Tensor | float = 0.0) -> Tensor:
     """The Newton decrement ``-g.p`` under which a row has converged: ``tol``, or 64 units in
-    the last place of ``f`` where that is more. Either side of 0: a decrement below minus this
-    is an uphill step, which a positive definite curvature cannot give, so no certificate (a
-    solve that lost its digits gave one where a bin's rate was ~0, BENCHMARKS.md)."""
-    return torch.clamp(64 * torch.finfo(f.dtype).eps * (1 + f.abs()), min=tol)
+    the last place of what ``f`` is summed from where that is more: ``|f|`` and ``scale``, the
+    size of the terms behind it (:meth:`BatchedObjective` may give ``rounding_scale``: a
+    deviance of order 1000 summed from Poisson terms of counts ~10^6, as shapesys with Poisson
+    scales of 10^4-10^6 make, carries rounding errors of ~10^-8, and no step can show a
+    smaller decrease). Either side of 0: a decrement below minus this is an uphill step,
+    which a positive definite curvature cannot give, so no certificate (a solve that lost its
+    digits gave one where a bin's rate was ~0, BENCHMARKS.md).
+
+    >>> f = torch.tensor([1881.0, 2.0], dtype=torch.float64)
+    >>> decrement_tolerance(f, 1e-10, torch.tensor([5.7e7, 40.0], dtype=torch.float64))
+    tensor([8.1007e-07, 1.0000e-10], dtype=torch.float64)
+    """
+    return torch.clamp(64 * torch.finfo(f.dtype).eps * (1 + f.abs() + scale), min=tol)
 
 
 def _as_derivatives(result: Derivatives | tuple) -> Derivatives:
@@ -317,7 +331,8 @@ def _iterate(
         exact_decrement = -(s.g * unit[0].select(0, 0)).sum(-1)
         s.decrement = torch.where(certified, exact_decrement, s.decrement)
     # |decrement|: a row whose step goes uphill goes on, to a minimum or to failing
-    newly_converged = running & (s.decrement.abs() <= decrement_tolerance(s.f, options.tol))
+    tolerance = decrement_tolerance(s.f, options.tol, s.scale)
+    newly_converged = running & (s.decrement.abs() <= tolerance)
     moving = running & torch.logical_not(newly_converged)
 
     if options.trials == "damped":
@@ -460,6 +475,9 @@ def minimize(
         decrement=torch.full((B,), torch.inf, dtype=dtype, device=device),
         converged=torch.zeros(B, dtype=torch.bool, device=device),
         failed=torch.logical_not(torch.isfinite(f)),
+        scale=objective.rounding_scale(rows)
+        if hasattr(objective, "rounding_scale")
+        else torch.zeros_like(f),
     )
     out = MinimizeResult(
         x=x0.clone(),

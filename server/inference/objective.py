@@ -87,6 +87,7 @@ class TwiceNLL:
         if block_rows == "auto":
             block_rows = CPU_BLOCK_ROWS if model.device.type == "cpu" else None
         self.block_rows = block_rows
+        self._rounding_scale: Tensor | None = None
         self.blocks = None
         if curvature != "hessian":
             structure = model.bin_parameters
@@ -108,6 +109,19 @@ class TwiceNLL:
         blocks = -(-total // self.block_rows)
         size = -(-total // blocks)  # blocks of equal size: no small remainder
         return list(zip(x.split(size), rows.split(size), strict=True))
+
+    def rounding_scale(self, rows: Tensor) -> Tensor:
+        """``[R]``: the size of the terms a row's ``-2 log L`` deviance is summed from, the main
+        counts and the Poisson constraints' auxiliary counts (each term's rounding error is
+        ~eps times its count); the minimiser's convergence test is relative to it
+        (:func:`~pyhf_gpu_server.inference.minimize.decrement_tolerance`)."""
+        if self._rounding_scale is None:
+            model = self.model
+            main = self.data.narrow(1, 0, model.n_main).abs().sum(1)
+            aux = self.data.narrow(1, model.n_main, model.n_aux).abs()
+            poisson = torch.where(model.constraint.is_poisson, aux, 0.0).sum(1)
+            self._rounding_scale = main + poisson
+        return self._rounding_scale.index_select(0, rows)
 
     def value(self, x: Tensor, rows: Tensor) -> Tensor:
         """``-2 log L`` ``[R]`` at ``x [R, P]`` for the rows ``rows`` of the batch, less its
