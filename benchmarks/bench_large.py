@@ -147,9 +147,11 @@ def scaling(sizes, peer_python: str | None, dense_up_to: int, device: str = "cpu
         dense = ours(spec, "dense", device) if mine["pars"] <= dense_up_to else None
         them = peer(peer_python, spec, 1800) if peer_python else {}
         rows.append(mine)
-        ratio = them.get("fit", math.nan) / mine["fit"]
+        ratio = f"{them['fit'] / mine['fit']:.0f}x" if "fit" in them else "-"
         peer_fit = (
-            f"{them['fit']:.2f} ({them['fit_iterations']})" if "fit" in them else str(them)[:40]
+            f"{them['fit']:.2f} ({them['fit_iterations']})"
+            if "fit" in them
+            else (str(them)[:40] if them else "-")
         )
         peer_test = (
             f"{them['hypotest']:.2f} s" if "cls" in them else them.get("hypotest_error", "-")[:50]
@@ -160,9 +162,9 @@ def scaling(sizes, peer_python: str | None, dense_up_to: int, device: str = "cpu
             f"({mine['iterations']}) | {mine['per_iteration'] * 1e3:.1f} ms | "
             f"{mine['hypotest']:.2f} | "
             + (f"{dense['per_iteration'] * 1e3:.1f} ms" if dense else "-")
-            + f" | {peer_fit} | {peer_test} | {ratio:.0f}x | {mine['cls']:.6g} / {cls_peer} |"
+            + f" | {peer_fit} | {peer_test} | {ratio} | {mine['cls']:.6g} / {cls_peer} |"
         )
-        print(lines[-1], file=sys.stderr, flush=True)
+        print("progress:", lines[-1], file=sys.stderr, flush=True)
     if len(rows) > 1:
         exponent = slope([r["bins"] for r in rows], [r["per_iteration"] for r in rows])
         lines.append("")

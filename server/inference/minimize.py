@@ -264,20 +264,20 @@ class _State:
 
 
 def decrement_tolerance(f: Tensor, tol: float, scale: Tensor | float = 0.0) -> Tensor:
-    """The Newton decrement ``-g.p`` under which a row has converged: ``tol``, or 64 units in
-    the last place of what ``f`` is summed from where that is more: ``|f|`` and ``scale``, the
-    size of the terms behind it (:meth:`BatchedObjective` may give ``rounding_scale``: a
-    deviance of order 1000 summed from Poisson terms of counts ~10^6, as shapesys with Poisson
-    scales of 10^4-10^6 make, carries rounding errors of ~10^-8, and no step can show a
-    smaller decrease). Either side of 0: a decrement below minus this is an uphill step,
+    """The Newton decrement ``-g.p`` under which a row has converged: ``tol``, or where that
+    is more, what rounding leaves of ``f``: 64 units in the last place of ``|f|``, plus one of
+    ``scale``, the size of the terms ``f`` is summed from (:class:`BatchedObjective` may give
+    ``rounding_scale``: a deviance of order 1000 summed from Poisson terms of counts ~10^6, as
+    shapesys with Poisson scales of 10^4-10^6 make, carries rounding errors of ~10^-8, and no
+    step can show a smaller decrease). Either side of 0: a decrement below minus this is an uphill step,
     which a positive definite curvature cannot give, so no certificate (a solve that lost its
     digits gave one where a bin's rate was ~0, BENCHMARKS.md).
 
     >>> f = torch.tensor([1881.0, 2.0], dtype=torch.float64)
     >>> decrement_tolerance(f, 1e-10, torch.tensor([5.7e7, 40.0], dtype=torch.float64))
-    tensor([8.1007e-07, 1.0000e-10], dtype=torch.float64)
+    tensor([1.2683e-08, 1.0000e-10], dtype=torch.float64)
     """
-    return torch.clamp(64 * torch.finfo(f.dtype).eps * (1 + f.abs() + scale), min=tol)
+    return torch.clamp(torch.finfo(f.dtype).eps * (64 * (1 + f.abs()) + scale), min=tol)
 
 
 def _as_derivatives(result: Derivatives | tuple) -> Derivatives:
