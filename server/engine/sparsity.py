@@ -140,10 +140,9 @@ def slot_positions(structure: BinParameters) -> np.ndarray:
     return position
 
 
-def layout_per_bin_count(layout: ElementLayout) -> int:
-    """How many per-bin parameters one element's model has (as :func:`bin_parameters` finds
-    them), from its layout alone: what admission estimates a fit's memory by before any model
-    is built."""
+def _bin_ranges(layout: ElementLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per parameter of one element: the lowest and highest main bin it multiplies, and
+    whether it is interpolated (histosys or normsys: shared)."""
     n_main, n_pars = layout.n_main, layout.n_pars
     lowest = np.full(n_pars, n_main, dtype=np.int64)
     highest = np.full(n_pars, -1, dtype=np.int64)
@@ -152,7 +151,22 @@ def layout_per_bin_count(layout: ElementLayout) -> int:
             for p in params:
                 lowest[p] = min(lowest[p], b)
                 highest[p] = max(highest[p], b)
-    one_bin = lowest == highest
+    interpolated = np.zeros(n_pars, dtype=bool)
     for index in (layout.histosys_params, layout.normsys_params):
-        one_bin[np.asarray(index, dtype=np.int64)] = False
-    return int(one_bin.sum())
+        interpolated[np.asarray(index, dtype=np.int64)] = True
+    return lowest, highest, interpolated
+
+
+def layout_per_bin_count(layouts: ElementLayout | list[ElementLayout]) -> int:
+    """How many per-bin parameters the model stacking ``layouts`` (or of one layout) has, as
+    :func:`bin_parameters` finds them, from the layouts alone (parameters united by name):
+    what admission estimates a fit's memory by before any model is built."""
+    if isinstance(layouts, ElementLayout):
+        layouts = [layouts]
+    seen: dict[tuple[str, int], tuple[int, int, bool]] = {}
+    for layout in layouts:
+        labels = [(p.name, i) for p in layout.parameters for i in range(p.n_parameters)]
+        for label, lo, hi, interpolated in zip(labels, *_bin_ranges(layout), strict=True):
+            before = seen.get(label, (layout.n_main, -1, False))
+            seen[label] = (min(before[0], lo), max(before[1], hi), before[2] or interpolated)
+    return sum(1 for lo, hi, interpolated in seen.values() if lo == hi and not interpolated)

@@ -490,7 +490,8 @@ def stack_shape(layouts: Sequence[ElementLayout]) -> ModelShape:
             poisson.setdefault(labels[column], is_poisson)
     n_pars = sum(sizes.values())
     n_flat = n_pars - len(poisson) + sum(poisson.values())
-    return ModelShape(n_pars, layouts[0].n_main, len(poisson), n_flat)
+    n_per_bin = layout_per_bin_count(list(layouts))
+    return ModelShape(n_pars, layouts[0].n_main, len(poisson), n_flat, n_per_bin)
 
 
 def model_shape(model: HistFactoryModel) -> ModelShape:
