@@ -16,7 +16,8 @@ per bin, ``systematics`` shared normsys/histosys parameters, 7 backgrounds a reg
    peak resident memory (``/proc``, sampled every 0.1 s).
 
     .venv/bin/python benchmarks/bench_large.py [--peer-python /tmp/bench-venv/bin/python]
-        [--sizes tiny|small|all] [--skip-commands] [--device cuda --peer-python none]
+        [--sizes tiny|small|large|all] [--skip-commands] [--device cuda --peer-python none]
+        [--peer-up-to PARAMETERS] [--dense-up-to PARAMETERS]
 """
 
 from __future__ import annotations
@@ -24,11 +25,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -37,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import generate_large
-from bench_patchsets import CLIENT, cold_server
+from bench_patchsets import client_command
 
 from pyhf_gpu_server.engine import HistFactoryModel
 from pyhf_gpu_server.inference.hypotest import hypotest
@@ -48,6 +47,7 @@ from pyhf_gpu_server.inference.mle import FitOptions, fit
 SIZES = {
     "tiny": [(2, 25, 40), (4, 25, 80)],
     "small": [(4, 25, 80), (12, 25, 240), (40, 40, 500)],
+    "large": [(20, 40, 400), (50, 60, 600), (50, 100, 600)],
     "all": [
         (4, 25, 80),
         (12, 25, 240),
@@ -133,7 +133,9 @@ def slope(xs: list[float], ys: list[float]) -> float:
     )
 
 
-def scaling(sizes, peer_python: str | None, dense_up_to: int, device: str = "cpu") -> str:
+def scaling(
+    sizes, peer_python: str | None, dense_up_to: int, device: str = "cpu", peer_up_to: int = 10**9
+) -> str:
     lines = [
         "| channels x bins | parameters (per-bin) | ours: fit s (iterations) | ours: s/iteration "
         "| ours: hypotest s | dense: s/iteration | NextStat: fit s (iterations) | NextStat: "
@@ -145,7 +147,8 @@ def scaling(sizes, peer_python: str | None, dense_up_to: int, device: str = "cpu
         spec = generate_large.workspace(channels=channels, bins=bins, systematics=systematics)
         mine = ours(spec, "auto", device)
         dense = ours(spec, "dense", device) if mine["pars"] <= dense_up_to else None
-        them = peer(peer_python, spec, 1800) if peer_python else {}
+        run_peer = peer_python and mine["pars"] <= peer_up_to
+        them = peer(peer_python, spec, 1800) if run_peer else {}
         rows.append(mine)
         ratio = f"{them['fit'] / mine['fit']:.0f}x" if "fit" in them else "-"
         peer_fit = (
@@ -172,43 +175,6 @@ def scaling(sizes, peer_python: str | None, dense_up_to: int, device: str = "cpu
     return "\n".join(lines)
 
 
-def peak_rss(pid: int, stop: threading.Event, found: list[int]) -> None:
-    while not stop.is_set():
-        try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    found.append(int(line.split()[1]) * 1024)
-        except OSError:
-            return
-        stop.wait(0.1)
-
-
-def timed_command(args: list[str]) -> dict[str, Any]:
-    """One cold server, one client command: seconds, the answer, the server's peak RSS."""
-    with tempfile.TemporaryDirectory() as tmp:
-        server = cold_server(Path(tmp))
-        stop, found = threading.Event(), []
-        watcher = threading.Thread(target=peak_rss, args=(server.process.pid, stop, found))
-        watcher.start()
-        try:
-            env = {**os.environ, "PYHF_GPU_SERVER": server.url}
-            start = time.perf_counter()
-            proc = subprocess.run(
-                [str(CLIENT), "cls", *args],
-                capture_output=True,
-                text=True,
-                env=env,
-                timeout=1800,
-                check=True,
-            )
-            seconds = time.perf_counter() - start
-        finally:
-            stop.set()
-            watcher.join()
-            server.stop()
-    return {"seconds": seconds, "results": json.loads(proc.stdout), "rss": max(found, default=0)}
-
-
 def commands() -> str:
     shape = dict(channels=40, bins=40, systematics=500)
     with tempfile.TemporaryDirectory() as tmp:
@@ -219,8 +185,8 @@ def commands() -> str:
         bkg = generate_large.background_only(**shape)
         background.write_text(json.dumps(bkg))
         patchset.write_text(json.dumps(generate_large.patchset(bkg, 24)))
-        single = timed_command([str(whole)])
-        many = timed_command([str(background), "--patchset", str(patchset)])
+        single = client_command([whole])
+        many = client_command([background, "--patchset", patchset])
     return "\n".join(
         [
             "| command (cold server, 40 x 40 bins, 2107 parameters) | seconds | server peak RSS |",
@@ -241,13 +207,14 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--sizes", choices=sorted(SIZES), default="small")
     parser.add_argument("--dense-up-to", type=int, default=2200, help="parameters")
+    parser.add_argument("--peer-up-to", type=int, default=2200, help="parameters")
     parser.add_argument("--skip-commands", action="store_true")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     peer_python = args.peer_python if Path(args.peer_python).exists() else None
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.device}\n")
-    print(scaling(SIZES[args.sizes], peer_python, args.dense_up_to, args.device))
+    print(scaling(SIZES[args.sizes], peer_python, args.dense_up_to, args.device, args.peer_up_to))
     if not args.skip_commands:
         print()
         print(commands())

@@ -45,6 +45,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -149,16 +150,31 @@ def cold_server(data_dir: Path) -> ServerProcess:
     ).start()
 
 
-def command(background: Path, patchset: Path, client: Path = CLIENT) -> dict[str, Any]:
-    """One cold server, one client command (the console script ``client``): seconds,
-    results."""
+def _peak_rss(pid: int, stop: threading.Event, found: list[int]) -> None:
+    """Sample a process's resident memory every 0.1 s into ``found`` until ``stop``."""
+    while not stop.is_set():
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    found.append(int(line.split()[1]) * 1024)
+        except OSError:
+            return
+        stop.wait(0.1)
+
+
+def client_command(args: list[str], client: Path = CLIENT) -> dict[str, Any]:
+    """One cold server, one client command ``client cls *args`` (the console script): seconds,
+    results, the client's stderr, and the server's peak resident memory (bytes)."""
     with tempfile.TemporaryDirectory() as tmp:
         server = cold_server(Path(tmp))
+        stop, found = threading.Event(), []
+        watcher = threading.Thread(target=_peak_rss, args=(server.process.pid, stop, found))
+        watcher.start()
         try:
             env = {**os.environ, "PYHF_GPU_SERVER": server.url}
             start = time.perf_counter()
             proc = subprocess.run(
-                [str(client), "cls", str(background), "--patchset", str(patchset)],
+                [str(client), "cls", *map(str, args)],
                 capture_output=True,
                 text=True,
                 env=env,
@@ -167,8 +183,20 @@ def command(background: Path, patchset: Path, client: Path = CLIENT) -> dict[str
             )
             seconds = time.perf_counter() - start
         finally:
+            stop.set()
+            watcher.join()
             server.stop()
-    return {"seconds": seconds, "results": json.loads(proc.stdout), "stderr": proc.stderr}
+    return {
+        "seconds": seconds,
+        "results": json.loads(proc.stdout),
+        "stderr": proc.stderr,
+        "rss": max(found, default=0),
+    }
+
+
+def command(background: Path, patchset: Path, client: Path = CLIENT) -> dict[str, Any]:
+    """:func:`client_command` of a background and a patchset."""
+    return client_command([background, "--patchset", patchset], client)
 
 
 def one_client(url: str, workspace_id: str, ops: list, ready: Any, answers: Any) -> None:

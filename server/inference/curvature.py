@@ -42,7 +42,7 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import torch
@@ -208,16 +208,18 @@ def _capacitance_step(gram: Tensor, n_u: int, n_v: int) -> tuple[Tensor, Tensor]
     return torch.cat([-z, y], -2), ok & (info_v == 0)
 
 
+@dataclass
 class _SecantMemory:
     """The NL2SOL secant term ``S = sum_k c_k (a_k y_k^T + y_k a_k^T)`` of the last
     ``memory`` pairs ``(a_k, y_k)`` (``pairs_a``, ``pairs_y`` ``[R, m, P]``, weights ``c [R,
-    m]``), shared by the curvatures that never hold ``S`` as a ``P x P`` matrix."""
+    m]``), shared by the curvatures that never hold ``S`` as a ``P x P`` matrix (their
+    keyword fields)."""
 
-    memory: int
-    pairs_a: Tensor | None
-    pairs_y: Tensor | None
-    c: Tensor | None
-    slot: int
+    memory: int = field(default=8, kw_only=True)
+    pairs_a: Tensor | None = field(default=None, kw_only=True)
+    pairs_y: Tensor | None = field(default=None, kw_only=True)
+    c: Tensor | None = field(default=None, kw_only=True)
+    slot: int = field(default=0, kw_only=True)
 
     def _init_pairs(self, d: Tensor, r: Tensor | None) -> None:
         if r is None:
@@ -286,11 +288,6 @@ class LowRankCurvature(_SecantMemory):
     w: Tensor
     r: Tensor | None
     flat: Tensor
-    memory: int = 8
-    pairs_a: Tensor | None = None
-    pairs_y: Tensor | None = None
-    c: Tensor | None = None
-    slot: int = 0
 
     _not_per_row = ("flat",)
     exact_step = True  # the exact curvature's Newton step may be tried (see minimize)
@@ -401,11 +398,6 @@ class BlockCurvature(_SecantMemory):
     w: Tensor
     r: Tensor | None
     blocks: BinBlocks
-    memory: int = 8
-    pairs_a: Tensor | None = None
-    pairs_y: Tensor | None = None
-    c: Tensor | None = None
-    slot: int = 0
 
     _not_per_row = ()
     # the exact curvature's Newton step would be a dense P x P factorisation (and its
@@ -461,8 +453,8 @@ class BlockCurvature(_SecantMemory):
         m = movable.to(dtype)
         scale = _masked_scale(self.diagonal() * m, m)
         E = (self.d.unsqueeze(0) + lams.unsqueeze(-1) * scale) * m + (1 - m)  # [K, R, P]
-        J = self.J * m.index_select(1, blocks.shared).unsqueeze(1)  # [R, N, K_s]
-        w = self.w.clamp(min=0)
+        J, m_s = self.J, m.index_select(1, blocks.shared)  # [R, N, K_s]: held columns are
+        w = self.w.clamp(min=0)  # masked in the Schur complement and its right-hand sides
         u = self._by_bin(self.jb * m.index_select(1, blocks.params), 0.0)  # [R, N, G]
         E_bin = self._by_bin(E.index_select(2, blocks.params), 1.0)  # [K, R, N, G]
         u_outer = w.view(1, R, N, 1, 1) * (u.unsqueeze(-1) * u.unsqueeze(-2))
@@ -472,6 +464,7 @@ class BlockCurvature(_SecantMemory):
         schur = torch.stack(  # J^T diag(w') J [K, R, K_s, K_s], one damping's J at a time
             [(J * e.unsqueeze(-1)).mT @ J for e in eliminated.clamp(min=0).unbind(0)]
         )
+        schur = schur * (m_s.unsqueeze(-1) * m_s.unsqueeze(-2))
         schur.diagonal(dim1=-2, dim2=-1).add_(E.index_select(2, blocks.shared))
         L_s, info_s = torch.linalg.cholesky_ex(schur)
 
@@ -481,7 +474,8 @@ class BlockCurvature(_SecantMemory):
             x_bin = self._by_bin(X.index_select(2, blocks.params).mT, 0.0)  # [K, R, c, N, G]
             z = torch.cholesky_solve(x_bin.permute(0, 1, 3, 4, 2), L_bin)  # [K, R, N, G, c]
             q = w.view(1, R, N, 1) * (u.unsqueeze(-1) * z).sum(-2)  # [K, R, N, c]
-            p_s = torch.cholesky_solve(X.index_select(2, blocks.shared) - J.mT @ q, L_s)
+            rhs = (X.index_select(2, blocks.shared) - J.mT @ q) * m_s.unsqueeze(-1)
+            p_s = torch.cholesky_solve(rhs, L_s)
             v = w.view(1, R, N, 1) * (J @ p_s)  # [K, R, N, c]
             p_bin = (z - u_solved * v.unsqueeze(-2)).reshape(K_d, R, N * G, c)
             p_bin = p_bin.index_select(2, blocks.position)  # [K, R, M, c]
@@ -592,13 +586,13 @@ def curvature_of(
     secant = secant and d.J is not None and d.r is not None
     if d.blocks is not None:
         r = d.r if secant else None
-        return BlockCurvature(d.diagonal, d.J, d.bin_jacobian, d.weight, r, d.blocks, memory)
+        return BlockCurvature(d.diagonal, d.J, d.bin_jacobian, d.weight, r, d.blocks, memory=memory)
     if d.H is None and solver != "dense":
         N, P = d.J.shape[1:]
         pick = choose_solver(N, P, 0, d.flat.shape[0], memory * secant, solver)
         if pick == "low-rank":
             return LowRankCurvature(
-                d.diagonal, d.J, d.weight, d.r if secant else None, d.flat, memory
+                d.diagonal, d.J, d.weight, d.r if secant else None, d.flat, memory=memory
             )
     H = _dense(d)
     if not secant:

@@ -9,9 +9,9 @@ measured (the peak resident memory of CPU fits of 1200- and 2400-bin staterror m
 by 5.6 ``P^2`` + 2 ``N P`` numbers per extra row, by 10-22 ``P^2`` for a first row); the
 low-rank solver (``inference/curvature.py``: diagonal + rank ``r`` Woodbury, ``r`` = main bins
 + secant pairs + unconstrained parameters) keeps ``2 r P + 2 r^2`` instead, and the block solver
-(the ``M`` per-bin parameters eliminated, ``K = P - M`` shared ones dense) ``4 N K + 4 K^2``
+(the ``M`` per-bin parameters eliminated, ``K = P - M`` shared ones dense) ``3 N K + 4 K^2``
 and its secant columns' solves. A 129 kB workspace of 6000 bins with a staterror has ``P =
-6001``: 3.8 GiB a dense row, 2.3 MiB a block one. So before any work:
+6001``: 3.8 GiB a dense row, 4.3 MiB a block one. So before any work:
 
 - the solver of a model is the one the minimiser would pick (``"auto"``,
   ``inference.curvature.choose_solver``), or the low-rank one where the dense one would not
@@ -39,8 +39,8 @@ Example:
     >>> limits.refusal(wide)[:44]
     'the model has 6001 parameters, more than the'
     >>> analysis = ModelShape(n_pars=2107, n_main=1600, n_aux=2102, n_flat=5, n_per_bin=1600)
-    >>> limits.fit_plan(analysis)  # block: 34 MiB a row (dense: 459 MiB)
-    FitPlan(solver='auto', bytes_per_row=35701952)
+    >>> limits.fit_plan(analysis)  # block: 28 MiB a row (dense: 459 MiB)
+    FitPlan(solver='auto', bytes_per_row=29212352)
 """
 
 from __future__ import annotations
@@ -101,14 +101,14 @@ def low_rank_bytes_per_row(shape: ModelShape) -> int:
 
 
 def block_bytes_per_row(shape: ModelShape) -> int:
-    """``4 N K`` (the shared parameters' Jacobians, current and trial, masked, and weighted for
-    one damping at a time) + ``2 D K^2`` (per damping: the Schur complement and its factor) +
+    """``3 N K`` (the shared parameters' Jacobians, current and trial, and weighted for one
+    damping at a time) + ``2 D K^2`` (per damping: the Schur complement and its factor) +
     ``2 D (2 m + 1) P`` (the secant columns and their solves) + ``8 (N + A + P)`` (the per-bin
     blocks and the per-row vectors): nothing grows with ``M P`` or ``P^2``."""
     P, N = shape.n_pars, shape.n_main
     K = P - shape.n_per_bin
     m = SECANT_PAIRS
-    numbers = 4 * N * K + DAMPINGS * 2 * K * K + 2 * DAMPINGS * (2 * m + 1) * P
+    numbers = 3 * N * K + DAMPINGS * 2 * K * K + 2 * DAMPINGS * (2 * m + 1) * P
     return BYTES_PER_NUMBER * (numbers + 8 * (shape.n_data + P))
 
 
