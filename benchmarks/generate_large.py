@@ -13,7 +13,8 @@ own slope), a signal peak (a Gaussian in mass, its width growing with the mass),
 - ``floating`` free background normalisations (normfactors ``norm_bkg_k`` on the k-th
   background of every region), the luminosity (``lumi``), and the POI ``mu_SIG``.
 
-Parameters: ``systematics + channels * bins + floating + 2``. Observed data: a Poisson draw of
+Parameters: ``systematics + channels * bins + floating + 3`` (lumi, the signal cross-section,
+the POI; :func:`size`). Observed data: a Poisson draw of
 the background at its nominal (seeded). The signal can be in the workspace (:func:`workspace`)
 or in a patchset of ``patches`` mass points on the background-only workspace
 (:func:`background_only` and :func:`patchset`).
@@ -25,8 +26,10 @@ Example:
     >>> ws = workspace(channels=2, bins=5, systematics=4, per_sample=2, backgrounds=2, seed=1)
     >>> import pyhf
     >>> model = pyhf.Workspace(ws).model()
-    >>> model.config.npars, model.config.nmaindata  # 4 + 2 * 5 + 2 floating + lumi + mu
-    (18, 10)
+    >>> model.config.npars, model.config.nmaindata  # 4 + 2 x 5 gammas + 2 floating + 3
+    (19, 10)
+    >>> size(channels=2, bins=5, systematics=4, floating=2)
+    {'parameters': 19, 'bins': 10}
 """
 
 from __future__ import annotations

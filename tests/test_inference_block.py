@@ -189,3 +189,13 @@ def test_block_hypotests_equal_dense_ones_on_a_generated_analysis():
     assert torch.allclose(auto.cls_obs, dense.cls_obs, rtol=0, atol=1e-8)
     assert torch.allclose(auto.cls_exp, dense.cls_exp, rtol=0, atol=1e-8)
     assert auto.status.converged.all() and dense.status.converged.all()
+
+
+def test_the_generator_makes_what_it_says():
+    """``generate_large``'s examples: its workspaces are pyhf's, of the size :func:`size` says."""
+    import doctest
+
+    assert doctest.testmod(generate_large).failed == 0
+    spec = generate_large.workspace(channels=3, bins=6, systematics=8, per_sample=8)
+    model = HistFactoryModel.from_workspace(spec)
+    assert (model.n_pars, model.n_main) == tuple(generate_large.size(3, 6, 8).values())
