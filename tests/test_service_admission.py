@@ -259,3 +259,17 @@ def test_the_memory_metric_counts_what_fits_hold_and_the_process_gives_it_back(t
         grew = proc_status_mb(server, "VmHWM:") - max(before, peak_before)
         assert grew <= 2 * held, (grew, held)
         assert resident - before < 80, (before, resident)
+
+
+def test_a_model_the_block_solver_fits_is_admitted_where_dense_would_not(default_server, tmp_path):
+    """A 1200-bin staterror model: a dense row needs 154 MiB, a low-rank one 89 MiB, a block
+    one (1200 per-bin gammas eliminated) well under 1 MiB: under a 20 MiB bound it is admitted
+    and fitted, and answers as the default server does."""
+    body = {"workspace": staterror_workspace(1200), "test_poi": [1.0]}
+    with default_server.client() as client:
+        reference = client.post("/cls", json=body, timeout=300)
+    assert reference.status_code == 200, reference.text[:300]
+    with running_server(tmp_path, ["--max-fit-memory-mb", "20"]) as server, server.client() as c:
+        bounded = c.post("/cls", json=body, timeout=300)
+    assert bounded.status_code == 200, bounded.text[:300]
+    assert bounded.json()[0]["CLs_obs"] == pytest.approx(reference.json()[0]["CLs_obs"], rel=1e-9)

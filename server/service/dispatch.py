@@ -354,7 +354,13 @@ class Dispatcher:
         """``element``, or its 422 if its model can never be fitted within the limits."""
         if element.layout is None or self.limits is None:
             return element
-        refusal = self.limits.refusal(layout_shape(element.layout))
+        shape = layout_shape(element.layout)
+        refusal = self.limits.refusal(shape)
+        if refusal is not None and shape.solver != "low-rank":
+            # the block solver may fit it: its per-bin parameters counted only now (a walk
+            # over the layout's bins, kept off the path of the models that fit anyway)
+            shape = replace(shape, n_per_bin=layout_per_bin_count(element.layout))
+            refusal = self.limits.refusal(shape)
         if refusal is None:
             return element
         return replace(element, layout=None, error=Unprocessable(refusal))
@@ -462,7 +468,8 @@ class Dispatcher:
 
 
 def layout_shape(layout: ElementLayout) -> ModelShape:
-    """The sizes of one element's model that admission looks at."""
+    """The sizes of one element's model that admission looks at (its per-bin parameters not
+    counted: see ``Dispatcher._admitted``)."""
     constrained = set(layout.aux_param.tolist())
     poisson = set(layout.aux_param[layout.aux_is_poisson].tolist())
     return ModelShape(
@@ -470,7 +477,6 @@ def layout_shape(layout: ElementLayout) -> ModelShape:
         layout.n_main,
         len(layout.aux_param),
         layout.n_pars - len(constrained) + len(poisson),
-        layout_per_bin_count(layout),
     )
 
 
