@@ -133,6 +133,28 @@ def test_fit_runs_on_fake_cuda(solver, trials):
             assert tensor.device == torch.device("cuda:0")
 
 
+def test_uncertainties_run_on_fake_cuda():
+    """The exact Hessian's covariance on a simulated cuda device, in block form (per-bin
+    parameters eliminated) and dense: any cpu tensor created on the way would raise."""
+    from pyhf_gpu_server.inference.covariance import covariance
+    from pyhf_gpu_server.inference.objective import TwiceNLL
+
+    with FakeTensorMode():
+        model = small_patchset_model("cuda")
+        assert model.bin_parameters.n_per_bin
+        element = torch.arange(model.n_elements, device="cuda")
+        data = model.observed.index_select(0, element)
+        objective = TwiceNLL(model, data, element, "hessian")
+        rows = torch.arange(model.n_elements, device="cuda")
+        fixed = model.fixed.index_select(0, element)
+        x = model.init.index_select(0, element)
+        block = objective.covariance(x, rows, fixed)
+        dense = covariance(objective.hessian(x, rows), fixed)
+        for tensor in (*block, *dense):
+            assert isinstance(tensor, FakeTensor)
+            assert tensor.device == torch.device("cuda:0")
+
+
 def test_kinked_fit_with_extra_starts_runs_on_fake_cuda():
     """code0/code1 make every fit run extra starts, a kink-pinned refit and one-sided slope
     checks: all of it on the model's device, with no data-dependent shapes."""

@@ -17,6 +17,7 @@ from test_inference_support import DEVICE as DEVICE_NAME
 from test_inference_support import one_thread  # noqa: F401 (fixture)
 
 from pyhf_gpu_server.engine import HistFactoryModel
+from pyhf_gpu_server.inference.covariance import covariance
 from pyhf_gpu_server.inference.curvature import (
     BlockCurvature,
     DenseCurvature,
@@ -78,6 +79,48 @@ def test_the_block_jacobian_is_the_whole_one_without_its_zeros(name):
     assert J_shared.shape == (3, model.n_main, structure.n_shared)
     assert torch.equal(rates, rates_block)
     assert torch.equal(_whole_jacobian(model, J_shared, J_bins), J)
+
+
+@pytest.mark.parametrize("name", [*WORKSPACE_NAMES, "analysis"])
+def test_the_block_hessian_and_covariance_equal_the_dense_ones(name):
+    """The exact Hessian in block form (the second-order term's per-bin border and bin blocks
+    included) equals the dense one, and the covariance by block elimination equals the dense
+    inverse, with a shared and a per-bin parameter fixed, for rows of different elements of a
+    heterogeneous stack (own per-row blocks; two per-bin parameters in one bin of sbottom-B)
+    and of a generated analysis with shape systematics."""
+    if name == "analysis":
+        model, element = _analysis(channels=3, bins=5), torch.tensor([0, 0], device=DEVICE)
+    else:
+        model, element = _heterogeneous(name), torch.tensor([0, 3, 7], device=DEVICE)
+    R = element.shape[0]
+    gen = torch.Generator().manual_seed(2)
+    x = model.init.index_select(0, element) + 0.05 * torch.randn(
+        R, model.n_pars, generator=gen, dtype=torch.float64
+    ).to(DEVICE)
+    x = torch.minimum(
+        torch.maximum(x, model.bounds[..., 0].index_select(0, element) + 1e-3),
+        model.bounds[..., 1].index_select(0, element),
+    )
+    data = model.observed.index_select(0, element)
+    rows = torch.arange(R, device=DEVICE)
+    objective = TwiceNLL(model, data, element, "hessian")
+    dense = objective.hessian(x, rows)
+    block = objective.block_hessian(x, rows)
+    torch.testing.assert_close(
+        block.dense(), dense, rtol=1e-11, atol=1e-11 * dense.abs().amax().item()
+    )
+    fixed = model.fixed.index_select(0, element).clone()
+    structure = model.bin_parameters
+    fixed[0, int(structure.shared[-1])] = True
+    fixed[-1, int(structure.params[0])] = True
+    # (an inverse exists away from the minimum too: the variances there may be negative)
+    unc, corr, cov = covariance(dense, fixed)
+    unc_b, corr_b, cov_b = block.covariance(fixed)
+    assert torch.isfinite(cov).all()
+    torch.testing.assert_close(cov_b, cov, rtol=1e-8, atol=1e-10 * cov.abs().amax().item())
+    torch.testing.assert_close(unc_b, unc, rtol=1e-8, atol=1e-12, equal_nan=True)
+    torch.testing.assert_close(corr_b, corr, rtol=1e-8, atol=1e-10, equal_nan=True)
+    assert (unc_b[fixed] == 0).all()
 
 
 def _random_block(model, R=5, m=3, seed=0):

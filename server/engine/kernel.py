@@ -236,6 +236,17 @@ class JacobianColumns(NamedTuple):
     per_bin: torch.Tensor  # [P + 1] position among the M per-bin parameters (M: not per-bin)
     n_shared: int  # K
     n_per_bin: int  # M
+    slot: torch.Tensor  # [P + 1] a per-bin parameter's slot among its bin's G (G: not per-bin)
+    slot_width: int  # G, the most per-bin parameters a bin has
+
+
+class RatesCurvature(NamedTuple):
+    """:func:`main_rates_curvature` in the block form of :class:`JacobianColumns`: nothing
+    structurally zero built (two per-bin parameters of different bins never meet)."""
+
+    shared: torch.Tensor  # [B, K, K] over the shared parameters
+    cross: torch.Tensor  # [B, N, G, K] per bin and slot, against the shared parameters
+    per_bin: torch.Tensor  # [B, N, G, G] per bin, among its slots
 
 
 def expected_main_jacobian(
@@ -316,9 +327,13 @@ def main_rates_curvature(
     histosys_code: str,
     normsys_code: str,
     bin_weights: torch.Tensor,
-) -> torch.Tensor:
+    columns: JacobianColumns | None = None,
+) -> torch.Tensor | RatesCurvature:
     """``sum_n w_n d2(expected bin n) / d pars2`` ``[B, P, P]`` for bin weights ``[B, N]``:
-    the second-order term of a Hessian that Gauss-Newton drops, in closed form.
+    the second-order term of a Hessian that Gauss-Newton drops, in closed form. With
+    ``columns``, in block form (:class:`RatesCurvature`): a per-bin parameter ``p`` is a
+    multiplier only (``v_p = s_p = 0``), so it meets a shared ``k`` in ``sum_q w t_p (b s_k +
+    v_k)`` and the multipliers' pairs, and another per-bin parameter of its bin in the pairs.
 
     Each column's rate is ``b f``: ``b`` the histosys-shifted nominal, ``f = g m`` the product
     of its normsys factors ``g`` and its multipliers ``m``. With ``v = grad b``, ``s = grad
@@ -328,7 +343,17 @@ def main_rates_curvature(
     all multipliers but two: a few batched products over the columns, no autograd.
     """
     rows, n_pars = pars.shape
-    width = n_pars + 1  # the spare slot of the "times 1" multiplier padding
+    n_main = main.bins.shape[0]
+    # the spare slot of the "times 1" multiplier padding (and, in block form, of the per-bin
+    # parameters among the shared, of the others among a bin's slots)
+    if columns is None:
+        shared, slot_of, width = None, None, n_pars + 1
+    else:
+        shared, slot_of, width = columns.shared, columns.slot, columns.n_shared + 1
+        slots = columns.slot_width + 1
+        cross = pars.new_zeros(rows, n_main, slots, width)
+        cross_pairs = pars.new_zeros(rows, n_main * slots * width)
+        bin_pairs = pars.new_zeros(rows, n_main * slots * slots)
     symmetric = pars.new_zeros(rows, width, width)
     half = pars.new_zeros(rows, width, width)  # the rest is half + half^T
     diagonal = pars.new_zeros(rows, width)
@@ -347,7 +372,7 @@ def main_rates_curvature(
         slope_change = pars.new_zeros(rows, n_columns * width)  # diag(s')
         if block.normsys_column.shape[-1]:
             alpha = _take(pars, block.normsys_param)
-            target = block.normsys_column * width + block.normsys_param
+            target = block.normsys_column * width + _remap(shared, block.normsys_param)
             slope = _add_at(slope, target, factors.normsys_slope)
             second = normsys_log_curvature(normsys_code, alpha, block.normsys_coefficients)
             slope_change = _add_at(slope_change, target, second)
@@ -355,17 +380,24 @@ def main_rates_curvature(
         slope_change = slope_change.reshape(rows, n_columns, width)
         factor_slope = factor.unsqueeze(-1) * slope  # f s, then df
         weighted_base = weight * factors.base  # w b
+        per_bin_t = None  # block form: t of the per-bin parameters by slot [B, Q, G + 1]
         if block.multiplier_params.shape[-2]:
             values = factors.multiplier_values  # [B, M, Q]
-            columns = torch.arange(n_columns, device=pars.device)
+            column = torch.arange(n_columns, device=pars.device)
             params = block.multiplier_params  # [M, Q] or [B, M, Q]
             others = (factors.normsys.unsqueeze(1) * _others(values)).reshape(rows, -1)
             t = _add_at(
                 pars.new_zeros(rows, n_columns * width),
-                (columns * width + params).flatten(-2),
+                (column * width + _remap(shared, params)).flatten(-2),
                 others,
             )
             t = t.reshape(rows, n_columns, width)
+            if slot_of is not None:
+                per_bin_t = _add_at(
+                    pars.new_zeros(rows, n_columns * slots),
+                    (column * slots + _remap(slot_of, params)).flatten(-2),
+                    others,
+                ).reshape(rows, n_columns, slots)
             factor_slope = factor_slope + t
             half = half.baddbmm((weighted_base.unsqueeze(-1) * t).mT, slope)  # sum_q w b t s^T
             depth = values.shape[1]
@@ -383,8 +415,16 @@ def main_rates_curvature(
                 distinct = (slot.view(-1, 1) != slot.view(1, -1)).unsqueeze(-1)
                 kept = torch.where(distinct, kept, torch.zeros_like(kept))
                 scale = (weighted_base * factors.normsys).unsqueeze(1).unsqueeze(1)
-                target = params.unsqueeze(-2) * width + params.unsqueeze(-3)  # [.., i, j, Q]
-                pairs = _add_at(pairs, target.flatten(-3), (scale * kept).reshape(rows, -1))
+                kept = (scale * kept).reshape(rows, -1)
+                first, second = params.unsqueeze(-2), params.unsqueeze(-3)  # [.., i, j, Q]
+                target = _remap(shared, first) * width + _remap(shared, second)
+                pairs = _add_at(pairs, target.flatten(-3), kept)
+                if slot_of is not None:  # (per-bin, shared) and (per-bin, per-bin) pairs
+                    by_bin = column_bin * slots + _remap(slot_of, first)
+                    target = by_bin * width + _remap(shared, second)
+                    cross_pairs = _add_at(cross_pairs, target.flatten(-3), kept)
+                    target = by_bin * slots + _remap(slot_of, second)
+                    bin_pairs = _add_at(bin_pairs, target.flatten(-3), kept)
         if block.histosys_params.shape[0]:
             alpha = pars.index_select(1, block.histosys_params)
             n_params = alpha.shape[1]
@@ -397,24 +437,44 @@ def main_rates_curvature(
                 coefficients = coefficients.reshape(*coefficients.shape[:2], -1, n_params)
                 pattern = "bkj,nukj->bunj"
             slope_by_column = torch.einsum(pattern, factors.histosys_slope, coefficients)
+            histosys_params = _remap(shared, block.histosys_params)
             base_slope = pars.new_zeros(rows, n_columns, width).index_add(
-                2, block.histosys_params, slope_by_column.reshape(rows, n_columns, -1)
+                2, histosys_params, slope_by_column.reshape(rows, n_columns, -1)
             )  # v
             second = histosys_basis_second_derivative(histosys_code, alpha)
             base_second = torch.einsum(pattern, second, coefficients)
             base_second = base_second.reshape(rows, n_columns, -1)  # [B, Q, J]
             diagonal = diagonal.index_add(
-                1, block.histosys_params, ((weight * factor).unsqueeze(-1) * base_second).sum(1)
+                1, histosys_params, ((weight * factor).unsqueeze(-1) * base_second).sum(1)
             )
             half = half.baddbmm(
                 (weight.unsqueeze(-1) * base_slope).mT, factor_slope
             )  # sum_q w v df^T
+        else:
+            base_slope = None
         product = (weighted_base * factor).unsqueeze(-1)  # w b f
         symmetric = symmetric.baddbmm((product * slope).mT, slope)
         diagonal = diagonal + (product * slope_change).sum(1)
+        if per_bin_t is not None:  # sum_q w t_p (b s + v), per bin: q = u N + n
+            toward = factors.base.unsqueeze(-1) * slope
+            if base_slope is not None:
+                toward = toward + base_slope
+            toward = (weight.unsqueeze(-1) * toward).reshape(rows, -1, n_main, width)
+            per_bin_t = per_bin_t.reshape(rows, -1, n_main, slots)
+            cross = cross + torch.einsum("bung,bunk->bngk", per_bin_t, toward)
     curvature = symmetric + pairs.view(rows, width, width) + half + half.mT
     curvature.diagonal(dim1=1, dim2=2).add_(diagonal)
-    return curvature.narrow(1, 0, n_pars).narrow(2, 0, n_pars)
+    if columns is None:
+        return curvature.narrow(1, 0, n_pars).narrow(2, 0, n_pars)
+    n_shared, n_slots = columns.n_shared, columns.slot_width
+    cross = cross + cross_pairs.view(rows, n_main, slots, width)
+    return RatesCurvature(
+        shared=curvature.narrow(1, 0, n_shared).narrow(2, 0, n_shared),
+        cross=cross.narrow(2, 0, n_slots).narrow(3, 0, n_shared),
+        per_bin=bin_pairs.view(rows, n_main, slots, slots)
+        .narrow(2, 0, n_slots)
+        .narrow(3, 0, n_slots),
+    )
 
 
 def _others(values: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,7 @@ from .kernel import (
     ConstraintTensors,
     JacobianColumns,
     MainTensors,
+    RatesCurvature,
     constraint_deviance,
     constraint_logpdf,
     constraint_saturated,
@@ -350,11 +351,16 @@ class HistFactoryModel:
             shared[structure.shared] = np.arange(structure.n_shared)
             per_bin = np.full(P + 1, structure.n_per_bin, dtype=np.int64)
             per_bin[structure.params] = np.arange(structure.n_per_bin)
+            width = structure.slots.shape[1]
+            slot = np.full(P + 1, width, dtype=np.int64)
+            slot[structure.params] = slot_positions(structure) % width
             self._jacobian_columns = JacobianColumns(
                 self._tensor(shared, torch.long),
                 self._tensor(per_bin, torch.long),
                 structure.n_shared,
                 structure.n_per_bin,
+                self._tensor(slot, torch.long),
+                width,
             )
         return self._jacobian_columns
 
@@ -388,12 +394,23 @@ class HistFactoryModel:
         )
 
     def main_rates_curvature(
-        self, pars: torch.Tensor, element: torch.Tensor, bin_weights: torch.Tensor
-    ) -> torch.Tensor:
+        self,
+        pars: torch.Tensor,
+        element: torch.Tensor,
+        bin_weights: torch.Tensor,
+        block: bool = False,
+    ) -> torch.Tensor | RatesCurvature:
         """``sum_n w_n d2(expected bin n) / d pars2`` ``[B, P, P]`` for bin weights ``w [B,
-        N]``, in closed form (the second-order term Gauss-Newton drops)."""
+        N]``, in closed form (the second-order term Gauss-Newton drops); ``block``: in the
+        block form of :meth:`jacobian_columns` (:class:`~.kernel.RatesCurvature`)."""
         return main_rates_curvature(
-            pars, element, self.main, self.histosys_code, self.normsys_code, bin_weights
+            pars,
+            element,
+            self.main,
+            self.histosys_code,
+            self.normsys_code,
+            bin_weights,
+            self.jacobian_columns() if block else None,
         )
 
     # ------------------------------------------------------------------ per sample

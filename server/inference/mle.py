@@ -56,7 +56,6 @@ __all__ = [
     "FitOptions",
     "FitRequest",
     "FitSpec",
-    "covariance",
     "fit",
     "fit_requests",
     "fit_rows",
@@ -181,29 +180,6 @@ def _start(
     return init, bounds, fixed
 
 
-def covariance(hessian: Tensor, fixed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Uncertainties ``[B, P]``, correlations and covariance ``[B, P, P]`` from the Hessian of
-    ``-2 log L``: ``cov = inv(H / 2)`` over the free parameters (as MINUIT's HESSE with
-    ``errordef = 1`` on ``-2 log L``); fixed parameters get 0, a singular Hessian NaN.
-
-    >>> import torch
-    >>> H = torch.tensor([[[8.0, 0.0], [0.0, 2.0]]], dtype=torch.float64)
-    >>> unc, corr, _ = covariance(H, torch.tensor([[False, True]]))
-    >>> unc.tolist(), corr.tolist()
-    ([[0.5, 0.0]], [[[1.0, 0.0], [0.0, 0.0]]])
-    """
-    free = fixed.logical_not().to(hessian.dtype)  # (``~`` and ``[:, None]`` of a device
-    both = free.unsqueeze(2) * free.unsqueeze(1)  # tensor fail under FakeTensorMode)
-    eye = torch.eye(hessian.shape[-1], dtype=hessian.dtype, device=hessian.device)
-    inverse, info = torch.linalg.inv_ex(0.5 * hessian * both + eye * (1 - free).unsqueeze(1))
-    cov = inverse * both
-    cov = torch.where((info == 0).view(-1, 1, 1), cov, torch.full_like(cov, torch.nan))
-    unc = torch.sqrt(cov.diagonal(dim1=-2, dim2=-1))
-    denom = unc.unsqueeze(2) * unc.unsqueeze(1)
-    corr = torch.where(denom > 0, cov / denom, torch.zeros_like(cov))
-    return unc, corr, cov
-
-
 def _minimize(
     model: HistFactoryModel, data, element, init, bounds, fixed, options: FitOptions
 ) -> MinimizeResult:
@@ -320,7 +296,7 @@ def hessian_uncertainties(
     options: FitOptions,
 ) -> tuple[Tensor, Tensor]:
     """Uncertainties ``[B, P]`` and correlations ``[B, P, P]`` from the exact Hessian of
-    ``-2 log L`` at the minima ``x [B, P]`` (:func:`covariance`), in chunks of
+    ``-2 log L`` at the minima ``x [B, P]`` (:meth:`TwiceNLL.covariance`), in chunks of
     ``options.max_rows`` rows."""
     uncertainties, correlations = [], []
     for start in range(0, x.shape[0], options.max_rows):
@@ -328,8 +304,8 @@ def hessian_uncertainties(
         objective = TwiceNLL(
             model, data.narrow(0, start, n), element.narrow(0, start, n), options.curvature
         )
-        hessian = objective.hessian(x.narrow(0, start, n), torch.arange(n, device=x.device))
-        unc, corr, _ = covariance(hessian, fixed.narrow(0, start, n))
+        rows = torch.arange(n, device=x.device)
+        unc, corr, _ = objective.covariance(x.narrow(0, start, n), rows, fixed.narrow(0, start, n))
         uncertainties.append(unc)
         correlations.append(corr)
     return torch.cat(uncertainties), torch.cat(correlations)

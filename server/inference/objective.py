@@ -38,6 +38,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from .covariance import BlockHessian, covariance
 from .curvature import CPU_BLOCK_ROWS, Derivatives, Solver, choose_solver
 from .errors import InferenceError
 
@@ -156,8 +157,50 @@ class TwiceNLL:
         )
 
     def hessian(self, x: Tensor, rows: Tensor) -> Tensor:
-        """The exact Hessian ``[R, P, P]`` of ``-2 log L`` (used for uncertainties)."""
+        """The exact Hessian ``[R, P, P]`` of ``-2 log L``."""
         return self._exact(x, rows)[2]
+
+    def covariance(self, x: Tensor, rows: Tensor, fixed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Uncertainties ``[R, P]``, correlations and covariance ``[R, P, P]`` at minima ``x``
+        from the exact Hessian (``fixed [R, P]`` get 0): by block elimination where the model
+        has per-bin parameters (:class:`~.covariance.BlockHessian`), else dense."""
+        if self.model.bin_parameters.n_per_bin:
+            return self.block_hessian(x, rows).covariance(fixed)
+        return covariance(self.hessian(x, rows), fixed)
+
+    def block_hessian(self, x: Tensor, rows: Tensor) -> BlockHessian:
+        """The exact Hessian of ``-2 log L`` in the block form of the model's per-bin
+        parameters (:class:`~.covariance.BlockHessian`): the Jacobian's blocks give ``J^T W
+        J``, :meth:`~pyhf_gpu_server.engine.HistFactoryModel.main_rates_curvature` the
+        second-order term; nothing structurally zero is built."""
+        parts = [self._block_exact(xb, rb) for xb, rb in self._blocks(x, rows)]
+        if len(parts) == 1:
+            return parts[0]
+        return BlockHessian(
+            *(torch.cat(field) for field in zip(*parts, strict=True)), parts[0].blocks
+        )
+
+    def _block_exact(self, x: Tensor, rows: Tensor) -> BlockHessian:
+        model, blocks = self.model, self.model.bin_blocks()
+        data, element = self.data.index_select(0, rows), self.element.index_select(0, rows)
+        rates, J, bin_jacobian = model.expected_main_block_jacobian(x, element)
+        ratio, residual = self._residual(data, rates)
+        diagonal = self._with_constraints(torch.zeros_like(x), x, data, element)[1]
+        second = model.main_rates_curvature(x, element, residual, block=True)
+        w = 2.0 * ratio / rates  # d2(-2 log L) / d lambda2
+        shared = (J * w.unsqueeze(-1)).mT @ J + second.shared
+        shared.diagonal(dim1=-2, dim2=-1).add_(diagonal.index_select(1, blocks.shared))
+        R, N = J.shape[:2]
+        pad = x.new_zeros(R, 1)
+        u = torch.cat([bin_jacobian, pad], 1).index_select(1, blocks.slots.flatten())
+        u = u.view(R, N, -1)  # [R, N, G] each slot's derivative of its bin (0: empty)
+        wu = w.unsqueeze(-1) * u
+        cross = wu.unsqueeze(-1) * J.unsqueeze(2) + second.cross
+        per_bin = wu.unsqueeze(-1) * u.unsqueeze(-2) + second.per_bin
+        constraint = torch.cat([diagonal.index_select(1, blocks.params), pad], 1)
+        constraint = constraint.index_select(1, blocks.slots.flatten()).view(R, N, -1)
+        per_bin = per_bin + torch.diag_embed(constraint)
+        return BlockHessian(0.5 * (shared + shared.mT), cross, 0.5 * (per_bin + per_bin.mT), blocks)
 
     def _exact(self, x: Tensor, rows: Tensor) -> Derivatives:
         """Exact derivatives, all in closed form: the Gauss-Newton matrix, the rates' own

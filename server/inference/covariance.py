@@ -1,0 +1,117 @@
+"""Uncertainties and correlations of a fit from the exact Hessian of ``-2 log L``.
+
+``cov = inv(H / 2)`` over the free parameters (MINUIT's HESSE with ``errordef = 1`` on ``-2
+log L``); fixed parameters get 0, a singular Hessian NaN. Two forms, one answer:
+
+- :func:`covariance` inverts a dense ``[B, P, P]`` Hessian.
+- :class:`BlockHessian` keeps the structure of a model with per-bin parameters
+  (:mod:`~pyhf_gpu_server.engine.sparsity`): a per-bin parameter meets only the shared
+  parameters and the other per-bin parameters of its own bin, so ``H`` is a dense ``K x K``
+  block over the ``K`` shared parameters, ``G x G`` blocks per bin, and their ``[N, G, K]``
+  border. Its :meth:`~BlockHessian.covariance` eliminates the per-bin blocks: with ``A`` the
+  block-diagonal part, ``C`` the border and ``S = H_KK - C^T A^-1 C`` the Schur complement,
+  ``cov_KK = S^-1``, ``cov_MK = -A^-1 C S^-1`` and ``cov_MM = A^-1 + A^-1 C S^-1 C^T A^-1``:
+  ``O(N G K^2 + K^3)`` for the shared block and the variances, ``O(M^2 K)`` for the whole
+  matrix, where the dense inverse is ``O(P^3)`` (and the dense Hessian's assembly ``O(N P^2)``).
+
+Example:
+    >>> import torch
+    >>> H = torch.tensor([[[8.0, 0.0], [0.0, 2.0]]], dtype=torch.float64)
+    >>> unc, corr, _ = covariance(H, torch.tensor([[False, True]]))
+    >>> unc.tolist(), corr.tolist()
+    ([[0.5, 0.0]], [[[1.0, 0.0], [0.0, 0.0]]])
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from ..engine.sparsity import BinBlocks
+
+__all__ = ["BlockHessian", "correlations", "covariance"]
+
+
+def correlations(cov: Tensor) -> tuple[Tensor, Tensor]:
+    """Uncertainties ``[B, P]`` and correlations ``[B, P, P]`` of covariances ``[B, P, P]``
+    (0 where a variance is 0)."""
+    unc = torch.sqrt(cov.diagonal(dim1=-2, dim2=-1))
+    denom = unc.unsqueeze(2) * unc.unsqueeze(1)
+    return unc, torch.where(denom > 0, cov / denom, torch.zeros_like(cov))
+
+
+def covariance(hessian: Tensor, fixed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Uncertainties ``[B, P]``, correlations and covariance ``[B, P, P]`` from a dense Hessian
+    ``[B, P, P]`` of ``-2 log L`` (see the module doc)."""
+    free = fixed.logical_not().to(hessian.dtype)  # (``~`` and ``[:, None]`` of a device
+    both = free.unsqueeze(2) * free.unsqueeze(1)  # tensor fail under FakeTensorMode)
+    eye = torch.eye(hessian.shape[-1], dtype=hessian.dtype, device=hessian.device)
+    inverse, info = torch.linalg.inv_ex(0.5 * hessian * both + eye * (1 - free).unsqueeze(1))
+    cov = inverse * both
+    cov = torch.where((info == 0).view(-1, 1, 1), cov, torch.full_like(cov, torch.nan))
+    return (*correlations(cov), cov)
+
+
+class BlockHessian(NamedTuple):
+    """The exact Hessian of ``-2 log L`` in the block form of a model's per-bin parameters
+    (see the module doc); slots of a bin past its per-bin parameters are zero."""
+
+    shared: Tensor  # [B, K, K] among the shared parameters
+    cross: Tensor  # [B, N, G, K] each bin's per-bin parameters against the shared ones
+    per_bin: Tensor  # [B, N, G, G] among each bin's per-bin parameters
+    blocks: BinBlocks
+
+    def dense(self) -> Tensor:
+        """The whole Hessian ``[B, P, P]`` (structural zeros included)."""
+        B, N, G, K = self.cross.shape
+        by_bin = self.shared.new_zeros(B, N * G, N * G)
+        _bin_diagonal(by_bin, N, G).copy_(self.per_bin.permute(0, 2, 3, 1))
+        return _whole(self.blocks, self.shared, self.cross.reshape(B, N * G, K), by_bin)
+
+    def covariance(self, fixed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """As :func:`covariance` of :meth:`dense`, by block elimination (see the module doc)."""
+        B, N, G, K = self.cross.shape
+        blocks, dtype = self.blocks, self.shared.dtype
+        free = fixed.logical_not().to(dtype)
+        free_shared = free.index_select(1, blocks.shared)  # [B, K]
+        pad = free.new_zeros(B, 1)  # empty slots are "fixed": identity rows
+        free_bin = torch.cat([free.index_select(1, blocks.params), pad], 1)
+        free_bin = free_bin.index_select(1, blocks.slots.flatten()).view(B, N, G)
+        A = 0.5 * self.per_bin * (free_bin.unsqueeze(-1) * free_bin.unsqueeze(-2))
+        A = A + torch.diag_embed(1 - free_bin)
+        C = 0.5 * self.cross * (free_bin.unsqueeze(-1) * free_shared.view(B, 1, 1, K))
+        D = 0.5 * self.shared * (free_shared.unsqueeze(-1) * free_shared.unsqueeze(-2))
+        D = D + torch.diag_embed(1 - free_shared)
+        A_inv, info_bin = torch.linalg.inv_ex(A)  # [B, N, G, G]
+        A_inv = A_inv * (free_bin.unsqueeze(-1) * free_bin.unsqueeze(-2))
+        Y = (A_inv @ C).reshape(B, N * G, K)  # A^-1 C
+        S_inv, info = torch.linalg.inv_ex(D - C.reshape(B, N * G, K).mT @ Y)
+        S_inv = S_inv * (free_shared.unsqueeze(-1) * free_shared.unsqueeze(-2))
+        YS = Y @ S_inv  # -cov_MK, by slot [B, N G, K]
+        by_bin = YS @ Y.mT  # A^-1 C S^-1 C^T A^-1 [B, N G, N G]
+        _bin_diagonal(by_bin, N, G).add_(A_inv.permute(0, 2, 3, 1))
+        cov = _whole(blocks, S_inv, -YS, by_bin)
+        ok = (info == 0) & (info_bin == 0).all(-1)
+        cov = torch.where(ok.view(-1, 1, 1), cov, torch.full_like(cov, torch.nan))
+        return (*correlations(cov), cov)
+
+
+def _bin_diagonal(by_bin: Tensor, N: int, G: int) -> Tensor:
+    """The view ``[B, G, G, N]`` of each bin's ``G x G`` block of ``by_bin [B, N G, N G]``."""
+    return by_bin.view(by_bin.shape[0], N, G, N, G).diagonal(dim1=1, dim2=3)
+
+
+def _whole(blocks: BinBlocks, shared: Tensor, cross: Tensor, by_bin: Tensor) -> Tensor:
+    """``[B, P, P]`` in parameter order from its shared block ``[B, K, K]``, the border
+    ``[B, N G, K]`` and the per-bin part ``[B, N G, N G]`` by slot (empty slots dropped)."""
+    position = blocks.position
+    cross = cross.index_select(1, position)  # [B, M, K]
+    per_bin = by_bin.index_select(1, position).index_select(2, position)  # [B, M, M]
+    whole = torch.cat([torch.cat([shared, cross.mT], 2), torch.cat([cross, per_bin], 2)], 1)
+    index = torch.cat([blocks.shared, blocks.params])  # whole's order: shared, then per-bin
+    order = torch.empty_like(index).index_copy(
+        0, index, torch.arange(index.shape[0], device=index.device)
+    )
+    return whole.index_select(1, order).index_select(2, order)
