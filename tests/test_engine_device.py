@@ -133,9 +133,10 @@ def test_fit_runs_on_fake_cuda(solver, trials):
             assert tensor.device == torch.device("cuda:0")
 
 
-def test_uncertainties_run_on_fake_cuda():
+def test_uncertainties_and_gradients_run_on_fake_cuda():
     """The exact Hessian's covariance on a simulated cuda device, in block form (per-bin
-    parameters eliminated) and dense: any cpu tensor created on the way would raise."""
+    parameters eliminated) and dense, and the Jacobian-free gradient of the ranking's chord
+    steps: any cpu tensor created on the way would raise."""
     from pyhf_gpu_server.inference.covariance import covariance
     from pyhf_gpu_server.inference.objective import TwiceNLL
 
@@ -150,7 +151,8 @@ def test_uncertainties_run_on_fake_cuda():
         x = model.init.index_select(0, element)
         block = objective.covariance(x, rows, fixed)
         dense = covariance(objective.hessian(x, rows), fixed)
-        for tensor in (*block, *dense):
+        gradient = objective.gradient(x, rows)
+        for tensor in (*block, *dense, *gradient):
             assert isinstance(tensor, FakeTensor)
             assert tensor.device == torch.device("cuda:0")
 

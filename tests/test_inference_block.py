@@ -123,6 +123,28 @@ def test_the_block_hessian_and_covariance_equal_the_dense_ones(name):
     assert (unc_b[fixed] == 0).all()
 
 
+@pytest.mark.parametrize("name", [*WORKSPACE_NAMES, "analysis"])
+def test_the_gradient_without_a_jacobian_equals_the_jacobians(name):
+    """The vector-Jacobian product (value and gradient, for chord steps) equals ``J^T r`` plus
+    the constraint terms of the Jacobian-based derivatives, for rows of several elements."""
+    if name == "analysis":
+        model, element = _analysis(channels=3, bins=5), torch.tensor([0, 0], device=DEVICE)
+    else:
+        model, element = _heterogeneous(name), torch.tensor([0, 3, 7], device=DEVICE)
+    R = element.shape[0]
+    gen = torch.Generator().manual_seed(3)
+    x = model.init.index_select(0, element) + 0.05 * torch.randn(
+        R, model.n_pars, generator=gen, dtype=torch.float64
+    ).to(DEVICE)
+    x = torch.maximum(x, model.bounds[..., 0].index_select(0, element) + 1e-3)
+    objective = TwiceNLL(model, model.observed.index_select(0, element), element, "gauss-newton")
+    rows = torch.arange(R, device=DEVICE)
+    whole = objective.derivatives(x, rows)
+    f, g = objective.gradient(x, rows)
+    assert torch.equal(f, whole.f)
+    torch.testing.assert_close(g, whole.g, rtol=1e-12, atol=1e-12 * whole.g.abs().amax().item())
+
+
 def _random_block(model, R=5, m=3, seed=0):
     """A block curvature with secant pairs at random points of ``model``, and its dense twin."""
     gen = torch.Generator().manual_seed(seed)

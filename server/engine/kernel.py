@@ -10,6 +10,7 @@ with ``index_select``/``narrow``: they behave the same everywhere, FakeTensorMod
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -311,6 +312,57 @@ def expected_main_jacobian(
     if bin_jacobian is None:
         return expected, jacobian
     return expected, jacobian, bin_jacobian.narrow(1, 0, columns.n_per_bin)
+
+
+def expected_main_gradient(
+    pars: torch.Tensor,
+    element: torch.Tensor,
+    main: MainTensors,
+    histosys_code: str,
+    normsys_code: str,
+    residual: Callable[[torch.Tensor], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expected main data ``[B, N]`` and ``sum_n r_n d(expected bin n) / d pars`` ``[B, P]``
+    for ``r = residual(expected)`` ``[B, N]``: a vector-Jacobian product in closed form, the
+    Jacobian ``[B, N, P]`` never built (each block's factors computed once, contracted with
+    ``r`` once every block's rates are summed). What steps that need no curvature cost.
+    """
+    rows, n_pars = pars.shape
+    n_main = main.bins.shape[0]
+    expected = pars.new_zeros(rows, n_main)
+    parts = []
+    for block in _blocks(element, main):
+        if block.nominal.shape[1]:
+            factors = _rate_factors(pars, block, histosys_code, normsys_code, with_slopes=True)
+            rates = factors.base * factors.normsys * factors.multipliers
+            expected = expected + _summed(rates, block, n_main)
+            parts.append((block, factors, rates))
+    r = residual(expected)
+    gradient = pars.new_zeros(rows, n_pars + 1)  # the spare slot of the "times 1" padding
+    for block, factors, rates in parts:
+        r_column = r.repeat(1, block.nominal.shape[1] // n_main)  # column u N + n: bin n
+        if block.weight is not None:
+            r_column = r_column * block.weight
+        if block.histosys_params.shape[0]:
+            scale = factors.normsys * factors.multipliers * r_column
+            if block.histosys_by_bin is None:  # own: [B, K J, Q]
+                contracted = (block.histosys_coefficients @ scale.unsqueeze(-1)).squeeze(-1)
+            else:  # common: [N, U, K J]
+                N, U, width = block.histosys_by_bin.shape
+                by_bin = scale.reshape(rows, U, N).transpose(1, 2).reshape(rows, N * U)
+                contracted = by_bin @ block.histosys_by_bin.reshape(N * U, width)
+            n_params = block.histosys_params.shape[0]
+            slope = factors.histosys_slope  # [B, K, J]
+            per_param = (contracted.reshape(rows, -1, n_params) * slope).sum(1)
+            gradient = gradient.index_add(1, block.histosys_params, per_param)
+        if block.normsys_column.shape[-1]:
+            weighted = _take(rates * r_column, block.normsys_column)
+            gradient = _add_at(gradient, block.normsys_param, factors.normsys_slope * weighted)
+        if block.multiplier_params.shape[-2]:
+            scale = (factors.base * factors.normsys * r_column).unsqueeze(1)
+            values = (_others(factors.multiplier_values) * scale).reshape(rows, -1)
+            gradient = _add_at(gradient, block.multiplier_params.flatten(-2), values)
+    return expected, gradient.narrow(1, 0, n_pars)
 
 
 def _remap(table: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor:

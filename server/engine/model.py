@@ -26,7 +26,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -47,6 +47,7 @@ from .kernel import (
     constraint_saturated,
     expected_aux,
     expected_main,
+    expected_main_gradient,
     expected_main_jacobian,
     main_rates_curvature,
     poisson_deviance,
@@ -391,6 +392,19 @@ class HistFactoryModel:
             self.histosys_code,
             self.normsys_code,
             self.jacobian_columns(),
+        )
+
+    def expected_main_gradient(
+        self,
+        pars: torch.Tensor,
+        element: torch.Tensor,
+        residual: Callable[[torch.Tensor], torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expected main data ``[B, N]`` and ``sum_n r_n d(expected bin n) / d pars`` ``[B,
+        P]`` for ``r = residual(expected)``, the Jacobian never built
+        (:func:`~.kernel.expected_main_gradient`). Eager."""
+        return expected_main_gradient(
+            pars, element, self.main, self.histosys_code, self.normsys_code, residual
         )
 
     def main_rates_curvature(

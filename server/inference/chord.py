@@ -26,7 +26,7 @@ reached. On the stau ranking (468 conditional fits, 119 parameters) 466 converge
 Example:
     >>> import torch
     >>> class Quartic:  # f(x) = x0^2 + x1^2 + x0 x1 + 0.1 x1^4 per row
-    ...     def derivatives(self, x, rows):
+    ...     def gradient(self, x, rows):
     ...         f = (x**2).sum(-1) + x[:, 0] * x[:, 1] + 0.1 * x[:, 1] ** 4
     ...         g0 = 2 * x[:, 0] + x[:, 1]
     ...         g1 = 2 * x[:, 1] + x[:, 0] + 0.4 * x[:, 1] ** 3
@@ -94,8 +94,8 @@ def chord_conditional_fits(
     columns), then takes quasi-Newton steps (see the module doc).
 
     Args:
-        objective: gives ``derivatives(x, fits)`` whose first two fields are the value ``[R]``
-            and gradient ``[R, P]`` at ``x [R, P]`` of the fits ``fits`` (a
+        objective: gives ``gradient(x, fits)``, the value ``[R]`` and gradient ``[R, P]`` at
+            ``x [R, P]`` of the fits ``fits`` (a
             :class:`~pyhf_gpu_server.inference.objective.TwiceNLL` over the ``F`` fits).
         best: ``[F, P]`` the unconditional minimum of each fit's row.
         values: ``[F, k]`` the values the fit pins its columns at.
@@ -155,7 +155,7 @@ def chord_conditional_fits(
         if not fits.numel():
             return x, converged
     point = x.index_select(0, fits)
-    f, g = objective.derivatives(point, fits)[:2]
+    f, g = objective.gradient(point, fits)
     everyone = torch.arange(F, device=device)
     scale = (  # the objective's rounding scale per fit (decrement_tolerance)
         objective.rounding_scale(everyone)
@@ -210,7 +210,7 @@ def chord_conditional_fits(
         trial = torch.minimum(
             torch.maximum(point + step, lo.index_select(0, fits)), hi.index_select(0, fits)
         )
-        f_trial, g_trial = objective.derivatives(trial, fits)[:2]
+        f_trial, g_trial = objective.gradient(trial, fits)
         outward_trial = _outward(g_trial, held, at_lo, fits)
         g_trial = g_trial * moving.index_select(0, fits)
         better = work.active & torch.isfinite(f_trial) & (f_trial <= f) & (decrement > 0)

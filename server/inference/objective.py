@@ -156,6 +156,22 @@ class TwiceNLL:
             )
         )
 
+    def gradient(self, x: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """Value ``[R]`` and gradient ``[R, P]`` only: ``J^T r`` as a vector-Jacobian product
+        (:meth:`~pyhf_gpu_server.engine.HistFactoryModel.expected_main_gradient`), no
+        Jacobian, no curvature (what chord steps need)."""
+        parts = [self._value_and_gradient(xb, rb) for xb, rb in self._blocks(x, rows)]
+        f, g = zip(*parts, strict=True)
+        return torch.cat(f), torch.cat(g)
+
+    def _value_and_gradient(self, x: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
+        data, element = self.data.index_select(0, rows), self.element.index_select(0, rows)
+        rates, g = self.model.expected_main_gradient(
+            x, element, lambda rates: self._residual(data, rates)[1]
+        )
+        g = self._with_constraints(g, x, data, element)[0]
+        return self.model.deviance(x, data, element, rates), g
+
     def hessian(self, x: Tensor, rows: Tensor) -> Tensor:
         """The exact Hessian ``[R, P, P]`` of ``-2 log L``."""
         return self._exact(x, rows)[2]
