@@ -41,7 +41,11 @@ class MainTensors(NamedTuple):
     histosys_by_bin: torch.Tensor  # [N, U, K * J_h]: by bin, so no product copies it
     normsys_param: torch.Tensor  # [T] parameter index of each normsys entry
     normsys_column: torch.Tensor  # [T] column of each normsys entry
-    normsys_coefficients: torch.Tensor  # [19, T] (normsys_kernel_coefficients)
+    # a sample's normsys is one factor for all its bins: the distinct (parameter, coefficients)
+    # of the entries are interpolated once, then gathered
+    normsys_distinct_param: torch.Tensor  # [T_d] parameter of each distinct normsys
+    normsys_distinct: torch.Tensor  # [T] each entry's distinct normsys
+    normsys_coefficients: torch.Tensor  # [19, T_d] (normsys_kernel_coefficients)
     multiplier_params: torch.Tensor  # [M, Q] parameter indices
     own_nominal: torch.Tensor  # [E, Q_s]
     own_histosys_params: torch.Tensor  # [J_s]
@@ -72,10 +76,12 @@ class _Block(NamedTuple):
     histosys_coefficients: torch.Tensor | None  # own: [B, K * J, Q]; common: None
     normsys_param: torch.Tensor  # [T] or [B, T]
     normsys_column: torch.Tensor  # [T] or [B, T]
-    normsys_coefficients: torch.Tensor  # [19, T] or [19, B, T]
+    normsys_coefficients: torch.Tensor  # [19, T_d] or [19, B, T]
     multiplier_params: torch.Tensor  # [M, Q] or [B, M, Q]
     weight: torch.Tensor | None  # [B, Q] element weights of the columns (None: all 1)
     histosys_by_bin: torch.Tensor | None = None  # common: [N, U, K * J]; own: None
+    normsys_distinct_param: torch.Tensor | None = None  # common: [T_d]; own: None (all)
+    normsys_distinct: torch.Tensor | None = None  # common: [T] into T_d; own: None
 
 
 class _RateFactors(NamedTuple):
@@ -103,6 +109,8 @@ def _blocks(element: torch.Tensor, main: MainTensors) -> tuple[_Block, _Block]:
         if n_common
         else None,
         histosys_by_bin=main.histosys_by_bin,
+        normsys_distinct_param=main.normsys_distinct_param,
+        normsys_distinct=main.normsys_distinct,
     )
     own = _Block(
         nominal=main.own_nominal.index_select(0, element),
@@ -137,13 +145,15 @@ def _rate_factors(
             basis = histosys_basis(histosys_code, alpha)
         base = base + _histosys_shift(block, basis.reshape(pars.shape[0], -1))
     if block.normsys_column.shape[-1]:
-        alpha = _take(pars, block.normsys_param)
+        alpha = _normsys_alpha(pars, block)
         if with_slopes:
             log_abs, negative, slope = normsys_log_factor_and_slope(
                 normsys_code, alpha, block.normsys_coefficients
             )
+            slope = _normsys_entries(slope, block)
         else:
             log_abs, negative = normsys_log_factor(normsys_code, alpha, block.normsys_coefficients)
+        log_abs, negative = _normsys_entries(log_abs, block), _normsys_entries(negative, block)
         total_log = _add_at(torch.zeros_like(base), block.normsys_column, log_abs)
         total_negative = _add_at(torch.zeros_like(base), block.normsys_column, negative)
         normsys = (1.0 - 2.0 * torch.remainder(total_negative, 2.0)) * torch.exp(total_log)
@@ -151,6 +161,20 @@ def _rate_factors(
         values = _multiplier_factors(pars, block)
         multipliers = values.prod(dim=1)
     return _RateFactors(base, normsys, multipliers, values, slope, histosys_slope)
+
+
+def _normsys_alpha(pars: torch.Tensor, block: _Block) -> torch.Tensor:
+    """``[B, T_d]``: the parameter of each distinct normsys (each entry's in the own block)."""
+    if block.normsys_distinct_param is None:
+        return _take(pars, block.normsys_param)
+    return pars.index_select(1, block.normsys_distinct_param)
+
+
+def _normsys_entries(values: torch.Tensor, block: _Block) -> torch.Tensor:
+    """``[B, T]``: values of the distinct normsys ``[B, T_d]`` at each entry."""
+    if block.normsys_distinct is None:
+        return values
+    return values.index_select(1, block.normsys_distinct)
 
 
 def _histosys_shift(block: _Block, basis: torch.Tensor) -> torch.Tensor:
@@ -423,10 +447,11 @@ def main_rates_curvature(
         slope = pars.new_zeros(rows, n_columns * width)  # s, flattened [B, Q * width]
         slope_change = pars.new_zeros(rows, n_columns * width)  # diag(s')
         if block.normsys_column.shape[-1]:
-            alpha = _take(pars, block.normsys_param)
+            alpha = _normsys_alpha(pars, block)
             target = block.normsys_column * width + _remap(shared, block.normsys_param)
             slope = _add_at(slope, target, factors.normsys_slope)
             second = normsys_log_curvature(normsys_code, alpha, block.normsys_coefficients)
+            second = _normsys_entries(second, block)
             slope_change = _add_at(slope_change, target, second)
         slope = slope.reshape(rows, n_columns, width)
         slope_change = slope_change.reshape(rows, n_columns, width)

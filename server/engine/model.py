@@ -194,6 +194,9 @@ class HistFactoryModel:
         stack, long = self.stack, torch.long
         self._fake_device = isinstance(torch.empty(0, device=self.device), FakeTensor)
         common, own = stack.common, stack.own
+        distinct_param, distinct, distinct_coefficients = _distinct_normsys(
+            common.normsys_param[0], common.normsys_coefficients[:, 0]
+        )
         self.main = MainTensors(
             bins=self._tensor(np.arange(self.n_main), long),
             membership=self._tensor(stack.membership),
@@ -206,9 +209,9 @@ class HistFactoryModel:
             ),
             normsys_param=self._tensor(common.normsys_param[0], long),
             normsys_column=self._tensor(common.normsys_column[0], long),
-            normsys_coefficients=self._tensor(
-                normsys_kernel_coefficients(common.normsys_coefficients[:, 0])
-            ),
+            normsys_distinct_param=self._tensor(distinct_param, long),
+            normsys_distinct=self._tensor(distinct, long),
+            normsys_coefficients=self._tensor(normsys_kernel_coefficients(distinct_coefficients)),
             multiplier_params=self._tensor(common.multiplier_params[0], long),
             own_nominal=self._tensor(own.nominal),
             own_histosys_params=self._tensor(own.histosys_params, long),
@@ -487,3 +490,21 @@ class HistFactoryModel:
             f"HistFactoryModel(elements={self.n_elements}, pars={self.n_pars}, bins={self.n_main}, "
             f"aux={self.n_aux}, device={self.device}, dtype={self.dtype})"
         )
+
+
+def _distinct_normsys(
+    param: np.ndarray, coefficients: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The distinct (parameter, coefficients) among normsys entries ``param [T]``,
+    ``coefficients [8, T]``: their parameters ``[T_d]``, each entry's index into them ``[T]``
+    and their coefficients ``[8, T_d]`` (a sample's normsys repeats on each of its bins).
+
+    >>> p, d, c = _distinct_normsys(np.array([3, 3, 5]), np.array([[0.1, 0.1, 0.2]] * 8))
+    >>> p.tolist(), d.tolist(), c.shape
+    ([3, 5], [0, 0, 1], (8, 2))
+    """
+    if param.shape[0] == 0:
+        return param, param, coefficients
+    keys = np.concatenate([param[None].astype(np.float64), coefficients]).T  # [T, 9]
+    unique, distinct = np.unique(keys, axis=0, return_inverse=True)
+    return unique[:, 0].astype(np.int64), distinct.reshape(-1), unique[:, 1:].T
