@@ -18,6 +18,11 @@ per bin, ``systematics`` shared normsys/histosys parameters, 7 backgrounds a reg
     .venv/bin/python benchmarks/bench_large.py [--peer-python /tmp/bench-venv/bin/python]
         [--sizes tiny|small|large|all] [--skip-commands] [--device cuda --peer-python none]
         [--peer-up-to PARAMETERS] [--dense-up-to PARAMETERS]
+    .venv/bin/python benchmarks/bench_large.py --analyses [--peer-up-to 200]
+
+3. **Analyses** (``--analyses``, in-process): our fit with Hessian uncertainties and our
+   ranking against NextStat's ``fit`` and ``ranking``, with the POI's uncertainty and the
+   post-fit impacts side by side.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from pyhf_gpu_server.engine import HistFactoryModel
 from pyhf_gpu_server.inference.hypotest import hypotest
 from pyhf_gpu_server.inference.minimize import MinimizeOptions
 from pyhf_gpu_server.inference.mle import FitOptions, fit
+from pyhf_gpu_server.inference.ranking import ranking
 
 # (channels, bins per channel, shared systematics): 200 to 5000 parameters, 100 to 5000 bins
 SIZES = {
@@ -81,10 +87,10 @@ print(json.dumps(out))
 """
 
 
-def peer(python: str, spec: dict[str, Any], timeout: float) -> dict[str, Any]:
+def peer(python: str, spec: dict[str, Any], timeout: float, script: str = PEER) -> dict[str, Any]:
     try:
         proc = subprocess.run(
-            [python, "-c", PEER],
+            [python, "-c", script],
             input=json.dumps(spec),
             capture_output=True,
             text=True,
@@ -122,6 +128,125 @@ def ours(spec: dict[str, Any], solver: str, device: str = "cpu") -> dict[str, An
         "pars": model.n_pars,
         "bins": model.n_main,
     }
+
+
+PEER_ANALYSES = r"""
+import json, sys, time, nextstat
+spec = sys.stdin.read()
+model = nextstat.from_pyhf(spec)
+start = time.perf_counter()
+result = nextstat.MaximumLikelihoodEstimator(max_iter=20000).fit(model)
+out = {"fit": time.perf_counter() - start, "converged": bool(result.converged)}
+out["poi_uncertainty"] = float(result.uncertainties[model.poi_index()])
+start = time.perf_counter()
+ranked = nextstat.ranking(model)
+out["ranking"] = time.perf_counter() - start
+out["impacts"] = {r["name"]: [r["delta_mu_up"], r["delta_mu_down"]] for r in ranked}
+print(json.dumps(out))
+"""
+
+# (channels, bins per channel, shared systematics) of the uncertainty and ranking table, with
+# a signal injected 8 times into the observations (the POI's best fit off its bound, where
+# impacts are not all 0)
+ANALYSES = [(4, 25, 80), (12, 25, 240), (40, 40, 500)]
+INJECTED = 8.0
+
+
+def pyhf_impacts(spec: dict[str, Any], names: list[str], ranked) -> dict[str, list[float]]:
+    """pyhf's post-fit impacts of ``names``, each refitted with scipy at tolerance 1e-12
+    (the parameter fixed at our best fit +- our post-fit sigma): the reference of the table."""
+    import pyhf
+
+    pyhf.set_backend("numpy", pyhf.optimize.scipy_optimizer(tolerance=1e-12))
+    workspace = pyhf.Workspace(spec)
+    model = workspace.model()
+    data = workspace.data(model)
+    k = model.config.poi_index
+    best = pyhf.infer.mle.fit(data, model)
+    out = {}
+    for name in names:
+        column = ranked.labels.index(name)
+        theta = float(ranked.bestfit[0, column])
+        sigma = float(ranked.uncertainty[0, column])
+        index = model.config.par_order.index(name.split("[")[0])
+        index = model.config.par_slice(model.config.par_order[index]).start + (
+            int(name.split("[")[1].rstrip("]")) if "[" in name else 0
+        )
+        impacts = []
+        for value in (theta + sigma, theta - sigma):
+            init = list(best)
+            init[index] = value
+            fixed = list(model.config.suggested_fixed())
+            fixed[index] = True
+            refit = pyhf.infer.mle.fit(data, model, init_pars=init, fixed_params=fixed)
+            impacts.append(float(refit[k] - best[k]))
+        out[name] = impacts
+    return out
+
+
+def analyses(peer_python: str | None, peer_up_to: int, rank_all_up_to: int) -> str:
+    """Our fit with Hessian uncertainties and ranking (every parameter up to
+    ``rank_all_up_to`` parameters, else the first 20 shared systematics), NextStat's ``fit``
+    (uncertainties included) and ``ranking`` (every parameter) where the model has at most
+    ``peer_up_to`` parameters; the post-fit impacts of our three largest-impact parameters
+    against pyhf's tight refits (:func:`pyhf_impacts`), where ranked all."""
+    rows = [
+        "| parameters | bins | ours: fit + uncertainties | NextStat: fit | ours: ranking "
+        "(ranked) | NextStat: ranking | ranking ratio | POI sigma, ours / NextStat | "
+        "top-3 post-fit impacts: max diff. to pyhf's refits, ours / NextStat's |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for channels, bins, systematics in ANALYSES:
+        spec = generate_large.workspace(
+            channels=channels, bins=bins, systematics=systematics, injected=INJECTED
+        )
+        model = HistFactoryModel.from_workspace(spec)
+        start = time.perf_counter()
+        result = fit(model)
+        sigma = float(result.uncertainty[0, model.poi_index])
+        fit_seconds = time.perf_counter() - start
+        names = None
+        if model.n_pars > rank_all_up_to:
+            names = [p for p in model.par_names if p.startswith("syst_")][:20]
+        start = time.perf_counter()
+        ranked = ranking(model, parameters=names)
+        ranked.postfit_up.sum().item()
+        rank_seconds = time.perf_counter() - start
+        row = ranked.to_json(0)
+        pairs = zip(row["postfit_up"], row["postfit_down"], strict=True)
+        ours_impacts = dict(zip(row["labels"], pairs, strict=True))
+        count = len(ranked.columns[0])
+        check = "-"
+        reference = {}
+        if names is None:
+            reference = pyhf_impacts(spec, row["labels"][:3], ranked)
+            check = f"{_largest_difference(ours_impacts, reference):.1e}"
+        peer_fit = peer_rank = ratio = sigmas = "-"
+        if peer_python and model.n_pars <= peer_up_to:
+            other = peer(peer_python, spec, 900, PEER_ANALYSES)
+            if "fit" in other:
+                peer_fit = f"{other['fit']:.2f}"
+                peer_rank = f"{other['ranking']:.1f}"
+                ratio = f"{other['ranking'] / rank_seconds:.0f}x"
+                sigmas = f"{sigma:.5f} / {other['poi_uncertainty']:.5f}"
+                if reference:
+                    check += f" / {_largest_difference(other['impacts'], reference):.1e}"
+            else:
+                peer_fit = peer_rank = str(other)[:40]
+        rows.append(
+            f"| {model.n_pars} | {model.n_main} | {fit_seconds:.2f} | {peer_fit} | "
+            f"{rank_seconds:.1f} ({count}) | {peer_rank} | {ratio} | {sigmas} | {check} |"
+        )
+    return "\n".join(rows)
+
+
+def _largest_difference(impacts: dict, reference: dict[str, list[float]]) -> float:
+    """The largest |impact - reference| over the reference's parameters (up and down)."""
+    return max(
+        abs(a - b)
+        for name, pair in reference.items()
+        for a, b in zip(impacts.get(name, [math.nan] * 2), pair, strict=True)
+    )
 
 
 def slope(xs: list[float], ys: list[float]) -> float:
@@ -209,11 +334,16 @@ def main() -> None:
     parser.add_argument("--dense-up-to", type=int, default=2200, help="parameters")
     parser.add_argument("--peer-up-to", type=int, default=2200, help="parameters")
     parser.add_argument("--skip-commands", action="store_true")
+    parser.add_argument("--analyses", action="store_true", help="uncertainties and ranking")
+    parser.add_argument("--rank-all-up-to", type=int, default=600, help="parameters")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     peer_python = args.peer_python if Path(args.peer_python).exists() else None
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.device}\n")
+    if args.analyses:
+        print(analyses(peer_python, args.peer_up_to, args.rank_all_up_to))
+        return
     print(scaling(SIZES[args.sizes], peer_python, args.dense_up_to, args.device, args.peer_up_to))
     if not args.skip_commands:
         print()

@@ -198,13 +198,20 @@ def _signal_operations(
     ]
 
 
-def workspace(mass: float = 0.5, **kwargs: Any) -> dict[str, Any]:
-    """A full workspace: :func:`background_only` with a signal at ``mass`` in every region."""
+def workspace(mass: float = 0.5, injected: float = 0.0, **kwargs: Any) -> dict[str, Any]:
+    """A full workspace: :func:`background_only` with a signal at ``mass`` in every region;
+    ``injected``: its observations also count a Poisson draw of that many times the signal
+    (seeded), so that the POI's best fit is off its bound (0: background only)."""
     background = background_only(**kwargs)
     systematics = kwargs.get("systematics", 500)
+    rng = np.random.default_rng(kwargs.get("seed", 0) + 2)
     for op in _signal_operations(background, mass, kwargs.get("seed", 0) + 1, systematics):
         c = int(op["path"].split("/")[2])
         background["channels"][c]["samples"].append(op["value"])
+        if injected:
+            observed = background["observations"][c]["data"]
+            signal = rng.poisson(injected * np.asarray(op["value"]["data"]))
+            background["observations"][c]["data"] = (np.asarray(observed) + signal).tolist()
     return background
 
 

@@ -48,7 +48,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # forked now, before the server starts any thread: a child has only the forking thread;
     # on a CPU device they also fit shares of engine calls (a GPU fits every row itself)
     engine = device == "cpu" and settings.dask_scheduler is None
-    workers = LocalWorkers.fork(settings.local_worker_count, engine=engine)
+    workers = LocalWorkers.fork(
+        settings.local_worker_count,
+        engine=engine,
+        max_layout_bytes=int(settings.max_model_memory_mb * 2**20),
+    )
     try:
         uvicorn.run(
             create_app(settings, local_workers=workers),

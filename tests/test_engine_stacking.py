@@ -182,3 +182,48 @@ def test_heterogeneous_patches_stack_and_equal_each_alone(name, file):
         )
         absent = sorted(set(range(stacked.n_pars)) - set(columns))
         assert not jacobian[row][:, absent].any()
+
+
+def test_a_budget_splits_stacks_by_their_union():
+    """Patches that each bring a uniquely named histosys: without a budget one stack (the
+    union of them all), with one the groups stay within its parameters and its variants'
+    histosys bytes, and an element alone always makes a group."""
+    from pyhf_gpu_server.engine.stacking import StackBudget, partition
+    from pyhf_gpu_server.engine.translate import WorkspaceTranslator
+
+    spec = all_modifiers_workspace()
+    translator = WorkspaceTranslator(spec)
+    sample = spec["channels"][0]["samples"][0]
+    layouts = [
+        translator.element(
+            [
+                {
+                    "op": "add",
+                    "path": "/channels/0/samples/0/modifiers/-",
+                    "value": {
+                        "name": f"own_{k}",
+                        "type": "histosys",
+                        "data": {
+                            "hi_data": [x + 1 for x in sample["data"]],
+                            "lo_data": sample["data"],
+                        },
+                    },
+                }
+            ],
+            f"p{k}",
+        )
+        for k in range(12)
+    ]
+    assert partition(layouts) == [list(range(12))]
+    n_pars = layouts[0].n_pars
+    by_parameters = partition(layouts, StackBudget(n_pars + 3, 2**40))
+    assert [len(g) for g in by_parameters] == [4, 4, 4]  # 3 more parameters a group
+    one = 8 * layouts[0].samples[0].histosys.shape[0] * layouts[0].n_main
+    histosys = len(layouts[0].histosys_params)
+    samples = len(layouts[0].samples)
+    # room for the first element and two more (one more histosys and sample object each)
+    room = one * (histosys + 2) * (samples + 2)
+    by_bytes = partition(layouts, StackBudget(10**6, room))
+    assert all(len(g) <= 3 for g in by_bytes) and len(by_bytes) >= 4
+    assert sorted(i for g in by_bytes for i in g) == list(range(12))
+    assert partition(layouts, StackBudget(1, 1)) == [[k] for k in range(12)]

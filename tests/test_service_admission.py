@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import pyhf
 import pytest
 from service_support import (
     SMALL,
@@ -273,3 +274,109 @@ def test_a_model_the_block_solver_fits_is_admitted_where_dense_would_not(default
         bounded = c.post("/cls", json=body, timeout=300)
     assert bounded.status_code == 200, bounded.text[:300]
     assert bounded.json()[0]["CLs_obs"] == pytest.approx(reference.json()[0]["CLs_obs"], rel=1e-9)
+
+
+def own_histosys_channels_workspace(channels: int) -> dict:
+    """``channels`` one-bin channels, each with its own sample carrying its own histosys (and
+    the POI): a ~60 kB body for 300 channels whose layout, each sample over every histosys
+    parameter and bin of the model, grows with the cube of the channels (#37: 3.2 GB, 43 s)."""
+    return {
+        "channels": [
+            {
+                "name": f"c{c}",
+                "samples": [
+                    {
+                        "name": f"s{c}",
+                        "data": [5.0],
+                        "modifiers": [
+                            {"name": "mu", "type": "normfactor", "data": None},
+                            {
+                                "name": f"h{c}",
+                                "type": "histosys",
+                                "data": {"hi_data": [6.0], "lo_data": [4.0]},
+                            },
+                        ],
+                    }
+                ],
+            }
+            for c in range(channels)
+        ],
+        "observations": [{"name": f"c{c}", "data": [5.0]} for c in range(channels)],
+        "measurements": [{"name": "m", "config": {"poi": "mu", "parameters": []}}],
+        "version": "1.0.0",
+    }
+
+
+def peak_mb(server: ServerProcess) -> float:
+    """The server's peak resident memory so far (``VmHWM``)."""
+    status = Path(f"/proc/{server.process.pid}/status").read_text()
+    line = next(line for line in status.splitlines() if line.startswith("VmHWM:"))
+    return int(line.split()[1]) / 1024
+
+
+@pytest.mark.parametrize("channels", [300, 1000])
+def test_a_small_body_whose_layout_grows_with_the_cube_is_refused_before_it_is_built(
+    default_server, channels
+):
+    """Refused with a 422 naming the figure and --max-model-memory-mb, quickly, the server's
+    peak memory far under 1.5 GB; a smaller one of the same kind is answered."""
+    start = time.monotonic()
+    with default_server.client() as client:
+        response = client.post(
+            "/cls", json={"workspace": own_histosys_channels_workspace(channels)}
+        )
+        seconds = time.monotonic() - start
+        assert response.status_code == 422, response.text[:300]
+        detail = response.json()["detail"]
+        assert "(--max-model-memory-mb)" in detail and "histosys" in detail
+        assert f"{channels} samples x {channels} histosys modifiers x {channels} bins" in detail
+        assert seconds < 30
+        assert peak_mb(default_server) < 1500
+        small = client.post("/cls", json={"workspace": own_histosys_channels_workspace(20)})
+        assert small.status_code == 200, small.text[:300]
+
+
+def unique_normfactor_patchset(background: dict, patches: int) -> dict:
+    """A patchset on ``background`` (``simple_workspace``) whose every patch adds a uniquely
+    named normfactor to the background sample: stacked whole, a model with the union of them
+    all."""
+    return {
+        "metadata": {
+            "description": "unique modifiers",
+            "digests": {"sha256": pyhf.utils.digest(background)},
+            "labels": ["k"],
+            "references": {"hepdata": "ins1234567"},
+        },
+        "patches": [
+            {
+                "metadata": {"name": f"p{k}", "values": [k]},
+                "patch": [
+                    {
+                        "op": "add",
+                        "path": "/channels/0/samples/1/modifiers/-",
+                        "value": {"name": f"extra_{k}", "type": "normfactor", "data": None},
+                    }
+                ],
+            }
+            for k in range(patches)
+        ],
+        "version": "1.0.0",
+    }
+
+
+def test_patches_whose_union_passes_the_parameter_limit_are_stacked_apart(tmp_path):
+    """Each patch alone is within --max-parameters, their union is not: the request is
+    answered from several stacked models (each within the limit), every point as the same
+    patch answers alone."""
+    background = simple_workspace()
+    body = {"workspace": background, "patchset": unique_normfactor_patchset(background, 40)}
+    with running_server(tmp_path, ["--max-parameters", "15"]) as server, server.client() as client:
+        response = client.post("/cls", json=body)
+        assert response.status_code == 200, response.text[:300]
+        points = response.json()  # by patch name
+        assert len(points) == 40
+        models = {p["meta"]["model_id"] for p in points.values()}
+        assert len(models) >= 3  # 40 new parameters, at most 12 new ones a model
+        assert all(p["meta"]["converged"] for p in points.values())
+        alone = client.post("/cls", json={**body, "patch_names": ["p7"]}).json()["p7"]
+    assert alone["CLs_obs"] == pytest.approx(points["p7"]["CLs_obs"], abs=1e-8)

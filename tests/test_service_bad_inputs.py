@@ -88,6 +88,13 @@ def _gzip_bomb() -> bytes:
 
 
 # (name, method, path, request kwargs, expected status, text the detail must contain)
+def _no_rate_in_bin_one(spec: dict) -> None:
+    """Both samples predict nothing in bin 1 (no shapesys there), where 53 events are seen."""
+    for sample in spec["channels"][0]["samples"]:
+        sample["data"][1] = 0.0
+    spec["channels"][0]["samples"][1]["modifiers"] = []
+
+
 CASES: list[tuple[str, str, str, dict[str, Any], int, str]] = [
     *(
         (
@@ -479,6 +486,52 @@ CASES: list[tuple[str, str, str, dict[str, Any], int, str]] = [
         {"content": b"{}", "headers": {"Content-Encoding": "br"}},
         415,
         "br",
+    ),
+    (
+        "observed counts of 1e308 (cls)",
+        "POST",
+        "/cls",
+        {
+            "json": {
+                "workspace": mutated(lambda s: s["observations"][0]["data"].__setitem__(0, 1e308))
+            }
+        },
+        422,
+        "observed count 1e+308 in channel 'singlechannel' bin 0: above 2^53",
+    ),
+    (
+        "observed counts of 1e308 (fit)",
+        "POST",
+        "/fit",
+        {
+            "json": {
+                "workspace": mutated(lambda s: s["observations"][0]["data"].__setitem__(1, 1e308))
+            }
+        },
+        422,
+        "channel 'singlechannel' bin 1",
+    ),
+    (
+        "events where no sample predicts any (upper-limit)",
+        "POST",
+        "/upper-limit",
+        {"json": {"workspace": mutated(_no_rate_in_bin_one)}},
+        422,
+        "channel 'singlechannel' bin 1: the samples' nominal rates sum to 0 against 53 observed",
+    ),
+    (
+        "a negative background",
+        "POST",
+        "/cls",
+        {
+            "json": {
+                "workspace": mutated(
+                    lambda s: s["channels"][0]["samples"][1]["data"].__setitem__(0, -100.0)
+                )
+            }
+        },
+        422,
+        "sum to -95 against 52 observed",
     ),
     (
         "job without operation",

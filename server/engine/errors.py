@@ -26,3 +26,8 @@ class DuplicateNameError(InvalidWorkspaceError):
 class UnrepresentableValueError(EngineError):
     """A JSON value no model can hold, named by its JSON path: a string with an unpaired UTF-16
     surrogate (no UTF-8 text can carry it) or a number beyond the range of a 64-bit float."""
+
+
+class ModelTooLargeError(EngineError):
+    """A model whose arrays, estimated from its structure before they are built, would take
+    more memory than the bound it is read under (the message gives the figure and why)."""

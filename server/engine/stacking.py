@@ -56,25 +56,92 @@ class VariantBlock:
     multiplier_params: np.ndarray  # [..., M, Q]
 
 
-def partition(elements: Sequence[ElementLayout]) -> list[list[int]]:
+@dataclass(frozen=True)
+class StackBudget:
+    """What one stacked model may grow to: its union's parameters, and the bytes of its
+    remapped sample variants' histosys arrays (``8 K J N`` each: every distinct sample over
+    the union's ``J`` histosys parameters and ``N`` bins). Patches that each bring their own
+    modifiers stack into a model with the union of them all; a budget splits them instead."""
+
+    max_parameters: int
+    max_variant_bytes: int
+
+    def parameters_for(self, largest_member: int) -> int:
+        """The union's parameters at most, for a group whose largest member has
+        ``largest_member``: within ``max_parameters``, and at most twice that (+ 16): a fit's
+        cost grows faster than its parameters, so members that share few parameters (each
+        with its own modifiers) are cheaper apart than stacked."""
+        return min(self.max_parameters, 2 * largest_member + 16)
+
+
+class _Group:
+    """A stackable group being filled: its members and what its union holds so far."""
+
+    def __init__(self, element: ElementLayout, index: int) -> None:
+        self.key = element.stack_key
+        self.signature: dict[str, tuple] = {}
+        self.members: list[int] = []
+        self.sizes: dict[str, int] = {}
+        self.samples: set[int] = set()
+        self.histosys: set[str] = set()
+        self.largest = 0  # the most parameters of a member
+        self.add(element, index)
+
+    def add(self, element: ElementLayout, index: int) -> None:
+        self.signature.update({p.name: _signature(p) for p in element.parameters})
+        self.members.append(index)
+        self.sizes.update({p.name: p.n_parameters for p in element.parameters})
+        self.largest = max(self.largest, element.n_pars)
+        self.samples.update(map(id, element.samples))
+        self.histosys.update(_histosys_names(element))
+
+    def takes(self, element: ElementLayout) -> bool:
+        """Stackable with the group: equal structure key, no parameter of another size or
+        constraint."""
+        return element.stack_key == self.key and all(
+            self.signature.get(p.name, sig) == sig
+            for p, sig in ((p, _signature(p)) for p in element.parameters)
+        )
+
+    def fits(self, element: ElementLayout, budget: StackBudget) -> bool:
+        """The union with ``element`` within ``budget``."""
+        sizes = {**self.sizes, **{p.name: p.n_parameters for p in element.parameters}}
+        if sum(sizes.values()) > budget.parameters_for(max(self.largest, element.n_pars)):
+            return False
+        histosys = len(self.histosys | set(_histosys_names(element)))
+        samples = len(self.samples | set(map(id, element.samples)))
+        need = 8 * _n_basis(element) * histosys * element.n_main * samples
+        return need <= budget.max_variant_bytes
+
+
+def partition(
+    elements: Sequence[ElementLayout], budget: StackBudget | None = None
+) -> list[list[int]]:
     """Indices of ``elements`` grouped into stackable sets, in order of first appearance.
 
     Elements with different channels, bins, POI or interpolation codes, or whose common
-    parameters differ in size or constraint, land in different groups.
+    parameters differ in size or constraint, land in different groups; with a ``budget``,
+    so does an element that would grow a group's union past it (an element alone always
+    makes a group: admission judges it alone).
     """
-    groups: list[tuple[str, dict[str, tuple], list[int]]] = []
+    groups: list[_Group] = []
     for index, element in enumerate(elements):
-        signature = {p.name: _signature(p) for p in element.parameters}
-        for key, known, members in groups:
-            if key == element.stack_key and all(
-                known.get(name, sig) == sig for name, sig in signature.items()
-            ):
-                known.update(signature)
-                members.append(index)
+        for group in groups:
+            if group.takes(element) and (budget is None or group.fits(element, budget)):
+                group.add(element, index)
                 break
         else:
-            groups.append((element.stack_key, signature, [index]))
-    return [members for _, _, members in groups]
+            groups.append(_Group(element, index))
+    return [group.members for group in groups]
+
+
+def _histosys_names(element: ElementLayout) -> list[str]:
+    """The names of an element's histosys parameters (scalar parameter sets)."""
+    starts, start = {}, 0
+    for parset in element.parameters:
+        starts[start] = parset.name
+        start += parset.n_parameters
+    return [starts[i] for i in element.histosys_params]
 
 
 def split_reason(first: ElementLayout, other: ElementLayout) -> str:

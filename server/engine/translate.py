@@ -71,7 +71,12 @@ from pyhf.exceptions import (
 )
 
 from . import schema
-from .errors import DuplicateNameError, InvalidWorkspaceError, UnsupportedModelError
+from .errors import (
+    DuplicateNameError,
+    InvalidWorkspaceError,
+    ModelTooLargeError,
+    UnsupportedModelError,
+)
 from .interpolation import (
     HISTOSYS_CODES,
     NORMSYS_CODES,
@@ -183,9 +188,13 @@ class WorkspaceTranslator:
         measurement: str | None = None,
         modifier_settings: Mapping[str, Any] | None = None,
         validate: bool = True,
+        max_layout_bytes: int | None = None,
     ) -> None:
-        """Check the settings, validate ``spec`` and read every sample of it."""
+        """Check the settings, validate ``spec`` and read every sample of it; elements whose
+        histosys arrays would take more than ``max_layout_bytes`` are refused
+        (:class:`ModelTooLargeError`) before they are built."""
         self.histosys_code, self.normsys_code = codes_from_settings(modifier_settings)
+        self.max_layout_bytes = max_layout_bytes
         if validate:
             schema.validate(spec, "workspace.json")
         self.spec = spec
@@ -643,6 +652,7 @@ class _Assembly:
             first_type.setdefault(mname, mtype)
         histosys = [m for m, t in self.modifiers if t == "histosys"]
         normsys = [m for m, t in self.modifiers if t == "normsys"]
+        self._check_histosys_size(len(histosys))
         samples = self._samples(par_start, histosys, normsys)
         auxdata = [x for p in paramsets if p.constraint for x in p.auxdata]
         index = {o["name"]: i for i, o in enumerate(self.spec["observations"])}
@@ -666,6 +676,24 @@ class _Assembly:
             fixed=np.asarray([f for p in paramsets for f in p.fixed], dtype=bool),
             observed=np.asarray(observed, dtype=np.float64),
         )
+
+    def _check_histosys_size(self, n_histosys: int) -> None:
+        """Refuse an element whose histosys arrays (each sample over every histosys modifier
+        and bin of the model, then as many again stacked and on the device) would exceed the
+        translator's bound: a small body of many channels, each with its own sample and
+        histosys, asks for memory that grows with the cube of the channels."""
+        bound = self.translator.max_layout_bytes
+        if bound is None or not n_histosys:
+            return
+        n_basis = histosys_coefficients(self.translator.histosys_code, [0.0], [0.0], [0.0]).shape[0]
+        need = 8 * n_basis * n_histosys * self.n_main * len(self.samples)
+        if need > bound:
+            raise ModelTooLargeError(
+                f"its histosys arrays would take ~{need / 2**20:.0f} MiB ({len(self.samples)} "
+                f"samples x {n_histosys} histosys modifiers x {self.n_main} bins x {n_basis} "
+                "coefficients: each sample is laid out over every histosys modifier and bin), "
+                f"more than the {bound / 2**20:.0f} MiB one model may take"
+            )
 
     def _samples(self, par_start, histosys, normsys) -> list[SampleLayout]:
         """Each sample's arrays, as read_model builds them over the workspace in its order. A

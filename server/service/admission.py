@@ -51,6 +51,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
+
+from ..engine.layout import ElementLayout
+from ..engine.stacking import StackBudget
 from ..inference.curvature import choose_solver
 
 BYTES_PER_NUMBER = 8  # float64; float32 halves it, the bound stays conservative
@@ -85,6 +89,65 @@ class ModelShape:
     def low_rank(self) -> int:
         """The rank ``r`` of the low-rank solver's correction."""
         return self.n_main + 2 * SECANT_PAIRS + self.n_flat
+
+
+#: The largest observed count admitted: a float64 holds every integer count exactly up to 2^53.
+MAX_COUNT = 2.0**53
+
+
+def likelihood_refusal(layout: ElementLayout) -> str | None:
+    """Why an element's likelihood has no meaning, or None: observed counts above
+    :data:`MAX_COUNT` (or not finite), or a bin whose samples' nominal rates (multipliers at 1)
+    sum below 0, or to 0 where events are observed. pyhf builds such models and its fits fail
+    (``FailedMinimization``: the log of a negative rate, or of 0); here they are refused.
+
+    Example:
+        >>> import pyhf
+        >>> from pyhf_gpu_server.engine.translate import translate
+        >>> spec = pyhf.simplemodels.uncorrelated_background([5.0], [10.0], [2.5]).spec
+        >>> ws = {**spec, "observations": [{"name": "singlechannel", "data": [1e300]}],
+        ...       "measurements": [{"name": "m", "config": {"poi": "mu", "parameters": []}}],
+        ...       "version": "1.0.0"}
+        >>> likelihood_refusal(translate(ws))[:61]
+        "observed count 1e+300 in channel 'singlechannel' bin 0: above"
+    """
+    n_main = layout.n_main
+    observed = layout.observed[:n_main]
+    total = np.zeros(n_main)
+    for sample in layout.samples:
+        total = total + sample.nominal
+    checks = (
+        (
+            ~np.isfinite(observed) | (observed > MAX_COUNT),
+            lambda b: (
+                f"observed count {observed[b]:g} in {_bin(layout, b)}: above 2^53, where "
+                "float64 no longer counts events exactly"
+            ),
+        ),
+        (
+            (total < 0) | ((total == 0) & (observed > 0)),
+            lambda b: (
+                f"{_bin(layout, b)}: the samples' nominal rates sum to {total[b]:g} "
+                f"against {observed[b]:g} observed, where the likelihood is undefined (pyhf's "
+                "fits fail there)"
+            ),
+        ),
+    )
+    for bad, why in checks:
+        where = np.flatnonzero(bad)
+        if where.size:
+            more = f" (bins {where[:10].tolist()} of the model)" if where.size > 1 else ""
+            return why(int(where[0])) + more
+    return None
+
+
+def _bin(layout: ElementLayout, index: int) -> str:
+    """``"channel 'SR' bin 3"`` for main bin ``index`` of ``layout``."""
+    for name, bins in layout.channels:
+        if index < bins:
+            return f"channel {name!r} bin {index}"
+        index -= bins
+    raise IndexError(index)
 
 
 def dense_bytes_per_row(shape: ModelShape) -> int:
@@ -128,6 +191,14 @@ class FitLimits:
     max_bins: int
     max_fit_bytes: int
     max_toys: int = 10_000_000
+    max_model_bytes: int = 512 * 2**20
+
+    @property
+    def stack_budget(self) -> StackBudget:
+        """What one stacked model may grow to (``engine.stacking.partition``): the union's
+        parameters within ``--max-parameters``, its variants' histosys arrays within
+        ``--max-model-memory-mb``."""
+        return StackBudget(self.max_parameters, self.max_model_bytes)
 
     def fit_plan(self, shape: ModelShape) -> FitPlan:
         """The solver a model's fits use, and their bytes per row.

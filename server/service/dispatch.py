@@ -28,7 +28,7 @@ from pyhf_gpu_server.engine.stacking import partition, split_reason
 from pyhf_gpu_server.inference.minimize import MinimizeOptions
 from pyhf_gpu_server.inference.mle import FitOptions
 
-from .admission import FitLimits, FitMemory, FitPlan, ModelShape
+from .admission import FitLimits, FitMemory, FitPlan, ModelShape, likelihood_refusal
 from .elements import Element, ElementStore
 from .errors import ServiceError, Unprocessable, translate
 from .models_cache import CachedModel, ModelCache, model_id
@@ -319,7 +319,9 @@ class Dispatcher:
                     "no patch can be tested: "
                     + "; ".join(f"{e.patch.name}: {e.error.detail}" for e in elements[:10])
                 )
-            groups = [[valid[i] for i in group] for group in partition([e.layout for e in valid])]
+            budget = None if self.limits is None else self.limits.stack_budget
+            layouts = [e.layout for e in valid]
+            groups = [[valid[i] for i in group] for group in partition(layouts, budget)]
             rows = [plan.rows([e.patch for e in members]) for members in groups]
             progress = _Progress(sum(len(r) for r in rows), on_progress)
             submissions = []
@@ -352,7 +354,12 @@ class Dispatcher:
 
     def _admitted(self, element: Element) -> Element:
         """``element``, or its 422 if its model can never be fitted within the limits."""
-        if element.layout is None or self.limits is None:
+        if element.layout is None:
+            return element
+        refusal = likelihood_refusal(element.layout)
+        if refusal is not None:
+            return replace(element, layout=None, error=Unprocessable(refusal))
+        if self.limits is None:
             return element
         shape = layout_shape(element.layout)
         refusal = self.limits.refusal(shape)
@@ -421,9 +428,10 @@ class Dispatcher:
             for element in context.elements:
                 elements.setdefault(element.patch.digest, element)
         digests = list(elements)
+        budget = None if self.limits is None else self.limits.stack_budget
         groups = [
             [digests[i] for i in group]
-            for group in partition([e.layout for e in elements.values()])
+            for group in partition([e.layout for e in elements.values()], budget)
         ]
         served: dict[int, list[int]] = {}
         alone: list[int] = []

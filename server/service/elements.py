@@ -77,12 +77,15 @@ class ElementStore:
         max_backgrounds: int = 8,
         max_elements: int = 4096,
         workers: LocalWorkers | None = None,
+        max_layout_bytes: int | None = None,
     ) -> None:
         """Keep ``max_backgrounds`` translators and ``max_elements`` elements; ``workers``
-        translate shares of a request's new patches when there are many."""
+        translate shares of a request's new patches when there are many; an element whose
+        histosys arrays would take more than ``max_layout_bytes`` is refused (422)."""
         self.max_backgrounds = max_backgrounds
         self.max_elements = max_elements
         self.workers = workers
+        self.max_layout_bytes = max_layout_bytes
         self._translators: OrderedDict[tuple, WorkspaceTranslator] = OrderedDict()
         self._elements: OrderedDict[tuple, Element] = OrderedDict()
         self._lock = threading.Lock()
@@ -147,6 +150,7 @@ class ElementStore:
             background.workspace,
             measurement=background.measurement,
             modifier_settings=background.modifier_settings,
+            max_layout_bytes=self.max_layout_bytes,
         )
         with self._lock:
             self._translators[key] = translator

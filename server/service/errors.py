@@ -17,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pyhf_gpu_server.engine.errors import EngineError
+from pyhf_gpu_server.engine.errors import EngineError, ModelTooLargeError
 from pyhf_gpu_server.inference.errors import InferenceError
 
 log = logging.getLogger("pyhf_gpu_server.service")
@@ -160,6 +160,8 @@ def translate(exc: BaseException, what: str = "workspace") -> ServiceError | Non
         return Unprocessable(describe_invalid_specification(exc, what))
     if isinstance(exc, InferenceError):
         return Unprocessable(_clip(str(exc)))
+    if isinstance(exc, ModelTooLargeError):
+        return Unprocessable(_clip(f"the {what} is too large: {exc} (--max-model-memory-mb)"))
     if isinstance(exc, (*_PYHF_ERRORS, EngineError)):
         return Unprocessable(_clip(f"{type(exc).__name__}: {exc}"))
     if isinstance(exc, (jsonpatch.JsonPatchException, jsonpointer.JsonPointerException)):

@@ -143,10 +143,17 @@ class LocalWorkers:
         self.shared_batches = 0  # engine calls that had a share fitted by a worker
 
     @classmethod
-    def fork(cls, count: int, min_patches: int = MIN_PATCHES, engine: bool = False) -> LocalWorkers:
+    def fork(
+        cls,
+        count: int,
+        min_patches: int = MIN_PATCHES,
+        engine: bool = False,
+        max_layout_bytes: int | None = None,
+    ) -> LocalWorkers:
         """Start ``count`` workers (none where ``fork`` is not available); with ``engine`` they
-        also fit engine-call shares on the CPU (warmed up first, one intra-op thread). Call it
-        before the process starts threads: a forked child has only the forking thread."""
+        also fit engine-call shares on the CPU (warmed up first, one intra-op thread); they
+        translate under ``max_layout_bytes`` as the server does. Call it before the process
+        starts threads: a forked child has only the forking thread."""
         if count <= 0 or "fork" not in multiprocessing.get_all_start_methods():
             return cls([], min_patches)
         context = multiprocessing.get_context("fork")
@@ -156,7 +163,13 @@ class LocalWorkers:
             stop_flag = context.RawValue("b", 0)
             process = context.Process(
                 target=_serve,
-                args=(theirs, [mine, *(w.channel for w in workers)], stop_flag, engine),
+                args=(
+                    theirs,
+                    [mine, *(w.channel for w in workers)],
+                    stop_flag,
+                    engine,
+                    max_layout_bytes,
+                ),
                 name="pyhf-gpu-worker",
                 daemon=True,
             )
@@ -289,14 +302,18 @@ def _split(patches: Sequence[PatchSpec], parts: int) -> list[list[PatchSpec]]:
 
 
 def _serve(
-    channel: socket.socket, servers_ends: Sequence[socket.socket], stop_flag: Any, engine: bool
+    channel: socket.socket,
+    servers_ends: Sequence[socket.socket],
+    stop_flag: Any,
+    engine: bool,
+    max_layout_bytes: int | None,
 ) -> None:
     """A worker: answer the shares it is sent until its socket closes. The server's ends,
     inherited, are closed here: the server's exit ends the worker."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C: the server stops us
     for other in servers_ends:
         other.close()
-    store = ElementStore()
+    store = ElementStore(max_layout_bytes=max_layout_bytes)
     backgrounds: OrderedDict[tuple, Background] = OrderedDict()
     models = None
     if engine:

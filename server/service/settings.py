@@ -200,6 +200,15 @@ class Settings:
             "a model one row of which needs more is refused (422)"
         },
     )
+    max_model_memory_mb: float = field(
+        default=512.0,
+        metadata={
+            "help": "memory (MiB) one model's histosys arrays may take (each sample variant over "
+            "every histosys parameter and bin of the model, estimated from its structure before "
+            "any is built; about three copies are held while it is built): a workspace over it "
+            "is refused (422), a request's patches are stacked into models under it"
+        },
+    )
     max_toys_per_request: int = field(
         default=10_000_000,
         metadata={
@@ -288,6 +297,7 @@ class Settings:
             "max_parameters",
             "max_bins",
             "max_fit_memory_mb",
+            "max_model_memory_mb",
             "max_toys_per_request",
             "job_chunk_s",
             "request_timeout_s",

@@ -163,12 +163,17 @@ class ServiceState:
             release_memory=release,
             max_in_flight=max_in_flight,
         )
-        elements = ElementStore(max_elements=settings.element_cache_size, workers=local_workers)
         limits = FitLimits(
             max_parameters=settings.max_parameters,
             max_bins=settings.max_bins,
             max_fit_bytes=int(settings.max_fit_memory_mb * 2**20),
             max_toys=settings.max_toys_per_request,
+            max_model_bytes=int(settings.max_model_memory_mb * 2**20),
+        )
+        elements = ElementStore(
+            max_elements=settings.element_cache_size,
+            workers=local_workers,
+            max_layout_bytes=limits.max_model_bytes,
         )
         dispatcher = Dispatcher(
             cache,
