@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pyhf
 
 WORKSPACES = Path("/work/shared/workspaces")
 SMALL = "atlas-susy-2018-31-sbottom-B"  # 60 parameters, 3 bins: the fast real workspace
@@ -285,3 +286,62 @@ def running_cluster_server(
             yield server
     finally:
         cluster.stop()
+
+
+def own_histosys_channels_workspace(channels: int) -> dict:
+    """``channels`` one-bin channels, each with its own sample carrying its own histosys (and
+    the POI): a ~60 kB body for 300 channels whose layout, each sample over every histosys
+    parameter and bin of the model, grows with the cube of the channels (#37: 3.2 GB, 43 s)."""
+    return {
+        "channels": [
+            {
+                "name": f"c{c}",
+                "samples": [
+                    {
+                        "name": f"s{c}",
+                        "data": [5.0],
+                        "modifiers": [
+                            {"name": "mu", "type": "normfactor", "data": None},
+                            {
+                                "name": f"h{c}",
+                                "type": "histosys",
+                                "data": {"hi_data": [6.0], "lo_data": [4.0]},
+                            },
+                        ],
+                    }
+                ],
+            }
+            for c in range(channels)
+        ],
+        "observations": [{"name": f"c{c}", "data": [5.0]} for c in range(channels)],
+        "measurements": [{"name": "m", "config": {"poi": "mu", "parameters": []}}],
+        "version": "1.0.0",
+    }
+
+
+def unique_normfactor_patchset(background: dict, patches: int) -> dict:
+    """A patchset on ``background`` (``simple_workspace``) whose every patch adds a uniquely
+    named normfactor to the background sample: stacked whole, a model with the union of them
+    all."""
+    return {
+        "metadata": {
+            "description": "unique modifiers",
+            "digests": {"sha256": pyhf.utils.digest(background)},
+            "labels": ["k"],
+            "references": {"hepdata": "ins1234567"},
+        },
+        "patches": [
+            {
+                "metadata": {"name": f"p{k}", "values": [k]},
+                "patch": [
+                    {
+                        "op": "add",
+                        "path": "/channels/0/samples/1/modifiers/-",
+                        "value": {"name": f"extra_{k}", "type": "normfactor", "data": None},
+                    }
+                ],
+            }
+            for k in range(patches)
+        ],
+        "version": "1.0.0",
+    }

@@ -12,15 +12,16 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import pyhf
 import pytest
 from service_support import (
     SMALL,
     ServerProcess,
     load,
     metric_value,
+    own_histosys_channels_workspace,
     running_server,
     simple_workspace,
+    unique_normfactor_patchset,
 )
 
 pytestmark = pytest.mark.timeout(300)
@@ -276,37 +277,6 @@ def test_a_model_the_block_solver_fits_is_admitted_where_dense_would_not(default
     assert bounded.json()[0]["CLs_obs"] == pytest.approx(reference.json()[0]["CLs_obs"], rel=1e-9)
 
 
-def own_histosys_channels_workspace(channels: int) -> dict:
-    """``channels`` one-bin channels, each with its own sample carrying its own histosys (and
-    the POI): a ~60 kB body for 300 channels whose layout, each sample over every histosys
-    parameter and bin of the model, grows with the cube of the channels (#37: 3.2 GB, 43 s)."""
-    return {
-        "channels": [
-            {
-                "name": f"c{c}",
-                "samples": [
-                    {
-                        "name": f"s{c}",
-                        "data": [5.0],
-                        "modifiers": [
-                            {"name": "mu", "type": "normfactor", "data": None},
-                            {
-                                "name": f"h{c}",
-                                "type": "histosys",
-                                "data": {"hi_data": [6.0], "lo_data": [4.0]},
-                            },
-                        ],
-                    }
-                ],
-            }
-            for c in range(channels)
-        ],
-        "observations": [{"name": f"c{c}", "data": [5.0]} for c in range(channels)],
-        "measurements": [{"name": "m", "config": {"poi": "mu", "parameters": []}}],
-        "version": "1.0.0",
-    }
-
-
 def peak_mb(server: ServerProcess) -> float:
     """The server's peak resident memory so far (``VmHWM``)."""
     status = Path(f"/proc/{server.process.pid}/status").read_text()
@@ -336,41 +306,14 @@ def test_a_small_body_whose_layout_grows_with_the_cube_is_refused_before_it_is_b
         assert small.status_code == 200, small.text[:300]
 
 
-def unique_normfactor_patchset(background: dict, patches: int) -> dict:
-    """A patchset on ``background`` (``simple_workspace``) whose every patch adds a uniquely
-    named normfactor to the background sample: stacked whole, a model with the union of them
-    all."""
-    return {
-        "metadata": {
-            "description": "unique modifiers",
-            "digests": {"sha256": pyhf.utils.digest(background)},
-            "labels": ["k"],
-            "references": {"hepdata": "ins1234567"},
-        },
-        "patches": [
-            {
-                "metadata": {"name": f"p{k}", "values": [k]},
-                "patch": [
-                    {
-                        "op": "add",
-                        "path": "/channels/0/samples/1/modifiers/-",
-                        "value": {"name": f"extra_{k}", "type": "normfactor", "data": None},
-                    }
-                ],
-            }
-            for k in range(patches)
-        ],
-        "version": "1.0.0",
-    }
-
-
 def test_patches_whose_union_passes_the_parameter_limit_are_stacked_apart(tmp_path):
     """Each patch alone is within --max-parameters, their union is not: the request is
-    answered from several stacked models (each within the limit), every point as the same
-    patch answers alone."""
+    answered from several stacked models (each within the limit; more of them than
+    --max-queue), every point as the same patch answers alone."""
     background = simple_workspace()
     body = {"workspace": background, "patchset": unique_normfactor_patchset(background, 40)}
-    with running_server(tmp_path, ["--max-parameters", "15"]) as server, server.client() as client:
+    args = ["--max-parameters", "15", "--max-queue", "2"]  # a request's models are one request
+    with running_server(tmp_path, args) as server, server.client() as client:
         response = client.post("/cls", json=body)
         assert response.status_code == 200, response.text[:300]
         points = response.json()  # by patch name

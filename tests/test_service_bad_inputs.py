@@ -713,3 +713,26 @@ def test_full_queue_answers_429_and_readyz_503(client: httpx.Client, server: Ser
         assert "--max-queue" in refused.json()["detail"]
         assert waiting.result().status_code == 200
     assert httpx.get(server.url + "/readyz").status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status"),
+    [
+        ("GET", "/", 200),
+        ("GET", "/static/app.js", 200),
+        ("GET", "/jobs/doesnotexist/report", 200),
+        ("POST", "/cls", 422),
+        ("GET", "/nope", 404),
+    ],
+)
+def test_every_answer_carries_the_security_headers(
+    client: httpx.Client, method: str, path: str, status: int
+) -> None:
+    """The page, its files, reports, JSON answers and errors: never sniffed into another
+    type, never framed, and a Content-Security-Policy that allows only the page's own files."""
+    response = client.request(method, path, json={} if method == "POST" else None)
+    assert response.status_code == status
+    assert response.headers["x-content-type-options"] == "nosniff"
+    assert response.headers["x-frame-options"] == "DENY"
+    policy = response.headers["content-security-policy"]
+    assert "default-src 'self'" in policy and "frame-ancestors 'none'" in policy

@@ -172,6 +172,8 @@ def test_every_kind_of_a_real_job_as_svg_and_png(client, jobs, name, kind) -> No
     svg = client.get(f"/jobs/{job_id}/plots/{kind}.svg")
     assert svg.status_code == 200, svg.text
     assert svg.headers["content-type"] == "image/svg+xml"
+    assert svg.headers["x-content-type-options"] == "nosniff"  # no script in an SVG opened
+    assert "default-src 'none'" in svg.headers["content-security-policy"]  # as a document
     root, texts = svg_texts(svg.content)
     for text in JOBS[name][2][kind]:
         assert text in texts, f"{text!r} not drawn in the {kind} plot of {name}"

@@ -337,6 +337,7 @@ class Dispatcher:
                     progress.callback(),
                     plan.row_cost,
                     plan.batch_group,
+                    first_of_request=not submissions,
                 )
                 reason = None
                 if members is not groups[0]:

@@ -31,8 +31,28 @@ _REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _BODYLESS_METHODS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
 
 
+#: Content-Security-Policy of every answer: the page loads its own script and stylesheet
+#: and shows plots from blob URLs; nothing may frame it, no plugin, no other origin.
+PAGE_POLICY = (
+    "default-src 'self'; img-src 'self' blob: data:; object-src 'none'; "
+    "frame-ancestors 'none'; base-uri 'none'; form-action 'self'"
+)
+#: An SVG opened as a document: its own inline styles (matplotlib writes them), no script.
+SVG_POLICY = "default-src 'none'; style-src 'unsafe-inline'; img-src data:; frame-ancestors 'none'"
+
+
+def add_security_headers(headers: MutableHeaders) -> None:
+    """``nosniff`` (a JSON or SVG answer is never read as HTML or script), no framing, and a
+    Content-Security-Policy (:data:`SVG_POLICY` for SVG answers, :data:`PAGE_POLICY` else)."""
+    headers["X-Content-Type-Options"] = "nosniff"
+    headers["X-Frame-Options"] = "DENY"
+    svg = headers.get("content-type", "").startswith("image/svg+xml")
+    headers["Content-Security-Policy"] = SVG_POLICY if svg else PAGE_POLICY
+
+
 class RequestContextMiddleware:
-    """Gives every request an id (``X-Request-ID``), logs one JSON line and records metrics."""
+    """Gives every request an id (``X-Request-ID``) and every answer the security headers
+    (:func:`add_security_headers`), logs one JSON line and records metrics."""
 
     def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
         """Wrap ``app``; record into ``metrics``."""
@@ -54,7 +74,9 @@ class RequestContextMiddleware:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                MutableHeaders(scope=message)["X-Request-ID"] = request_id
+                headers = MutableHeaders(scope=message)
+                headers["X-Request-ID"] = request_id
+                add_security_headers(headers)
             await send(message)
 
         try:

@@ -208,15 +208,19 @@ class Scheduler(Generic[WorkT, BatchT, RowT, ValueT]):
         on_progress: ProgressCallback | None = None,
         row_cost: float = 1.0,
         group: Hashable | None = None,
+        first_of_request: bool = True,
     ) -> WorkItem:
         """Queue ``rows`` (each costing ``row_cost``, about fits; of batch ``group``, see
         :meth:`preparing`); await ``item.future`` for their outcomes (in order).
 
-        Raises :class:`QueueFull` (429) when ``max_pending`` interactive items are waiting.
+        Raises :class:`QueueFull` (429) when ``max_pending`` interactive items are waiting
+        and this is a request's first item (a request's further items, its other stacked
+        models, are part of what was admitted with it).
         """
-        if lane == "interactive" and len(self._lanes["interactive"]) >= self.max_pending:
+        waiting = len(self._lanes["interactive"])
+        if lane == "interactive" and first_of_request and waiting >= self.max_pending:
             raise QueueFull(
-                f"{len(self._lanes['interactive'])} requests are waiting for the device "
+                f"{waiting} work items (requests' stacked models) are waiting for the device "
                 f"(--max-queue {self.max_pending}); retry later or submit a job"
             )
         future: asyncio.Future[list[RowOutcome]] = asyncio.get_running_loop().create_future()
