@@ -136,3 +136,26 @@ def test_a_job_runs_again_after_a_transient_503_not_after_a_lasting_one(monkeypa
     too_large = Unavailable("out of memory for a single hypothesis", transient=False)
     assert run([too_large]) == (too_large, 1)
     assert run([gone, gone, gone]) == (gone, 3)
+
+
+def test_a_deleted_job_database_is_noticed(tmp_path: Path) -> None:
+    """The job database deleted while the server runs: /readyz 503 naming it, new jobs 503
+    (not accepted into a file no restart would find), interactive requests still answered."""
+    server = ServerProcess(tmp_path).start()
+    try:
+        with server.client() as client:
+            body = {"operation": "fit", "workspace": simple_workspace()}
+            first = client.post("/jobs", json=body).json()["id"]
+            assert wait_for_job(client, first)["status"] == "succeeded"
+            assert client.get("/readyz").status_code == 200
+            for name in ("jobs.sqlite3", "jobs.sqlite3-wal", "jobs.sqlite3-shm"):
+                (tmp_path / name).unlink(missing_ok=True)
+            ready = client.get("/readyz")
+            assert ready.status_code == 503
+            assert any("jobs.sqlite3 was deleted" in p for p in ready.json()["problems"])
+            refused = client.post("/jobs", json=body)
+            assert refused.status_code == 503, refused.text
+            assert "was deleted while the server ran" in refused.json()["detail"]
+            assert client.post("/cls", json={"workspace": simple_workspace()}).status_code == 200
+    finally:
+        server.stop()

@@ -118,6 +118,15 @@ def check_database(path: Path) -> None:
         )
 
 
+def _identity(path: Path) -> tuple[int, int] | None:
+    """The file at ``path`` (device, inode), or ``None`` where there is none."""
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return None
+    return (stat.st_dev, stat.st_ino)
+
+
 class JobStore:
     """Jobs in one SQLite file (WAL mode)."""
 
@@ -133,6 +142,7 @@ class JobStore:
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("PRAGMA busy_timeout=5000")
         self._db.executescript(_SCHEMA)
+        self._identity = _identity(path)  # the file this connection writes
         self._migrate()
         self.recreated_warning = None if existed else _lost_database_warning(path)
         if self.recreated_warning is not None:
@@ -164,8 +174,25 @@ class JobStore:
                     "CREATE INDEX IF NOT EXISTS jobs_owner_status ON jobs (owner, status)"
                 )
 
+    def file_problem(self) -> str | None:
+        """Why the file this store writes is no longer the database at its path (deleted or
+        replaced while the server ran: what it stores now would be gone after a restart),
+        or ``None``."""
+        now = _identity(self.path)
+        if now == self._identity:
+            return None
+        what = "was deleted" if now is None else "was replaced by another file"
+        return (
+            f"the job database {self.path} {what} while the server ran: jobs stored now would "
+            "be lost; restart the server"
+        )
+
     def writable_problem(self) -> str | None:
-        """Why the database's directory cannot be written (tried for real), or ``None``."""
+        """Why jobs cannot be stored: the database's file gone (:meth:`file_problem`) or its
+        directory not writable (tried for real); or ``None``."""
+        problem = self.file_problem()
+        if problem is not None:
+            return problem
         problem = writable_problem(self.path.parent)
         return None if problem is None else f"the job store {problem}"
 
@@ -231,8 +258,12 @@ class JobStore:
     def _transaction(self) -> Iterator[None]:
         """``BEGIN IMMEDIATE`` (the write lock at once) ... ``COMMIT``, or ``ROLLBACK`` on error.
 
-        A failed write (the database became read-only, the disk is full) is a :class:`StoreError`.
+        A failed write (the database became read-only, the disk is full, its file was
+        deleted: :meth:`file_problem`) is a :class:`StoreError`.
         """
+        problem = self.file_problem()
+        if problem is not None:
+            raise StoreError(problem)
         try:
             self._db.execute("BEGIN IMMEDIATE")
             try:

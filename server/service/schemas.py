@@ -513,6 +513,7 @@ class Limits(_Declared):
     max_parameters: int
     max_bins: int
     max_fit_memory_mb: float
+    max_model_memory_mb: float
     max_toys_per_request: int
     job_chunk_s: float
     max_jobs_per_caller: int

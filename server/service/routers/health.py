@@ -95,6 +95,7 @@ async def info(state: StateDep) -> dict[str, Any]:
             "max_parameters": settings.max_parameters,
             "max_bins": settings.max_bins,
             "max_fit_memory_mb": settings.max_fit_memory_mb,
+            "max_model_memory_mb": settings.max_model_memory_mb,
             "max_toys_per_request": settings.max_toys_per_request,
             "job_chunk_s": settings.job_chunk_s,
             "max_jobs_per_caller": settings.max_jobs_per_caller,
