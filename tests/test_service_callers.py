@@ -228,3 +228,45 @@ def test_job_store_owners_caps_and_migration(tmp_path: Path) -> None:
     finally:
         store.close()
     JobStore(path).close()  # opening a migrated database again changes nothing
+
+
+def test_uploaded_workspaces_belong_to_their_callers(server: ServerProcess) -> None:
+    """Carol's upload: Dave's GET, /cls and job by its id answer 404 as an unknown id would;
+    once Dave uploads the same workspace, it is his too; Carol's requests still work."""
+    workspace = simple_workspace((2.5, 3.5))
+    with as_caller(server, "carol") as carol, as_caller(server, "dave") as dave:
+        uploaded = carol.post("/workspaces", json=workspace)
+        assert uploaded.status_code == 201, uploaded.text
+        workspace_id = uploaded.json()["workspace_id"]
+        assert carol.get(f"/workspaces/{workspace_id}").status_code == 200
+        unknown = dave.get(f"/workspaces/{'0' * 64}").json()["detail"]
+        other = dave.get(f"/workspaces/{workspace_id}")
+        assert other.status_code == 404
+        assert other.json()["detail"] == unknown.replace("0" * 64, workspace_id)
+        assert dave.post("/cls", json={"workspace_id": workspace_id}).status_code == 404
+        job = dave.post("/jobs", json={"operation": "fit", "workspace_id": workspace_id})
+        assert job.status_code == 404, job.text
+        assert carol.post("/cls", json={"workspace_id": workspace_id}).status_code == 200
+        assert dave.post("/workspaces", json=workspace).status_code == 201
+        assert dave.post("/cls", json={"workspace_id": workspace_id}).status_code == 200
+
+
+def test_the_workspace_quota_is_each_callers_own(tmp_path: Path) -> None:
+    """--workspace-quota-mb is each caller's: Dave filling his (507) leaves Carol's room and
+    her workspace alone (one store for all: her second upload would not fit)."""
+    token_file = tmp_path / "tokens"
+    token_file.write_text(TOKEN_FILE)
+    args = ["--api-token-file", str(token_file), "--workspace-quota-mb", "0.001"]  # 1048 bytes
+    with running_server(tmp_path, args) as server:
+        with as_caller(server, "carol") as carol, as_caller(server, "dave") as dave:
+            first = carol.post("/workspaces", json=simple_workspace((1.0, 2.0)))  # 458 bytes
+            assert first.status_code == 201, first.text
+            for k in range(2):
+                response = dave.post("/workspaces", json=simple_workspace((3.0 + k, 4.0)))
+                assert response.status_code == 201, response.text
+            full = dave.post("/workspaces", json=simple_workspace((9.0, 4.0)))
+            assert full.status_code == 507, full.text
+            assert "--workspace-quota-mb" in full.json()["detail"]
+            second = carol.post("/workspaces", json=simple_workspace((1.5, 2.0)))
+            assert second.status_code == 201, second.text
+            assert carol.get(f"/workspaces/{first.json()['workspace_id']}").status_code == 200

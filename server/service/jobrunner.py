@@ -119,7 +119,7 @@ class JobRunner:
                 raise self._caller_full(max_owned)
         kind = OPERATIONS[operation]
         envelope = envelope_from(request, {}, kind)
-        plan = await asyncio.to_thread(plan_request, kind, envelope, self.workspaces, True)
+        plan = await asyncio.to_thread(plan_request, kind, envelope, self.workspaces, True, caller)
         self.dispatcher.admit(plan)
         if "workspace" in envelope:
             envelope = {k: v for k, v in envelope.items() if k != "workspace"}

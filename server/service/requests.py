@@ -264,17 +264,22 @@ class Plan:
 
 
 def plan_request(
-    operation: Operation, envelope: dict[str, Any], store: WorkspaceStore, persist: bool = False
+    operation: Operation,
+    envelope: dict[str, Any],
+    store: WorkspaceStore,
+    persist: bool = False,
+    caller: str | None = None,
 ) -> Plan:
     """Validate ``envelope`` for ``operation`` and resolve its model inputs (4xx on bad input).
 
-    With ``persist``, an inline workspace is also stored on disk (jobs refer to it by id).
+    With ``persist``, an inline workspace is also stored on disk (jobs refer to it by id), as
+    ``caller``'s; a ``workspace_id`` must be ``caller``'s (404 otherwise; ``None``: no check).
     """
     try:
         request = operation.request_model.model_validate(envelope)
     except pydantic.ValidationError as exc:
         raise Unprocessable(pydantic_detail(exc)) from None
-    background, patches, named = resolve_source(request, store, persist)
+    background, patches, named = resolve_source(request, store, persist, caller)
     options = operation.options_of(request)
     if operation.pois_field is None:
         return Plan(operation, options, background, patches, named, None, False)
@@ -285,16 +290,17 @@ def plan_request(
 
 
 def resolve_source(
-    request: ModelSelection, store: WorkspaceStore, persist: bool
+    request: ModelSelection, store: WorkspaceStore, persist: bool, caller: str | None = None
 ) -> tuple[Background, tuple[PatchSpec, ...], bool]:
-    """The background of a request, its elements' patches, and whether they are named (a
-    patchset). Inline ``patches`` are applied together: one element."""
+    """The background of a request (a stored one: ``caller``'s), its elements' patches, and
+    whether they are named (a patchset). Inline ``patches`` are applied together: one
+    element."""
     if request.workspace is not None:
-        digest = store.admit(request.workspace, persist)
+        digest = store.admit(request.workspace, persist, caller)
         spec = request.workspace
     else:
         digest = request.workspace_id or ""
-        spec = store.get(digest)
+        spec = store.get(digest, caller)
     background = Background(
         spec, digest, _measurement(spec, request.measurement), request.modifier_settings
     )

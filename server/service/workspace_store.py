@@ -103,6 +103,12 @@ class WorkspaceStore:
     Stored workspaces expire ``ttl_s`` after their last use (a file's mtime is its last use)
     and take at most ``quota_bytes`` of disk, the least recently used going first; neither
     removes a workspace that ``in_use()`` (queued or running jobs) still needs.
+
+    With callers (auth with named tokens), a stored workspace belongs to the callers that
+    stored it (``<digest>.owners``, one name a line): another caller's ``get`` answers 404 as
+    an unknown id does, and ``quota_bytes`` is each caller's own, so that one caller's
+    uploads only ever make room among its own. A workspace stored without a caller (auth
+    off) has no owners file and is everyone's.
     """
 
     def __init__(
@@ -131,26 +137,31 @@ class WorkspaceStore:
         problem = writable_problem(self.directory)
         return None if problem is None else f"the workspace store {problem}"
 
-    def admit(self, spec: dict[str, Any], persist: bool) -> str:
-        """Validate ``spec`` (once per digest), keep it, write it to disk if ``persist``; its id."""
+    def admit(self, spec: dict[str, Any], persist: bool, owner: str | None = None) -> str:
+        """Validate ``spec`` (once per digest), keep it, write it to disk if ``persist`` (as
+        ``owner``'s, where there are callers); its id."""
         digest = workspace_digest(spec)
         with self._lock:
             known = digest in self._memory
         if not known and not self._path(digest).exists():
             validate_workspace(spec)
-        if persist and not self._path(digest).exists():
+        if persist and (not self._path(digest).exists() or not self._owns(digest, owner)):
             text = json.dumps(spec)  # one string: its size, then the file (json.dump is 4x slower)
-            self._make_room(len(text))
-            self._write(digest, text)
-        elif persist:
+            self._make_room(len(text), owner)
+            if not self._path(digest).exists():
+                self._write(digest, text)
+            if owner is not None:
+                self._add_owner(digest, owner)
+        if persist:
             self._touch(digest)
         self._remember(digest, spec)
         return digest
 
-    def get(self, digest: str) -> dict[str, Any]:
-        """The workspace with id ``digest``; :class:`NotFound` (404) if it was never uploaded."""
+    def get(self, digest: str, caller: str | None = None) -> dict[str, Any]:
+        """The workspace with id ``digest``; :class:`NotFound` (404) if it was never uploaded,
+        or (``caller`` given) is not ``caller``'s."""
         path = self._path(digest)
-        if not path.exists():
+        if not path.exists() or not self._owns(digest, caller):
             raise NotFound(
                 f"workspace {digest!r} is not stored here; upload it with POST /workspaces"
             )
@@ -174,26 +185,69 @@ class WorkspaceStore:
             self._forget(digest, path)
         return len(old)
 
-    def _make_room(self, size: int) -> None:
+    def owners(self, digest: str) -> set[str] | None:
+        """The callers a stored workspace belongs to; ``None``: everyone's (stored without a
+        caller)."""
+        try:
+            text = self._owners_path(digest).read_text()
+        except FileNotFoundError:
+            return None
+        return {line for line in text.splitlines() if line}
+
+    def _owns(self, digest: str, caller: str | None) -> bool:
+        """Whether ``caller`` may use stored workspace ``digest`` (``None``: no check)."""
+        if caller is None:
+            return True
+        owners = self.owners(digest)
+        return owners is None or caller in owners
+
+    def _add_owner(self, digest: str, owner: str) -> None:
+        with self._lock:
+            owners = self.owners(digest) or set()
+            if owner not in owners:
+                self._owners_path(digest).write_text(
+                    "".join(f"{o}\n" for o in sorted(owners | {owner}))
+                )
+
+    def _drop_owner(self, digest: str, path: Path, owner: str) -> None:
+        """``owner``'s claim on a workspace removed; the file too once nobody owns it."""
+        with self._lock:
+            owners = (self.owners(digest) or set()) - {owner}
+            if owners:
+                self._owners_path(digest).write_text("".join(f"{o}\n" for o in sorted(owners)))
+                return
+        self._forget(digest, path)
+
+    def _owners_path(self, digest: str) -> Path:
+        return self.directory / f"{digest}.owners"
+
+    def _make_room(self, size: int, owner: str | None = None) -> None:
         """Delete least recently used workspaces (no job needs) until ``size`` more bytes fit
-        the quota; :class:`InsufficientStorage` (507) if they cannot."""
+        the quota (``owner``'s own quota among their own workspaces, where there are
+        callers); :class:`InsufficientStorage` (507) if they cannot."""
         if self.quota_bytes is None:
             return
         stored = sorted(self._stored(), key=lambda entry: entry[2])
+        if owner is not None:
+            stored = [e for e in stored if owner in (self.owners(e[0]) or ())]
         total = sum(entry[3] for entry in stored)
         needed = self.in_use()
         recent = time.time() - RECENT_USE_S  # just stored for a job not yet in the job store
         evictable = [e for e in stored if e[0] not in needed and e[2] < recent]
         if total - sum(e[3] for e in evictable) + size > self.quota_bytes:
+            whose = "the workspace store" if owner is None else f"caller {owner!r}'s share"
             raise InsufficientStorage(
-                f"the workspace store is full: {size} more bytes do not fit its "
-                f"{self.quota_bytes} bytes (--workspace-quota-mb) beside the workspaces queued "
-                "or running jobs need and those used in the last minute; retry later"
+                f"{whose} is full: {size} more bytes do not fit its {self.quota_bytes} bytes "
+                "(--workspace-quota-mb) beside the workspaces queued or running jobs need and "
+                "those used in the last minute; retry later"
             )
         for digest, path, _, bytes_ in evictable:
             if total + size <= self.quota_bytes:
                 return
-            self._forget(digest, path)
+            if owner is None:
+                self._forget(digest, path)
+            else:
+                self._drop_owner(digest, path, owner)
             total -= bytes_
 
     def _stored(self) -> list[tuple[str, Path, float, int]]:
@@ -208,6 +262,8 @@ class WorkspaceStore:
     def _forget(self, digest: str, path: Path) -> None:
         with contextlib.suppress(OSError):
             path.unlink()
+        with contextlib.suppress(OSError):
+            self._owners_path(digest).unlink()
         with self._lock:
             self._memory.pop(digest, None)
         log.info("workspace removed", extra={"workspace_id": digest})

@@ -60,7 +60,7 @@ async def plan_from_http(
             raise Unprocessable("ask for a plot in the envelope's 'plot' or in the query, not both")
         plot = plot or from_query
         envelope = envelope_from(document, options, operation)
-        planned = plan_request(operation, envelope, state.workspaces)
+        planned = plan_request(operation, envelope, state.workspaces, caller=request.state.caller)
         if plot is not None:
             plotting.check_fits(plot.kind, operation.name, envelope)
         return planned, plot, envelope

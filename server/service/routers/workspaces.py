@@ -8,7 +8,7 @@ from fastapi import APIRouter, Path, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
-from ..dependencies import StateDep
+from ..dependencies import CallerDep, StateDep
 from ..errors import Unprocessable
 from ..requests import parse_json
 from ..schemas import BODY_ERRORS, DIGEST_PATTERN, WorkspaceInfo, error_responses
@@ -32,8 +32,9 @@ router = APIRouter(prefix="/workspaces", tags=["workspaces"])
         }
     },
 )
-async def upload_workspace(request: Request, state: StateDep) -> JSONResponse:
-    """Validate and store a workspace under ``--data-dir``; later requests send ``workspace_id``."""
+async def upload_workspace(request: Request, state: StateDep, caller: CallerDep) -> JSONResponse:
+    """Validate and store a workspace under ``--data-dir``; later requests send ``workspace_id``.
+    With callers, the workspace is the uploading caller's (others' requests answer 404)."""
     body = await request.body()
 
     def store() -> dict:
@@ -42,7 +43,7 @@ async def upload_workspace(request: Request, state: StateDep) -> JSONResponse:
             document = document["workspace"]
         if not isinstance(document, dict):
             raise Unprocessable("the body must be a HistFactory workspace (a JSON object)")
-        digest = state.workspaces.admit(document, persist=True)
+        digest = state.workspaces.admit(document, persist=True, owner=caller)
         return summarize(digest, document, state.workspaces.size_of(digest))
 
     info = await run_in_threadpool(store)
@@ -58,12 +59,13 @@ async def upload_workspace(request: Request, state: StateDep) -> JSONResponse:
     summary="Describe an uploaded workspace",
 )
 async def get_workspace(
-    workspace_id: Annotated[str, Path(pattern=DIGEST_PATTERN)], state: StateDep
+    workspace_id: Annotated[str, Path(pattern=DIGEST_PATTERN)], state: StateDep, caller: CallerDep
 ) -> dict:
-    """404 if the workspace was never uploaded (clients check before uploading)."""
+    """404 if the workspace was never uploaded, or (with callers) is another caller's (clients
+    check before uploading)."""
 
     def describe() -> dict:
-        spec = state.workspaces.get(workspace_id)
+        spec = state.workspaces.get(workspace_id, caller)
         return summarize(workspace_id, spec, state.workspaces.size_of(workspace_id))
 
     return await run_in_threadpool(describe)
