@@ -327,6 +327,11 @@ def test_correlation_threshold_and_annotations(real):
     few = plots.figure("correlation", fit, parameters=list(fit["mle_parameters"])[:8], threshold=0)
     assert len(labels(few)) == 8
     assert sum(t.get_text() == "1.00" for t in few.axes[0].texts) == 8  # annotated diagonal
+    # bounded: a render costs at most 200 x 200 cells, and 60 x 60 written values
+    with pytest.raises(plots.PlotInputError, match="top must be at most 200, not 100000"):
+        plots.figure("correlation", fit, threshold=0, top=100_000)
+    with pytest.raises(plots.PlotInputError, match="at most 60 rows"):
+        plots.figure("correlation", fit, threshold=0, annotate=True)
 
 
 def test_ranking_top_and_yields_channels(real):

@@ -260,6 +260,7 @@ def test_plot_route_errors_name_what_fits(client, jobs) -> None:
     assert none.status_code == 422 and "significance" in none.json()["detail"]
     for query, message in [
         ("top=many", "'top' must be an integer"),
+        ("top=100000", "top must be at most 400, not 100000"),
         ("colour=red", "unknown plot option 'colour'"),
         ("threshold=0.3", "pulls plot: unknown option 'threshold'"),
         ("dpi=5000", "dpi must be within"),

@@ -315,12 +315,21 @@ def matrix(kind: str, field: str, values: Any, rows: int, columns: int) -> list[
     return [numbers(kind, f"{field}[{i}]", row, columns) for i, row in enumerate(values)]
 
 
-def count_option(kind: str, field: str, value: Any, default: int | None) -> int | None:
-    """A positive integer option (``None``: no cap unless ``default``)."""
+#: The most rows a plot draws (``top``): more are unreadable and only cost render time.
+MAX_ROWS = 400
+
+
+def count_option(
+    kind: str, field: str, value: Any, default: int | None, maximum: int = MAX_ROWS
+) -> int | None:
+    """A positive integer option of at most ``maximum`` (``None``: no cap unless
+    ``default``)."""
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise fail(kind, f"{field} must be a positive integer, not {value!r}")
+    if value > maximum:
+        raise fail(kind, f"{field} must be at most {maximum}, not {value}")
     return value
 
 

@@ -463,6 +463,8 @@ def ranking(result: Any, *, top: int | None = 20, poi_label: str = "μ") -> Figu
 
 # -------------------------------------------------------------------------- correlation
 DEFAULT_CORRELATION_TOP = 80
+MAX_CORRELATION_TOP = 200  # n^2 cells
+MAX_ANNOTATED = 60  # n^2 texts
 
 
 @register(
@@ -513,7 +515,7 @@ def correlation(
         )
     if cut > 0:
         notes.append(f"{int(chosen.sum())} of {len(index)} parameters with max |ρ| ≥ {cut:g}")
-    top = count_option(kind, "top", top, DEFAULT_CORRELATION_TOP)
+    top = count_option(kind, "top", top, DEFAULT_CORRELATION_TOP, MAX_CORRELATION_TOP)
     if top is not None and chosen.sum() > top:
         ranked = np.argsort(-np.where(chosen, strongest, -1), kind="stable")[:top]
         chosen = np.zeros_like(chosen)
@@ -544,6 +546,12 @@ def correlation(
     ax.tick_params(which="both", top=False, right=False, bottom=False, left=False)
     if annotate is None:
         annotate = n <= 20
+    if annotate and n > MAX_ANNOTATED:
+        raise fail(
+            kind,
+            f"annotate writes each of the {n} x {n} cells: at most {MAX_ANNOTATED} rows "
+            "(lower top, or raise threshold)",
+        )
     if annotate:
         text = _style.text_kw(_style.clamp(size * 0.85, 5, 10))
         for i in range(n):
