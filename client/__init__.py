@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from .exceptions import (
     AuthenticationError,
     BadRequestError,
+    DoubtfulResultWarning,
     JobCancelledError,
     JobError,
     JobFailedError,
@@ -81,6 +82,7 @@ __all__ = [
     "CLsResult",
     "ChannelYields",
     "Client",
+    "DoubtfulResultWarning",
     "FitResult",
     "GoodnessOfFit",
     "Job",

@@ -19,6 +19,7 @@ import io
 import json
 import os
 import sys
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,6 +30,7 @@ import click
 from ._base import ClientBase
 from ._stdlib import StdlibClient
 from .exceptions import (
+    DoubtfulResultWarning,
     JobError,
     PyhfGpuError,
     ServerError,
@@ -48,7 +50,7 @@ from .protocol import (
     plot_kinds_for,
     plot_option,
 )
-from .results import Job, YieldsResult, patch_errors, result_to_json
+from .results import Job, YieldsResult, doubtful, patch_errors, result_to_json
 
 __all__ = [
     "format_yields_csv",
@@ -334,8 +336,11 @@ def main() -> None:
 
     A drop-in for `pyhf cls` / `pyhf fit`: same options, same JSON output. The server is
     --server or $PYHF_GPU_SERVER (default http://127.0.0.1:8000), the token --token or
-    $PYHF_GPU_API_TOKEN.
+    $PYHF_GPU_API_TOKEN. Results whose fits the server flagged (did not converge, extra starts
+    that disagree) are printed with a warning on stderr (with --strict: exit 1).
     """
+    # the commands say it in their own words, once per result (_output)
+    warnings.simplefilter("ignore", DoubtfulResultWarning)
 
 
 def _workspace_options(f: Callable[..., Any], outputs: bool = True) -> Callable[..., Any]:
@@ -349,8 +354,8 @@ def _workspace_options(f: Callable[..., Any], outputs: bool = True) -> Callable[
     strict = click.option(
         "--strict",
         is_flag=True,
-        help="Exit 1 when some patch of --patchset could not be tested (default: report "
-        "it on stderr, print the others).",
+        help="Exit 1 when some patch of --patchset could not be tested, or some result's fits "
+        "did not converge (default: report them on stderr, print the results).",
     )
     decorators = [
         click.argument("workspace", default="-"),
@@ -525,8 +530,13 @@ def _output(result: Any, kwargs: dict[str, Any]) -> None:
         click.echo(
             f"Warning: patch {name!r} was not tested ({error.status}): {error.detail}", err=True
         )
+    flagged = doubtful(result)
+    for line in flagged:
+        click.echo(f"Warning: {line}; its numbers may not be the minimum's", err=True)
     if failed and kwargs.get("strict"):
         raise CommandFailed(f"{len(failed)} of {len(failed) + len(result)} patches were not tested")
+    if flagged and kwargs.get("strict"):
+        raise CommandFailed(f"{len(flagged)} doubtful results (fits the server flagged)")
 
 
 _METHODS = {

@@ -16,6 +16,10 @@ Everything the client raises on purpose derives from :class:`PyhfGpuError`::
         ├── JobFailedError
         ├── JobCancelledError
         └── WaitTimeoutError      :meth:`Client.wait` gave up before the job finished
+
+A result whose fits did not converge, or whose extra starts reached different minima (its
+``meta``), is returned with a :class:`DoubtfulResultWarning` (a ``UserWarning``: shown once per
+place by default; ``warnings.simplefilter("error", DoubtfulResultWarning)`` makes it raise).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "AuthenticationError",
     "BadRequestError",
+    "DoubtfulResultWarning",
     "JobCancelledError",
     "JobError",
     "JobFailedError",
@@ -157,3 +162,9 @@ def format_detail(detail: Any) -> str:
         if "msg" in detail:
             return str(detail["msg"])
     return str(detail)
+
+
+class DoubtfulResultWarning(UserWarning):
+    """A result the server flagged in its ``meta``: fits that did not converge
+    (``converged: false``) or extra starts that reached different minima (``starts_agreed:
+    false``). The numbers are returned; they may not be the likelihood's minimum's."""

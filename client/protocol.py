@@ -25,6 +25,7 @@ import os
 import random
 import ssl
 import time
+import warnings
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
@@ -33,6 +34,7 @@ from urllib.parse import quote
 from .exceptions import (
     AuthenticationError,
     BadRequestError,
+    DoubtfulResultWarning,
     JobCancelledError,
     JobFailedError,
     NotFoundError,
@@ -45,7 +47,7 @@ from .exceptions import (
     WorkspaceError,
     format_detail,
 )
-from .results import OPERATIONS, Job, Result, parse_result
+from .results import OPERATIONS, Job, Result, doubtful, parse_result
 from .workspace import (
     JSONFile,
     JSONSource,
@@ -703,7 +705,16 @@ def operation_flow(
 ) -> Flow[Result]:
     """Run ``operation`` synchronously (``POST /cls`` etc.) and parse the answer."""
     response = yield from post_operation(operation, workspace, options, config, state)
-    return parse_result(operation, json_of(response))
+    result = parse_result(operation, json_of(response))
+    warn_if_doubtful(result)
+    return result
+
+
+def warn_if_doubtful(result: Any) -> None:
+    """A :class:`DoubtfulResultWarning` for each flag in the result's ``meta``
+    (:func:`~pyhf_gpu_client.results.doubtful`)."""
+    for line in doubtful(result):
+        warnings.warn(line, DoubtfulResultWarning, stacklevel=4)
 
 
 def submit_flow(
@@ -770,6 +781,7 @@ def wait_flow(
         if on_update is not None:
             on_update(job)
         if job.status == "succeeded":
+            warn_if_doubtful(job.result)
             return job
         if job.status == "failed":
             raise JobFailedError(f"job {job.id} failed: {format_detail(job.error)}", job)

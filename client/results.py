@@ -31,6 +31,7 @@ __all__ = [
     "SignificanceResult",
     "UpperLimitResult",
     "YieldsResult",
+    "doubtful",
     "parse_result",
     "result_to_json",
 ]
@@ -758,6 +759,43 @@ def _single_class(operation: str, data: Any) -> type | None:
         if matches(data) if matches is not None else cls.KEY in data:
             return cls
     return None
+
+
+def doubtful(result: Any) -> list[str]:
+    """What the server flagged in the ``meta`` of a parsed result (one, a list or a ``{patch:
+    ...}`` dict): fits that did not converge, extra starts that reached different minima; one
+    line each, naming the patch and the tested POI where there are several.
+
+    >>> doubtful(CLsResult(0.1, [0.1] * 5, meta={"converged": False, "test_poi": 1.0}))
+    ['test_poi 1.0: its fits did not converge (meta.converged false)']
+    >>> doubtful({"p1": CLsResult(0.1, [0.1] * 5, meta={"converged": True})})
+    []
+    """
+    found: list[str] = []
+
+    def visit(item: Any, where: list[str]) -> None:
+        if isinstance(item, list):
+            for entry in item:
+                visit(entry, where)
+        elif isinstance(item, Mapping):
+            for name, entry in item.items():
+                visit(entry, [*where, f"patch {name!r}"])
+        else:
+            meta = getattr(item, "meta", None) or {}
+            place = list(where)
+            if meta.get("test_poi") is not None:
+                place.append(f"test_poi {meta['test_poi']}")
+            label = ", ".join(place) or "the result"
+            if meta.get("converged") is False:
+                found.append(f"{label}: its fits did not converge (meta.converged false)")
+            if meta.get("starts_agreed") is False:
+                found.append(
+                    f"{label}: its fits from extra starts reached different minima "
+                    "(meta.starts_agreed false)"
+                )
+
+    visit(result, [])
+    return found
 
 
 def parse_result(operation: str, data: Any) -> Result:

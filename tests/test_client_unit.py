@@ -545,6 +545,27 @@ def test_cli_prints_pyhf_json(fake_cli, tmp_path):
     assert out.read_text() == json.dumps(CLS_ANSWER, indent=4, sort_keys=True)
 
 
+def test_flagged_results_are_said_on_stderr_and_warned_in_python(fake_cli, tmp_path):
+    """A result whose fits the server flagged (meta.converged / starts_agreed false): the CLI
+    prints pyhf's JSON and a warning on stderr naming the tested POI (exit 1 with --strict);
+    the Python client returns it with a DoubtfulResultWarning."""
+    flagged = {**CLS_ANSWER, "meta": {"converged": False, "starts_agreed": False, "test_poi": 1.0}}
+    fake_cli.script["POST /cls"] = [httpx.Response(200, json=flagged) for _ in range(3)]
+    ws = tmp_path / "ws.json"
+    ws.write_text(json.dumps(simple_workspace()))
+    runner = CliRunner()
+    res = runner.invoke(cli.main, ["cls", str(ws)])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout) == CLS_ANSWER
+    assert "Warning: test_poi 1.0: its fits did not converge (meta.converged false)" in res.stderr
+    assert "reached different minima (meta.starts_agreed false)" in res.stderr
+    strict = runner.invoke(cli.main, ["cls", str(ws), "--strict"])
+    assert strict.exit_code == 1 and "2 doubtful results" in strict.stderr
+    with make_client(fake_cli) as client, pytest.warns(pgc.DoubtfulResultWarning, match="converge"):
+        result = client.cls(simple_workspace())
+    assert result.meta["converged"] is False
+
+
 def test_cli_errors_are_one_line(fake_cli, tmp_path):
     fake_cli.script["POST /cls"] = [
         httpx.Response(422, json={"detail": "invalid workspace at channels: [] is too short"})

@@ -257,16 +257,19 @@ def test_the_workspace_quota_is_each_callers_own(tmp_path: Path) -> None:
     token_file = tmp_path / "tokens"
     token_file.write_text(TOKEN_FILE)
     args = ["--api-token-file", str(token_file), "--workspace-quota-mb", "0.001"]  # 1048 bytes
-    with running_server(tmp_path, args) as server:
-        with as_caller(server, "carol") as carol, as_caller(server, "dave") as dave:
-            first = carol.post("/workspaces", json=simple_workspace((1.0, 2.0)))  # 458 bytes
-            assert first.status_code == 201, first.text
-            for k in range(2):
-                response = dave.post("/workspaces", json=simple_workspace((3.0 + k, 4.0)))
-                assert response.status_code == 201, response.text
-            full = dave.post("/workspaces", json=simple_workspace((9.0, 4.0)))
-            assert full.status_code == 507, full.text
-            assert "--workspace-quota-mb" in full.json()["detail"]
-            second = carol.post("/workspaces", json=simple_workspace((1.5, 2.0)))
-            assert second.status_code == 201, second.text
-            assert carol.get(f"/workspaces/{first.json()['workspace_id']}").status_code == 200
+    with (
+        running_server(tmp_path, args) as server,
+        as_caller(server, "carol") as carol,
+        as_caller(server, "dave") as dave,
+    ):
+        first = carol.post("/workspaces", json=simple_workspace((1.0, 2.0)))  # 458 bytes
+        assert first.status_code == 201, first.text
+        for k in range(2):
+            response = dave.post("/workspaces", json=simple_workspace((3.0 + k, 4.0)))
+            assert response.status_code == 201, response.text
+        full = dave.post("/workspaces", json=simple_workspace((9.0, 4.0)))
+        assert full.status_code == 507, full.text
+        assert "--workspace-quota-mb" in full.json()["detail"]
+        second = carol.post("/workspaces", json=simple_workspace((1.5, 2.0)))
+        assert second.status_code == 201, second.text
+        assert carol.get(f"/workspaces/{first.json()['workspace_id']}").status_code == 200

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sqlite3
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -134,6 +135,7 @@ def assert_cls_results(driver: webdriver.Chrome) -> None:
         assert 0 < float(row[1]) < 1 and 0 < float(row[2]) < 1, row
     heads = [h.text for h in driver.find_elements(By.CSS_SELECTOR, "#results-table thead th")]
     assert heads[:3] == ["Patch", "CLs observed", "CLs expected (median)"]
+    assert driver.find_element(By.ID, "doubtful").get_attribute("hidden")  # all converged
     status = driver.find_element(By.ID, "progress-text")
     assert status.text == f"Job succeeded: {len(PATCHES)} of {len(PATCHES)} hypotheses"
     assert status.get_attribute("aria-live") == "polite"
@@ -179,6 +181,35 @@ def test_report_page_shows_one_job(browser, server, patchset_file) -> None:
     assert job_id in browser.find_element(By.ID, "job-heading").text
     assert browser.find_element(By.ID, "new-job").get_attribute("hidden")  # one job only
     assert_cls_results(browser)
+    assert severe(browser) == []
+
+
+def test_report_page_flags_a_doubtful_result(browser, server) -> None:
+    """A result whose fits the server flagged in its meta (a job row written into the server's
+    real SQLite file, as a finished job would be) is said above the table, in an alert."""
+    job_id = "d0" * 16
+    result = {
+        "p0_obs": 0.21,
+        "p0_exp": 0.12,
+        "z_obs": 0.81,
+        "z_exp": 1.17,
+        "meta": {"converged": False, "starts_agreed": False},
+    }
+    now = time.time()
+    with sqlite3.connect(server.data_dir / "jobs.sqlite3") as db:
+        db.execute(
+            "INSERT INTO jobs (id, operation, status, request, done, total, result, "
+            "created_at, started_at, finished_at) "
+            "VALUES (?, 'significance', 'succeeded', ?, 1, 1, ?, ?, ?, ?)",
+            (job_id, json.dumps({"workspace_id": "0" * 64}), json.dumps(result), now, now, now),
+        )
+    browser.get(f"{server.url}/jobs/{job_id}/report")
+    wait_until(browser, "return !document.getElementById('doubtful').hidden", "the flag")
+    flag = browser.find_element(By.ID, "doubtful")
+    assert flag.get_attribute("role") == "alert"
+    assert "The result: its fits did not converge" in flag.text
+    assert "reached different minima" in flag.text
+    assert results_rows(browser)[0][1] == "0.21"  # the numbers are still shown
     assert severe(browser) == []
 
 

@@ -308,7 +308,7 @@
     $("job").hidden = false;
     $("job-heading").textContent = `Job ${id}`;
     $("report-link").href = `/jobs/${encodeURIComponent(id)}/report`;
-    for (const part of ["plots-heading", "results-heading", "results-table", "patch-choice"]) {
+    for (const part of ["plots-heading", "results-heading", "results-table", "patch-choice", "doubtful"]) {
       $(part).hidden = true;
     }
     $("plots").replaceChildren();
@@ -328,12 +328,40 @@
         say(`The job failed (${view.error.status}): ${describe(view.error.detail)}`);
       }
       if (view.status !== "succeeded") return;
+      showDoubtful(view);
       shown.plots = (await json(`/jobs/${encodeURIComponent(id)}/plots`)).plots;
       choosePatch(view);
       await Promise.all([showPlots(), Promise.resolve(showTable())]);
     } catch (error) {
       fail(error);
     }
+  }
+
+  // What the server flagged in the results' meta (as the Python client's `doubtful`): fits
+  // that did not converge, extra starts that reached different minima; one line each.
+  function doubtful(view) {
+    const found = [];
+    const visit = (item, where) => {
+      if (Array.isArray(item)) {
+        item.forEach((entry) => visit(entry, where));
+        return;
+      }
+      if (!item || typeof item !== "object" || isError(item) || !item.meta) return;
+      const place = [...where];
+      if (item.meta.test_poi !== undefined && item.meta.test_poi !== null) place.push(`μ = ${number(item.meta.test_poi)}`);
+      const label = place.join(", ") || "The result";
+      if (item.meta.converged === false) found.push(`${label}: its fits did not converge`);
+      if (item.meta.starts_agreed === false) found.push(`${label}: its fits from extra starts reached different minima`);
+    };
+    const entries = isNamed(view) ? Object.entries(view.result) : [[null, view.result]];
+    for (const [name, entry] of entries) visit(entry, name === null ? [] : [`Patch ${name}`]);
+    return found;
+  }
+
+  function showDoubtful(view) {
+    const found = doubtful(view);
+    $("doubtful-list").replaceChildren(...found.map((line) => element("li", { text: line })));
+    $("doubtful").hidden = found.length === 0;
   }
 
   function isNamed(view) {
