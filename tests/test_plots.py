@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import io
 import threading
+import time
 import xml.etree.ElementTree as ET
 from concurrent.futures import ThreadPoolExecutor
 
@@ -412,3 +413,31 @@ def test_unknown_kind_format_and_option():
 def test_wrong_results_name_kind_and_field(kind, result, options, message):
     with pytest.raises(ValueError, match=message):
         plots.render(kind, result, "png", **options)
+
+
+def test_a_render_waits_for_the_others_at_most_render_wait_s(real, monkeypatch):
+    """Renders are serialised (matplotlib's state is process-wide): one that cannot have the
+    drawing lock within RENDER_WAIT_S gives up with PlotBusyError (the service's 503) instead
+    of waiting without a bound; once the lock is free it draws."""
+    from pyhf_gpu_server.plots import _base
+
+    monkeypatch.setattr(_base, "RENDER_WAIT_S", 0.2)
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with _base._LOCK:
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(10)
+        start = time.monotonic()
+        with pytest.raises(plots.PlotBusyError, match=r"other plots have been drawing for 0\.2 s"):
+            plots.render("pulls", real["fit"], "svg")
+        assert time.monotonic() - start < 2
+    finally:
+        release.set()
+        holder.join()
+    assert plots.render("pulls", real["fit"], "svg").startswith(b"<?xml")

@@ -17,7 +17,8 @@ import inspect
 import io
 import math
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -52,11 +53,32 @@ COMMON_OPTIONS: dict[str, str] = {
     "rlabel": 'label above the main axes on the right, e.g. "13 TeV, 139 fb⁻¹"',
 }
 
+# matplotlib's state is process-wide: one figure is drawn at a time
 _LOCK = threading.RLock()
+#: How long a render waits for the ones before it, at most (then :class:`PlotBusyError`).
+RENDER_WAIT_S = 30.0
 
 
 class PlotInputError(ValueError):
     """A result that does not fit its plot kind, or an unknown kind, format or option."""
+
+
+class PlotBusyError(RuntimeError):
+    """Other figures were being drawn for :data:`RENDER_WAIT_S`: this one gave up waiting
+    (every wait has a bound; a client that went away is not waited for past it)."""
+
+
+@contextmanager
+def _drawing(kind: str) -> Iterator[None]:
+    """Hold the drawing lock, waiting for it at most :data:`RENDER_WAIT_S`."""
+    if not _LOCK.acquire(timeout=RENDER_WAIT_S):
+        raise PlotBusyError(
+            f"{kind} plot: other plots have been drawing for {RENDER_WAIT_S:g} s; retry shortly"
+        )
+    try:
+        yield
+    finally:
+        _LOCK.release()
 
 
 @dataclass(frozen=True)
@@ -129,7 +151,7 @@ def figure(
         raise PlotInputError(
             f"{kind} plot: unknown option {', '.join(map(repr, unknown))}; accepted: {accepted}"
         )
-    with _LOCK:
+    with _drawing(kind):
         fig = spec.draw(result, **options)
         if figsize is not None:
             fig.set_size_inches(_figsize(kind, figsize))
@@ -169,7 +191,7 @@ def render(
     resolution = DEFAULT_DPI if dpi is None else _number(kind, "dpi", dpi)
     if not 10 <= resolution <= 1200:
         raise PlotInputError(f"{kind} plot: dpi must be within 10..1200, not {dpi!r}")
-    with _LOCK:
+    with _drawing(kind):
         fig = figure(kind, result, **options)
         width, height = fig.get_size_inches()
         if fmt == "png" and width * height * resolution**2 > MAX_PIXELS:

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pyhf_gpu_server import plots
 
-from .errors import NotFound, ServiceError, Unprocessable
+from .errors import NotFound, ServiceError, Unavailable, Unprocessable
 
 log = logging.getLogger("pyhf_gpu_server.service.plots")
 
@@ -429,6 +429,8 @@ def render(
         return plots.render(plot.kind, drawn, plot.fmt, **options)
     except plots.PlotInputError as exc:
         raise Unprocessable(str(exc)) from None
+    except plots.PlotBusyError as exc:
+        raise Unavailable(str(exc), 5) from None
     except Exception as exc:  # an option value the renderer does not check; logged in full
         log.warning("plot not drawn", exc_info=True, extra={"kind": plot.kind})
         raise Unprocessable(
