@@ -14,12 +14,14 @@ import uuid
 import zlib
 from collections.abc import Collection
 
+import anyio
 import h11
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from ..allocator import glibc_function
 from .dependencies import authenticate
 from .errors import Unauthorized
 from .metrics import Metrics
@@ -158,11 +160,20 @@ class TokenAuthMiddleware:
         )
 
 
+#: A request body (decompressed) at least this large hands the host memory it and what was
+#: parsed from it took back to the system once its answer is sent.
+RELEASE_ABOVE = 8 << 20
+
+
 class BodyLimitMiddleware:
     """Rejects bodies over ``max_bytes`` (declared, streamed or gunzipped: 413) and gunzips them.
 
     A body not complete within ``body_timeout_s`` of its headers answers 408 (slow senders).
     A ``Content-Encoding: gzip`` body reaches the app decompressed, with the header removed.
+    After a body of at least :data:`RELEASE_ABOVE`, glibc's ``malloc_trim`` hands the heap it
+    and its parsed objects took back to the system (the allocator keeps blocks under 64 MiB
+    and one arena, :mod:`pyhf_gpu_server.allocator`: parallel large bodies would otherwise
+    leave hundreds of MB with the process).
     """
 
     def __init__(self, app: ASGIApp, max_bytes: int, body_timeout_s: float) -> None:
@@ -170,6 +181,7 @@ class BodyLimitMiddleware:
         self.app = app
         self.max_bytes = max_bytes
         self.body_timeout_s = body_timeout_s
+        self._trim = glibc_function("malloc_trim")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Read the whole body within the limits, then hand it on."""
@@ -198,8 +210,14 @@ class BodyLimitMiddleware:
             if body is None:
                 await self._too_large("decompressed body")(scope, receive, send)
                 return
-        _set_body_headers(scope, len(body))
-        await self.app(scope, _replay(body, receive), send)
+        size = len(body)
+        _set_body_headers(scope, size)
+        try:
+            await self.app(scope, _replay(body, receive), send)
+        finally:
+            del body
+            if size >= RELEASE_ABOVE and self._trim is not None:
+                await anyio.to_thread.run_sync(self._trim, 0)
 
     def _check_headers(self, headers: Headers) -> JSONResponse | None:
         """413 for a declared length over the limit, 415 for an unknown encoding."""
