@@ -336,3 +336,30 @@ def test_a_steady_stream_of_requests_does_not_starve_jobs() -> None:
         await scheduler.stop()
 
     asyncio.run(scenario())
+
+
+def test_job_rows_longer_than_the_overdue_span_still_let_interactive_work_in() -> None:
+    """A job whose every row takes longer than JOB_SHARE_ROUNDS chunk lengths (a row of many
+    toys): interactive requests arriving while a job row runs are served right after it,
+    not after the whole job (#37: a small /cls waited 83.7 s behind a 6-row toy job)."""
+
+    async def scenario() -> None:
+        runner = PerRowCost(0.3)  # > JOB_SHARE_ROUNDS x 0.05 s
+        scheduler, _ = make(runner, max_batch_size=4, max_batch_delay_s=0.0, job_chunk_s=0.05)
+        # a row costs 100 fits: one row a chunk, from the prior and from the measured time
+        job = scheduler.submit("job", "J", list(range(6)), lane="jobs", row_cost=100)
+        waits = []
+        for _ in range(3):
+            await asyncio.sleep(0.1)  # a job row is running
+            start = time.monotonic()
+            small = scheduler.submit("small", "S", [3])
+            assert [o.value for o in await small.future] == [9]
+            waits.append(time.monotonic() - start)
+        assert not job.future.done()  # served between the job's rows, not after them
+        # the rest of one job row and its own (0.3 s: the runner's rows all cost that); before
+        # the fix the first waited for all six job rows (2.0 s)
+        assert max(waits) < 0.3 + 0.3 + 0.15, waits
+        assert [o.value for o in await job.future] == [i * i for i in range(6)]
+        await scheduler.stop()
+
+    asyncio.run(scenario())

@@ -312,8 +312,12 @@ class Scheduler(Generic[WorkT, BatchT, RowT, ValueT]):
                 task.add_done_callback(self._finished)
 
     def _finished(self, task: asyncio.Task[None]) -> None:
-        """A batch is over: its slot is free."""
-        self._running.pop(task, None)
+        """A batch is over: its slot is free; a job chunk's end restarts the jobs lane's
+        clock (a chunk that ran longer than the overdue span, a row of many toys, does not
+        make the next one overdue at once: interactive work goes first again)."""
+        batch = self._running.pop(task, None)
+        if batch and batch[0].item.lane == "jobs":
+            self._jobs_served_at = time.monotonic()
         if not task.cancelled() and task.exception() is not None:
             log.error("a batch failed unexpectedly", exc_info=task.exception())
         self._wakeup.set()
