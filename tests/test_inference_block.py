@@ -81,6 +81,24 @@ def test_the_block_jacobian_is_the_whole_one_without_its_zeros(name):
     assert torch.equal(_whole_jacobian(model, J_shared, J_bins), J)
 
 
+def _points(name: str, seed: int) -> tuple[HistFactoryModel, torch.Tensor, torch.Tensor]:
+    """A model (a shared workspace's heterogeneous stack, or a generated analysis), rows of
+    several of its elements, and random points near their starts, inside the bounds."""
+    if name == "analysis":
+        model, element = _analysis(channels=3, bins=5), torch.tensor([0, 0], device=DEVICE)
+    else:
+        model, element = _heterogeneous(name), torch.tensor([0, 3, 7], device=DEVICE)
+    gen = torch.Generator().manual_seed(seed)
+    x = model.init.index_select(0, element) + 0.05 * torch.randn(
+        element.shape[0], model.n_pars, generator=gen, dtype=torch.float64
+    ).to(DEVICE)
+    x = torch.minimum(
+        torch.maximum(x, model.bounds[..., 0].index_select(0, element) + 1e-3),
+        model.bounds[..., 1].index_select(0, element),
+    )
+    return model, element, x
+
+
 @pytest.mark.parametrize("name", [*WORKSPACE_NAMES, "analysis"])
 def test_the_block_hessian_and_covariance_equal_the_dense_ones(name):
     """The exact Hessian in block form (the second-order term's per-bin border and bin blocks
@@ -88,19 +106,8 @@ def test_the_block_hessian_and_covariance_equal_the_dense_ones(name):
     inverse, with a shared and a per-bin parameter fixed, for rows of different elements of a
     heterogeneous stack (own per-row blocks; two per-bin parameters in one bin of sbottom-B)
     and of a generated analysis with shape systematics."""
-    if name == "analysis":
-        model, element = _analysis(channels=3, bins=5), torch.tensor([0, 0], device=DEVICE)
-    else:
-        model, element = _heterogeneous(name), torch.tensor([0, 3, 7], device=DEVICE)
+    model, element, x = _points(name, seed=2)
     R = element.shape[0]
-    gen = torch.Generator().manual_seed(2)
-    x = model.init.index_select(0, element) + 0.05 * torch.randn(
-        R, model.n_pars, generator=gen, dtype=torch.float64
-    ).to(DEVICE)
-    x = torch.minimum(
-        torch.maximum(x, model.bounds[..., 0].index_select(0, element) + 1e-3),
-        model.bounds[..., 1].index_select(0, element),
-    )
     data = model.observed.index_select(0, element)
     rows = torch.arange(R, device=DEVICE)
     objective = TwiceNLL(model, data, element, "hessian")
@@ -127,16 +134,8 @@ def test_the_block_hessian_and_covariance_equal_the_dense_ones(name):
 def test_the_gradient_without_a_jacobian_equals_the_jacobians(name):
     """The vector-Jacobian product (value and gradient, for chord steps) equals ``J^T r`` plus
     the constraint terms of the Jacobian-based derivatives, for rows of several elements."""
-    if name == "analysis":
-        model, element = _analysis(channels=3, bins=5), torch.tensor([0, 0], device=DEVICE)
-    else:
-        model, element = _heterogeneous(name), torch.tensor([0, 3, 7], device=DEVICE)
+    model, element, x = _points(name, seed=3)
     R = element.shape[0]
-    gen = torch.Generator().manual_seed(3)
-    x = model.init.index_select(0, element) + 0.05 * torch.randn(
-        R, model.n_pars, generator=gen, dtype=torch.float64
-    ).to(DEVICE)
-    x = torch.maximum(x, model.bounds[..., 0].index_select(0, element) + 1e-3)
     objective = TwiceNLL(model, model.observed.index_select(0, element), element, "gauss-newton")
     rows = torch.arange(R, device=DEVICE)
     whole = objective.derivatives(x, rows)
