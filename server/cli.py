@@ -51,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     workers = LocalWorkers.fork(
         settings.local_worker_count,
         engine=engine,
-        max_layout_bytes=int(settings.max_model_memory_mb * 2**20),
+        max_layout_bytes=settings.max_model_bytes,
     )
     try:
         uvicorn.run(

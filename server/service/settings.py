@@ -339,6 +339,11 @@ class Settings:
         return int(self.max_body_mb * 1024 * 1024)
 
     @property
+    def max_model_bytes(self) -> int:
+        """:attr:`max_model_memory_mb` in bytes (the translator's and the stacks' bound)."""
+        return int(self.max_model_memory_mb * 1024 * 1024)
+
+    @property
     def local_worker_count(self) -> int:
         """:attr:`local_workers`, ``-1`` resolved for this machine."""
         if self.local_workers == -1:

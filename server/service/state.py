@@ -168,7 +168,7 @@ class ServiceState:
             max_bins=settings.max_bins,
             max_fit_bytes=int(settings.max_fit_memory_mb * 2**20),
             max_toys=settings.max_toys_per_request,
-            max_model_bytes=int(settings.max_model_memory_mb * 2**20),
+            max_model_bytes=settings.max_model_bytes,
         )
         elements = ElementStore(
             max_elements=settings.element_cache_size,
