@@ -4,8 +4,10 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# torch is installed before the package so that the `torch>=2.4` range is already met:
-# on these machines torch==2.13.0 is a CPU build on disk; set TORCH_SPEC for a CUDA node.
+# torch is installed before the package so that the `torch>=2.4` range is already met, from
+# pip's configured index: which build that is depends on the index (on Linux x86_64 PyPI's
+# wheels are CUDA builds; https://download.pytorch.org/whl/cpu or .../whl/cu126 as
+# PIP_EXTRA_INDEX_URL picks a CPU-only or another CUDA build). TORCH_SPEC=... names another.
 TORCH_SPEC ?= torch==2.13.0
 HOST ?= 127.0.0.1
 PORT ?= 8000

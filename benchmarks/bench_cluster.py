@@ -38,6 +38,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from service_support import WORKSPACES, ServerProcess, free_port, simple_workspace
+from workspaces import read_json
 
 ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
@@ -94,7 +95,7 @@ def timed(run: Callable[[], Any], repeats: int) -> float:
 
 def workloads(args: argparse.Namespace) -> dict[str, Any]:
     folder = WORKSPACES / args.workspace
-    background = json.loads((folder / "BkgOnly.json").read_text())
+    background = read_json(folder / "BkgOnly.json")
     patchset = json.loads(gzip.decompress((folder / "patchset.hepdata.json.gz").read_bytes()))
     point = patchset["patches"][len(patchset["patches"]) // 2]["patch"]
     return {"background": background, "patchset": patchset, "point": point}

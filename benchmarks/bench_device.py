@@ -14,9 +14,6 @@ CLs difference from the reference.
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
-import os
 import statistics
 import sys
 import time
@@ -25,21 +22,17 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import generate_large
+from workspaces import WORKSPACES_DIR as WORKSPACES  # tests/data/workspaces, or the env's
+from workspaces import read_json
 
 from pyhf_gpu_server.engine import HistFactoryModel, KernelCache
 from pyhf_gpu_server.inference.hypotest import hypotest
 
-WORKSPACES = Path(
-    os.environ.get(
-        "PYHF_GPU_SHARED_WORKSPACES", Path(__file__).resolve().parents[2] / "shared" / "workspaces"
-    )
-)
-
 
 def _read(path: Path) -> dict:
-    raw = path.read_bytes()
-    return json.loads(gzip.decompress(raw) if path.suffix == ".gz" else raw)
+    return read_json(path)  # ``x.json`` may be ``x.json.gz`` on disk
 
 
 def cases(large: tuple[int, int, int]) -> list[tuple[str, dict, dict | None]]:

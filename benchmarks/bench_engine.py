@@ -20,10 +20,10 @@ Medians of ``--repeats`` runs after a warm-up, one intra-op thread by default.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,7 +37,10 @@ from pyhf_gpu_server.allocator import tune_cpu_allocator
 from pyhf_gpu_server.engine import HistFactoryModel, KernelCache
 from pyhf_gpu_server.inference.objective import TwiceNLL
 
-WORKSPACES = Path(__file__).resolve().parents[2] / "shared" / "workspaces"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from workspaces import WORKSPACES_DIR as WORKSPACES
+from workspaces import read_json
+
 PATCH = "sig_s1_x1"
 
 
@@ -62,8 +65,8 @@ def best_seconds(run: Callable[[], object], repeats: int, synchronize: Callable[
 
 
 def bench_workspace(folder: Path, batch: int, repeats: int, device: str) -> dict:
-    workspace = pyhf.Workspace(json.loads((folder / "BkgOnly.json").read_text()))
-    patchset = pyhf.PatchSet(json.loads((folder / "patchset.json").read_text()))
+    workspace = pyhf.Workspace(read_json(folder / "BkgOnly.json"))
+    patchset = pyhf.PatchSet(read_json(folder / "patchset.json"))
     patched = patchset.apply(workspace, PATCH)
     reference = patched.model(batch_size=batch)
     engine = HistFactoryModel.from_workspace(patched, device=device)
@@ -147,8 +150,8 @@ def _load() -> str:
 
 def bench_fit_workspace(folder: Path, rows: int, repeats: int, device: str) -> dict:
     """Eager against compiled on the fit path of the 24-patch stack of ``folder``."""
-    workspace = json.loads((folder / "BkgOnly.json").read_text())
-    patchset = json.loads((folder / "patchset.json").read_text())
+    workspace = read_json(folder / "BkgOnly.json")
+    patchset = read_json(folder / "patchset.json")
     eager = HistFactoryModel.from_patchset(workspace, patchset, device=device)
     compiled = HistFactoryModel.from_patchset(workspace, patchset, device=device)
     synchronize = torch.cuda.synchronize if eager.device.type == "cuda" else (lambda: None)

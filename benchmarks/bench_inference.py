@@ -37,9 +37,10 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-WORKSPACES = Path(
-    os.environ.get("PYHF_GPU_SHARED_WORKSPACES", REPO.parent / "shared" / "workspaces")
-)
+sys.path.insert(0, str(REPO / "tests"))
+from workspaces import WORKSPACES_DIR as WORKSPACES  # noqa: E402 (tests/data/workspaces)
+from workspaces import read_json  # noqa: E402
+
 ALL = sorted(p.parent.name for p in WORKSPACES.glob("*/reference.json"))
 PATCH = "sig_s1_x1"
 SCAN = [0.05 + i * (5.0 - 0.05) / 63 for i in range(64)]
@@ -51,9 +52,7 @@ from pyhf_gpu_server.inference import hypotest, upper_limit  # noqa: E402
 
 def load(name: str) -> tuple[dict, dict]:
     folder = WORKSPACES / name
-    return json.loads((folder / "BkgOnly.json").read_text()), json.loads(
-        (folder / "patchset.json").read_text()
-    )
+    return read_json(folder / "BkgOnly.json"), read_json(folder / "patchset.json")
 
 
 def timed(
@@ -139,10 +138,14 @@ def _deviation(a, b) -> list[float]:
 
 # --------------------------------------------------------------------------- peers
 PEER = r"""
-import json, statistics, sys, time
+import gzip, json, os, statistics, sys, time
 import numpy as np
 cfg = json.loads(sys.stdin.read())
 peer, names, tasks, budget = cfg["peer"], cfg["names"], set(cfg["tasks"]), cfg["budget"]
+def read(path):  # x.json, or x.json.gz where only that is on disk
+    if os.path.exists(path):
+        return json.load(open(path))
+    return json.loads(gzip.decompress(open(path + ".gz", "rb").read()))
 import pyhf
 from pyhf.tensor.numpy_backend import numpy_backend
 numpy_backend.percentile = lambda self, t, q, axis=None, interpolation="linear": np.percentile(t, q, axis=axis, method=interpolation)
@@ -188,8 +191,7 @@ def limit(model, data):
         return nextstat.upper_limit(model, method="root")
     return pyhf.infer.intervals.upper_limits.upper_limit(data, model, level=0.05)
 for name in names:
-    ws = json.load(open(cfg["dir"] + "/" + name + "/BkgOnly.json"))
-    ps = json.load(open(cfg["dir"] + "/" + name + "/patchset.json"))
+    ws, ps = (read(cfg["dir"] + "/" + name + "/" + file) for file in ("BkgOnly.json", "patchset.json"))
     model, data = build(ws, ps, cfg["patch"])
     first = clock(lambda: cls(model, data, 1.0))[0] if peer == "pyhf-jax" else None
     def task_a():

@@ -1,8 +1,8 @@
 """Load test: latency of small requests while large ones run, and the server's resident memory.
 
 Starts a real ``pyhf-gpu-server`` subprocess on 127.0.0.1 (CPU unless ``--device`` says
-otherwise; its own temporary data dir), uploads three published ATLAS backgrounds from
-``/work/shared/workspaces`` once, then drives it for ``--duration`` seconds with ``--clients``
+otherwise; its own temporary data dir), uploads three published ATLAS backgrounds
+(``tests/data/workspaces``) once, then drives it for ``--duration`` seconds with ``--clients``
 concurrent loopback clients (httpx async), each sending its kind of request back to back:
 
 * ``cls`` (most clients): ``POST /cls`` of one hypothesis, a random signal point of

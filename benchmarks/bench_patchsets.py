@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import gzip
 import json
 import multiprocessing
 import os
@@ -56,8 +55,9 @@ from pyhf_gpu_client import Client, WorkspaceId
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from service_support import ServerProcess, metric_value
+from workspaces import WORKSPACES_DIR as WORKSPACES  # tests/data/workspaces, or the env's
+from workspaces import read_json, workspace_file
 
-WORKSPACES = Path(__file__).resolve().parents[2] / "shared" / "workspaces"
 CLIENT = Path(sys.executable).with_name("pyhf-gpu-client")
 # (workspace, patchset) in the shared folder; the combined likelihoods of 235 and 333
 # parameters (`large_cases`) are added at run time
@@ -87,12 +87,13 @@ CLIENTS = 32
 BURSTS = 3
 
 PEER = r"""
-import json, sys, time, copy
+import gzip, json, sys, time, copy
 import jsonpatch, nextstat
 cfg = json.loads(sys.stdin.read())
 out = []
 for case in cfg:
-    background = json.load(open(case["background"]))
+    raw = open(case["background"], "rb").read()
+    background = json.loads(gzip.decompress(raw) if case["background"].endswith(".gz") else raw)
     start = time.perf_counter()
     cls = {}
     for name, ops in case["patches"]:
@@ -107,8 +108,7 @@ print(json.dumps(out))
 
 
 def read(path: Path) -> Any:
-    raw = path.read_bytes()
-    return json.loads(gzip.decompress(raw) if path.suffix == ".gz" else raw)
+    return read_json(path)  # ``x.json`` may be ``x.json.gz`` on disk
 
 
 def patches_of(name: str, file: str) -> list[tuple[str, list]]:
@@ -196,7 +196,9 @@ def client_command(args: list[str], client: Path = CLIENT) -> dict[str, Any]:
 
 def command(background: Path, patchset: Path, client: Path = CLIENT) -> dict[str, Any]:
     """:func:`client_command` of a background and a patchset."""
-    return client_command([background, "--patchset", patchset], client)
+    return client_command(
+        [workspace_file(background), "--patchset", workspace_file(patchset)], client
+    )
 
 
 def one_client(url: str, workspace_id: str, ops: list, ready: Any, answers: Any) -> None:
@@ -218,7 +220,7 @@ def concurrent_clients(background: Path, chosen: list[tuple[str, list]]) -> dict
         server = cold_server(Path(tmp))
         try:
             with Client(server.url, timeout=600) as client:
-                workspace_id = client.upload_workspace(background)
+                workspace_id = client.upload_workspace(workspace_file(background))
                 before = metric_value(client.metrics(), "pyhf_gpu_batch_size_count")
 
                 forked = multiprocessing.get_context("fork")
@@ -453,7 +455,7 @@ def print_commands(
         peer_python,
         [
             {
-                "background": str(background),
+                "background": str(workspace_file(background)),
                 "patches": [(p["metadata"]["name"], p["patch"]) for p in read(patchset)["patches"]],
             }
             for _, background, patchset in cases
@@ -535,7 +537,8 @@ def main() -> None:
                 mine = bursts[len(bursts) // 2]
                 spread = f"{bursts[0]['seconds']:.2f}-{bursts[-1]['seconds']:.2f}"
                 peer = nextstat_loops(
-                    args.peer_python, [{"background": str(background), "patches": signals}]
+                    args.peer_python,
+                    [{"background": str(workspace_file(background)), "patches": signals}],
                 )[0]
                 print(
                     f"| {len(signals)} on {label} | {mine['seconds']:.2f} s ({spread}) | "

@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from bench_inference import THREAD_VARIABLES, WORKSPACES, load, timed
 from service_support import running_server
+from workspaces import workspace_file
 
 from pyhf_gpu_server.allocator import tune_cpu_allocator
 from pyhf_gpu_server.engine import HistFactoryModel
@@ -51,10 +52,13 @@ STAU = "atlas-susy-2018-04-stau"
 IMPACTS = ("prefit_up", "prefit_down", "postfit_up", "postfit_down")
 
 NEXTSTAT = r"""
-import json, sys, time
+import gzip, json, sys, time
 import pyhf, nextstat
 cfg = json.loads(sys.stdin.read())
-ws, ps = json.load(open(cfg["workspace"])), json.load(open(cfg["patchset"]))
+def read(path):  # gzip-compressed (.gz) or not
+    raw = open(path, "rb").read()
+    return json.loads(gzip.decompress(raw) if path.endswith(".gz") else raw)
+ws, ps = read(cfg["workspace"]), read(cfg["patchset"])
 w = pyhf.PatchSet(ps).apply(pyhf.Workspace(ws), cfg["patch"])
 model = nextstat.from_pyhf(json.dumps(dict(w)))
 start = time.perf_counter()
@@ -120,8 +124,8 @@ def pyhf_scan_points(model, data, names, points) -> tuple[float, float, list[flo
 
 def nextstat_ranking(python: str, patch: str, threads: int) -> dict | None:
     cfg = {
-        "workspace": str(WORKSPACES / STAU / "BkgOnly.json"),
-        "patchset": str(WORKSPACES / STAU / "patchset.json"),
+        "workspace": str(workspace_file(WORKSPACES, STAU, "BkgOnly.json")),
+        "patchset": str(workspace_file(WORKSPACES, STAU, "patchset.json")),
         "patch": patch,
     }
     env = {**os.environ, **{v: str(threads) for v in THREAD_VARIABLES}}

@@ -118,7 +118,7 @@ def main() -> None:
     """Run both settings and print the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=32, help="requests per level (>= clients)")
-    parser.add_argument("--workspace", default=SMALL, help="folder under /work/shared/workspaces")
+    parser.add_argument("--workspace", default=SMALL, help="folder under tests/data/workspaces")
     parser.add_argument("--patch", default="sig_s1_x1")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batch-size", type=int, default=64)

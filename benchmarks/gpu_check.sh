@@ -10,8 +10,8 @@
 # `timeout` so that the whole stays inside ~8 minutes on cuda (~3 on a 2-core CPU):
 #   1. the parity tests on the device (models built there; block, low-rank and dense solvers)
 #   2. published patchsets through a real server on the device and the client, timed
-#      (sbottom-B's 218 published points, the stau heterogeneous ones), when the shared
-#      workspaces are there (PYHF_GPU_SHARED_WORKSPACES, default ../shared/workspaces)
+#      (sbottom-B's 218 published points, the stau heterogeneous ones), from the workspaces
+#      the repository ships (tests/data/workspaces, gzip; PYHF_GPU_SHARED_WORKSPACES overrides)
 #   3. a generated HVTWZ-class analysis (40 x 40 bins, 2107 parameters; cpu: 12 x 25) through
 #      the server and the client: one workspace, and 24 signal patches in one command
 #   4. the large-model scaling table (benchmarks/bench_large.py)
@@ -26,7 +26,9 @@ if [ -z "${PYTHON:-}" ]; then
     PYTHON=$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )
 fi
 export PYTHONUNBUFFERED=1 PYHF_GPU_TEST_DEVICE=$DEVICE
-WORKSPACES=${PYHF_GPU_SHARED_WORKSPACES:-../shared/workspaces}
+WORKSPACES=${PYHF_GPU_SHARED_WORKSPACES:-tests/data/workspaces}
+# on_disk FILE: FILE, or FILE.gz where only that exists (the repository's copies are gzip)
+on_disk() { if [ -e "$1" ] || [ ! -e "$1.gz" ]; then echo "$1"; else echo "$1.gz"; fi; }
 if [ "$DEVICE" = cpu ]; then
     LARGE=(12 25 240) SIZES=tiny PARITY_LIMIT=240 STEP_LIMIT=180
 else
@@ -96,13 +98,13 @@ done
 CLIENT=("$PYTHON" -m pyhf_gpu_client.cli --server "$URL")
 if [ -d "$WORKSPACES/atlas-susy-2018-31-sbottom-B" ]; then
     B="$WORKSPACES/atlas-susy-2018-31-sbottom-B"
-    step published-sbottom-B-218 "$STEP_LIMIT" "${CLIENT[@]}" cls "$B/BkgOnly.json" \
+    step published-sbottom-B-218 "$STEP_LIMIT" "${CLIENT[@]}" cls "$(on_disk "$B/BkgOnly.json")" \
         --patchset "$B/patchset.hepdata.json.gz" --output-file "$OUT/sbottom-B.json"
     S="$WORKSPACES/atlas-susy-2018-04-stau"
-    step published-stau-24 "$STEP_LIMIT" "${CLIENT[@]}" cls "$S/BkgOnly.json" \
-        --patchset "$S/patchset.heterogeneous.json" --output-file "$OUT/stau.json"
+    step published-stau-24 "$STEP_LIMIT" "${CLIENT[@]}" cls "$(on_disk "$S/BkgOnly.json")" \
+        --patchset "$(on_disk "$S/patchset.heterogeneous.json")" --output-file "$OUT/stau.json"
 else
-    echo "| published patchsets | - | - | skipped: no shared workspaces at $WORKSPACES |" >> "$ROWS"
+    echo "| published patchsets | - | - | skipped: no workspaces at $WORKSPACES |" >> "$ROWS"
 fi
 GEN="$OUT/generated"
 mkdir -p "$GEN"

@@ -1,39 +1,29 @@
-"""Shared test fixtures: the published workspaces beside the checkout, and small models."""
+"""Shared test fixtures: the published workspaces (``workspaces.py``: in the repository under
+``tests/data/workspaces``, or ``PYHF_GPU_SHARED_WORKSPACES``), and small models."""
 
 from __future__ import annotations
 
-import gzip
-import json
-import os
 from functools import cache
 from pathlib import Path
 
 import pytest
+from workspaces import ENV, REPO_ROOT, WORKSPACE_NAMES, WORKSPACES_DIR, read_json
 
 from pyhf_gpu_server.allocator import tune_cpu_allocator
 
-tune_cpu_allocator()  # the test process allocates as the server's does (faster CPU fits)
+__all__ = ["REPO_ROOT", "WORKSPACES_DIR", "WORKSPACE_NAMES"]  # imported by test modules
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-WORKSPACES_DIR = Path(
-    os.environ.get("PYHF_GPU_SHARED_WORKSPACES", REPO_ROOT.parent / "shared" / "workspaces")
-)
-WORKSPACE_NAMES = sorted(p.parent.name for p in WORKSPACES_DIR.glob("*/reference.json"))
+tune_cpu_allocator()  # the test process allocates as the server's does (faster CPU fits)
 
 
 @cache
 def load_json(path: Path) -> dict:
-    """A JSON file, read once per test session (callers must not mutate it)."""
-    return json.loads(Path(path).read_text())
+    """A JSON file, read once per test session (callers must not mutate it); ``path`` may name
+    ``x.json`` where only ``x.json.gz`` is on disk (``workspaces.read_json``)."""
+    return read_json(path)
 
 
-@cache
-def load_patchset(path: Path) -> dict:
-    """A patchset file, gzip-compressed (``.gz``) or not, read once per test session."""
-    path = Path(path)
-    if path.suffix == ".gz":
-        return json.loads(gzip.decompress(path.read_bytes()))
-    return load_json(path)
+load_patchset = load_json  # a patchset file, gzip-compressed (``.gz``) or not
 
 
 def shared_workspace(name: str) -> tuple[dict, dict, dict]:
@@ -59,7 +49,8 @@ def shared_name(request) -> str:
 def pytest_collection_modifyitems(config, items):
     if not WORKSPACE_NAMES:
         raise pytest.UsageError(
-            f"no shared workspaces under {WORKSPACES_DIR}; set PYHF_GPU_SHARED_WORKSPACES"
+            f"no workspaces (*/reference.json) under {WORKSPACES_DIR}: the repository's copy "
+            f"is tests/data/workspaces; {ENV}, where set, must name a folder of that layout"
         )
 
 

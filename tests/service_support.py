@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -16,8 +15,10 @@ from typing import Any
 
 import httpx
 import pyhf
+from workspaces import WORKSPACES_DIR as WORKSPACES
+from workspaces import read_json, workspace_file
 
-WORKSPACES = Path("/work/shared/workspaces")
+__all__ = ["WORKSPACES", "workspace_file"]  # imported by test modules and benchmarks
 SMALL = "atlas-susy-2018-31-sbottom-B"  # 60 parameters, 3 bins: the fast real workspace
 
 
@@ -29,8 +30,9 @@ def free_port() -> int:
 
 
 def load(name: str, file: str) -> dict[str, Any]:
-    """A shared workspace file (``BkgOnly.json``, ``patchset.json``, ``reference.json``)."""
-    return json.loads((WORKSPACES / name / file).read_text())
+    """A workspace file (``BkgOnly.json``, ``patchset.json``, ``reference.json``) of analysis
+    ``name``, gzip-compressed on disk or not."""
+    return read_json(WORKSPACES / name / file)
 
 
 def simple_workspace(signal_counts: Sequence[float] = (5.0, 10.0)) -> dict[str, Any]:

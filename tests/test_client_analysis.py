@@ -19,13 +19,14 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 from service_support import SMALL, WORKSPACES, running_server
+from workspaces import read_json, workspace_file
 
 import pyhf_gpu_client as pgc
 from pyhf_gpu_client import cli
 
 FOLDER = WORKSPACES / SMALL
-BKG = str(FOLDER / "BkgOnly.json")
-PATCHSET = str(FOLDER / "patchset.json")
+BKG = str(workspace_file(FOLDER, "BkgOnly.json"))
+PATCHSET = str(workspace_file(FOLDER, "patchset.json"))
 
 pytestmark = pytest.mark.skipif(not FOLDER.exists(), reason="shared workspaces not present")
 
@@ -39,14 +40,14 @@ def server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def names() -> list[str]:
     """The patchset's first two signal points."""
-    patchset = json.loads((FOLDER / "patchset.json").read_text())
+    patchset = read_json(FOLDER / "patchset.json")
     return [p["metadata"]["name"] for p in patchset["patches"][:2]]
 
 
 @pytest.fixture(scope="module")
 def patch(tmp_path_factory) -> str:
     """The first signal point as a pyhf Patch file (``-p``)."""
-    patchset = json.loads((FOLDER / "patchset.json").read_text())
+    patchset = read_json(FOLDER / "patchset.json")
     path = tmp_path_factory.mktemp("inputs") / "signal.json"
     path.write_text(json.dumps(patchset["patches"][0]))
     return str(path)
@@ -172,7 +173,7 @@ def test_scan_2d(server, patch):
 
 def test_yields_table_csv_and_json(server, patch, tmp_path):
     pyhf = pytest.importorskip("pyhf")
-    bkg = json.loads(FOLDER.joinpath("BkgOnly.json").read_text())
+    bkg = read_json(FOLDER / "BkgOnly.json")
     signal = json.loads(Path(patch).read_text())["patch"]  # the pyhf Patch's jsonpatch
     model = pyhf.Workspace(bkg).model(patches=[signal])
     channels, samples = model.config.channels, model.config.samples

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 from service_support import running_server
+from workspaces import WORKSPACES_DIR, read_json, workspace_file
 
 import pyhf_gpu_client as pgc
 from pyhf_gpu_client import cli
@@ -29,7 +30,7 @@ from pyhf_gpu_client import cli
 pyhf = pytest.importorskip("pyhf")
 from pyhf.cli import cli as pyhf_cli  # noqa: E402
 
-SHARED = Path("/work/shared/workspaces/atlas-susy-2018-31-sbottom-B")
+SHARED = WORKSPACES_DIR / "atlas-susy-2018-31-sbottom-B"
 TOKEN = "e2e-token"
 TOL = 1e-4
 CLIENT_EXE = Path(sys.executable).with_name("pyhf-gpu-client")
@@ -245,11 +246,15 @@ def test_toybased_with_ntoys_and_seed(server, tmp_path):
 
 @pytest.mark.skipif(not SHARED.exists(), reason="shared workspaces not present")
 def test_whole_shared_patchset_in_one_command(server):
-    reference = json.loads((SHARED / "reference.json").read_text())["reference"]["results"]
-    patchset = json.loads((SHARED / "patchset.json").read_text())
+    reference = read_json(SHARED / "reference.json")["reference"]["results"]
+    patchset = read_json(SHARED / "patchset.json")
     names = [p["metadata"]["name"] for p in patchset["patches"]]
     res = client_cli(
-        server, "cls", str(SHARED / "BkgOnly.json"), "--patchset", str(SHARED / "patchset.json")
+        server,
+        "cls",
+        str(workspace_file(SHARED, "BkgOnly.json")),
+        "--patchset",
+        str(workspace_file(SHARED, "patchset.json")),
     )
     assert res.exit_code == 0, res.output
     results = assert_pyhf_format(res.stdout)
@@ -258,22 +263,22 @@ def test_whole_shared_patchset_in_one_command(server):
         assert_close(results[ref["patch"]], {"CLs_obs": ref["CLs_obs"], "CLs_exp": ref["CLs_exp"]})
     # the 270 kB background was uploaded once, content-addressed
     with pgc.Client(server, token=TOKEN) as client:
-        bkg = json.loads((SHARED / "BkgOnly.json").read_text())
+        bkg = read_json(SHARED / "BkgOnly.json")
         assert client.has_workspace(pgc.digest(bkg))
 
 
 @pytest.mark.skipif(not SHARED.exists(), reason="shared workspaces not present")
 def test_patchset_fit_and_upper_limit_with_names(server):
-    reference = json.loads((SHARED / "reference.json").read_text())["reference"]["results"]
+    reference = read_json(SHARED / "reference.json")["reference"]["results"]
     chosen = [ref["patch"] for ref in reference[:2]]
     name_args = [arg for name in chosen for arg in ("--patch-name", name)]
     res = client_cli(
         server,
         "fit",
-        str(SHARED / "BkgOnly.json"),
+        str(workspace_file(SHARED, "BkgOnly.json")),
         "--value",
         "--patchset",
-        str(SHARED / "patchset.json"),
+        str(workspace_file(SHARED, "patchset.json")),
         *name_args,
     )
     assert res.exit_code == 0, res.output
@@ -287,9 +292,9 @@ def test_patchset_fit_and_upper_limit_with_names(server):
     res = client_cli(
         server,
         "upper-limit",
-        str(SHARED / "BkgOnly.json"),
+        str(workspace_file(SHARED, "BkgOnly.json")),
         "--patchset",
-        str(SHARED / "patchset.json"),
+        str(workspace_file(SHARED, "patchset.json")),
         "--patch-name",
         reference[-1]["patch"],  # the strongest signal: a limit a little above mu = 1
         "--scan",
@@ -429,11 +434,11 @@ NO_SIGNAL = "sbottom_1500_1495_60"  # this published point's patch only removes 
 
 @pytest.mark.skipif(not PUBLISHED.exists(), reason="shared workspaces not present")
 def test_published_patchset_reports_untestable_points_and_strict_fails(server):
-    reference = json.loads((SHARED / "reference.hepdata.json").read_text())["results"]
+    reference = read_json(SHARED / "reference.hepdata.json")["results"]
     chosen = [*reference, NO_SIGNAL]
     args = [
         "cls",
-        str(SHARED / "BkgOnly.json"),
+        str(workspace_file(SHARED, "BkgOnly.json")),
         "--patchset",
         str(PUBLISHED),  # gzip-compressed, as HEPData ships it
         *[arg for name in chosen for arg in ("--patch-name", name)],

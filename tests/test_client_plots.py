@@ -17,13 +17,14 @@ import struct
 import pytest
 from click.testing import CliRunner
 from service_support import SMALL, WORKSPACES, running_server
+from workspaces import read_json, workspace_file
 
 import pyhf_gpu_client as pgc
 from pyhf_gpu_client import cli
 
 FOLDER = WORKSPACES / SMALL
-BKG = str(FOLDER / "BkgOnly.json")
-PATCHSET = str(FOLDER / "patchset.json")
+BKG = str(workspace_file(FOLDER, "BkgOnly.json"))
+PATCHSET = str(workspace_file(FOLDER, "patchset.json"))
 NAMES = ["sig_s0_x0p3", "sig_s0_x1", "sig_s1_x0p3", "sig_s1_x1"]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -39,7 +40,7 @@ def server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def patch(tmp_path_factory) -> str:
     """The signal point ``sig_s1_x1`` as a pyhf Patch file (``-p``)."""
-    patchset = json.loads((FOLDER / "patchset.json").read_text())
+    patchset = read_json(FOLDER / "patchset.json")
     (chosen,) = (p for p in patchset["patches"] if p["metadata"]["name"] == "sig_s1_x1")
     path = tmp_path_factory.mktemp("inputs") / "signal.json"
     path.write_text(json.dumps(chosen))

@@ -22,12 +22,13 @@ from client_support import (
     mock_client_factory,
     simple_workspace,
 )
+from workspaces import WORKSPACES_DIR, read_json
 
 import pyhf_gpu_client as pgc
 from pyhf_gpu_client import cli, protocol
 from pyhf_gpu_client.results import CLsResult, FitResult, Job, parse_result, result_to_json
 
-SHARED = Path("/work/shared/workspaces/atlas-susy-2018-31-sbottom-B")
+SHARED = WORKSPACES_DIR / "atlas-susy-2018-31-sbottom-B"
 
 
 def make_client(service: FakeService, **kwargs) -> pgc.Client:
@@ -48,8 +49,8 @@ def test_digest_is_pyhfs_without_pyhf():
 
 @pytest.mark.skipif(not SHARED.exists(), reason="shared workspaces not present")
 def test_digest_matches_patchset_record():
-    ws = json.loads((SHARED / "BkgOnly.json").read_text())
-    ps = json.loads((SHARED / "patchset.json").read_text())
+    ws = read_json(SHARED / "BkgOnly.json")
+    ps = read_json(SHARED / "patchset.json")
     assert pgc.digest(ws) == ps["metadata"]["digests"]["sha256"]
 
 

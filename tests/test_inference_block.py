@@ -15,6 +15,7 @@ import torch
 from conftest import REPO_ROOT, WORKSPACE_NAMES, load_patchset, shared_workspace
 from test_inference_support import DEVICE as DEVICE_NAME
 from test_inference_support import one_thread  # noqa: F401 (fixture)
+from workspaces import WORKSPACES_DIR, workspace_file
 
 from pyhf_gpu_server.engine import HistFactoryModel
 from pyhf_gpu_server.inference.covariance import covariance
@@ -45,8 +46,8 @@ def _analysis(channels=3, bins=6, systematics=8, **kwargs) -> HistFactoryModel:
 
 def _heterogeneous(name: str) -> HistFactoryModel:
     background, _, _ = shared_workspace(name)
-    folder = REPO_ROOT.parent / "shared" / "workspaces" / name
-    heterogeneous = folder / "patchset.heterogeneous.json"
+    folder = WORKSPACES_DIR / name
+    heterogeneous = workspace_file(folder, "patchset.heterogeneous.json")
     patchset = load_patchset(heterogeneous if heterogeneous.exists() else folder / "patchset.json")
     return HistFactoryModel.from_patchset(background, patchset, device=DEVICE)
 

@@ -7,9 +7,7 @@ log CLs along the renderer's triangulation, and 20 plots drawn at once equal to 
 from __future__ import annotations
 
 import copy
-import gzip
 import io
-import json
 import math
 import time
 import xml.etree.ElementTree as ET
@@ -25,6 +23,7 @@ from matplotlib.contour import ContourSet
 from matplotlib.image import imread
 from matplotlib.path import Path as MplPath
 from service_support import WORKSPACES, ServerProcess, running_server, wait_for_job
+from workspaces import read_json
 
 from pyhf_gpu_server import plots
 from pyhf_gpu_server.plots.limits import _triangulation
@@ -38,8 +37,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def read(path) -> dict[str, Any]:
-    data = path.read_bytes()
-    return json.loads(gzip.decompress(data) if path.suffix == ".gz" else data)
+    return read_json(path)  # BkgOnly.json names BkgOnly.json.gz where only that is on disk
 
 
 def plane_patchset() -> dict[str, Any]:

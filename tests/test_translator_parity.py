@@ -21,6 +21,7 @@ from conftest import WORKSPACE_NAMES, WORKSPACES_DIR, load_json
 from hand_built import all_modifiers_workspace, with_signal_scale
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from workspaces import workspace_file
 
 from pyhf_gpu_server.engine import patching, reading, translate
 from pyhf_gpu_server.engine.errors import (
@@ -121,7 +122,7 @@ def background(name: str) -> dict:
 def patchsets_of(name: str) -> list[str]:
     folder = WORKSPACES_DIR / name
     names = ["patchset.json", "patchset.heterogeneous.json", "patchset.hepdata.json.gz"]
-    return [n for n in names if (folder / n).exists()]
+    return [n for n in names if workspace_file(folder, n).exists()]
 
 
 def sampled(patches: list[dict], count: int) -> list[dict]:

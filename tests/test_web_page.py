@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 from service_support import WORKSPACES, ServerProcess, running_server, wait_for_job
+from workspaces import read_json, workspace_file
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -40,7 +41,7 @@ from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import Select, WebDriverWait  # noqa: E402
 
 ANALYSIS = WORKSPACES / "atlas-susy-2018-31-sbottom-B"
-WORKSPACE = ANALYSIS / "BkgOnly.json"
+WORKSPACE = workspace_file(ANALYSIS, "BkgOnly.json")  # .json.gz: the page reads both
 PATCHES = ["sig_s0_x2", "sig_s0_x5", "sig_s0_x8", "sig_s1_x2", "sig_s1_x5", "sig_s1_x8"]
 TOKEN = "page-token-5f2c9e"
 JOB_TIMEOUT_S = 60
@@ -81,7 +82,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 @pytest.fixture(scope="module")
 def patchset_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Six patches of the analysis' patchset (a 2 x 3 grid of its shape and scale values)."""
-    patchset = json.loads((ANALYSIS / "patchset.json").read_text())
+    patchset = read_json(ANALYSIS / "patchset.json")
     patchset["patches"] = [p for p in patchset["patches"] if p["metadata"]["name"] in PATCHES]
     assert len(patchset["patches"]) == len(PATCHES)
     path = tmp_path_factory.mktemp("patchset") / "six-patches.json"
@@ -172,7 +173,7 @@ def test_page_runs_a_cls_job_and_shows_its_plots(browser, server, patchset_file)
 def test_report_page_shows_one_job(browser, server, patchset_file) -> None:
     patchset = json.loads(patchset_file.read_text())
     with server.client() as client:
-        workspace = json.loads(WORKSPACE.read_text())
+        workspace = read_json(WORKSPACE)
         body = {"operation": "cls", "workspace": workspace, "patchset": patchset}
         job_id = client.post("/jobs", json=body).json()["id"]
         assert wait_for_job(client, job_id)["status"] == "succeeded"

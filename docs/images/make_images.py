@@ -1,11 +1,12 @@
 """Make the images of README.md and docs/PLOTS.md from a real run: a server on the CPU, jobs on
-the shared ATLAS workspaces, each plot kind fetched from ``GET /jobs/{id}/plots/{kind}.png``,
+the published ATLAS workspaces, each plot kind fetched from ``GET /jobs/{id}/plots/{kind}.png``,
 and the web page screenshotted by headless chromium (selenium's ``save_screenshot``).
 
     .venv/bin/python docs/images/make_images.py      # from the repository root; about a minute
 
-Needs the shared workspaces (``/work/shared/workspaces`` or ``PYHF_GPU_SHARED_WORKSPACES``),
-Debian's ``chromium`` and ``chromium-driver`` (``make browser``) and selenium (the test extra).
+Reads the ATLAS workspaces the repository ships (``tests/data/workspaces``, or the folder
+``PYHF_GPU_SHARED_WORKSPACES`` names: ``tests/workspaces.py``). Needs Debian's ``chromium``
+and ``chromium-driver`` (``make browser``) and selenium (the test extra).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import gzip
 import io
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -27,7 +27,10 @@ import httpx
 from PIL import Image
 
 OUT = Path(__file__).resolve().parent
-WORKSPACES = Path(os.environ.get("PYHF_GPU_SHARED_WORKSPACES", "/work/shared/workspaces"))
+sys.path.insert(0, str(OUT.parents[1] / "tests"))
+from workspaces import WORKSPACES_DIR as WORKSPACES  # noqa: E402
+from workspaces import read_json, workspace_file  # noqa: E402
+
 SMALL = WORKSPACES / "atlas-susy-2018-31-sbottom-B"
 PLANE = WORKSPACES / "atlas-susy-2018-31-sbottom-A"
 SIGNAL = "sig_s1_x1"
@@ -36,8 +39,7 @@ MAX_BYTES = 300_000
 
 
 def read(path: Path) -> Any:
-    data = path.read_bytes()
-    return json.loads(gzip.decompress(data) if path.suffix == ".gz" else data)
+    return read_json(path)  # ``x.json`` may be ``x.json.gz`` on disk
 
 
 def plane_patchset() -> dict[str, Any]:
@@ -157,7 +159,9 @@ def screenshots(url: str, scratch: Path) -> None:
     driver = webdriver.Chrome(service=service, options=options)
     try:
         driver.get(url + "/")
-        driver.find_element(By.ID, "workspace-file").send_keys(str(PLANE / "BkgOnly.json"))
+        driver.find_element(By.ID, "workspace-file").send_keys(
+            str(workspace_file(PLANE, "BkgOnly.json"))
+        )
         driver.find_element(By.ID, "patchset-file").send_keys(str(patchset))
         driver.find_element(By.ID, "start-job").click()
         WebDriverWait(driver, 120).until(
