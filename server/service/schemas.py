@@ -278,6 +278,11 @@ class ResultMeta(_Declared):
     stacked_apart: str | None = Field(
         None, description="why this patch ran in a model of its own (patchsets)"
     )
+    ignored_observations: list[str] | None = Field(
+        None,
+        description="one notice per entry of 'observations' that names a channel the "
+        "workspace (after its patches) does not have: ignored, as pyhf ignores it",
+    )
     worker: str | None = Field(
         None, description="the Dask worker that computed it (cluster mode, --dask-scheduler)"
     )
