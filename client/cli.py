@@ -51,6 +51,7 @@ from .protocol import (
     plot_option,
 )
 from .results import Job, YieldsResult, doubtful, patch_errors, result_to_json
+from .workspace import observation_notices
 
 __all__ = [
     "format_yields_csv",
@@ -526,6 +527,8 @@ def _output(result: Any, kwargs: dict[str, Any]) -> None:
             ),
             kwargs.get("output_file"),
         )
+    for notice in observation_notices(result):
+        click.echo(f"Notice: {notice}", err=True)
     for name, error in failed.items():
         click.echo(
             f"Warning: patch {name!r} was not tested ({error.status}): {error.detail}", err=True

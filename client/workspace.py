@@ -21,6 +21,7 @@ __all__ = [
     "digest",
     "load_json",
     "load_patches",
+    "observation_notices",
     "read_json_file",
     "to_jsonable",
 ]
@@ -221,3 +222,41 @@ def load_patches(patches: Sequence[JSONSource] | None) -> list[Any]:
         else:
             out.append(load_json(patch, "patch"))
     return out
+
+
+def observation_notices(result: Any) -> list[str]:
+    """The server's notices of ignored observations in a parsed result (one, a list, or a
+    ``{patch: ...}`` dict): an entry of ``observations`` naming a channel the workspace (after
+    its patches) does not have is ignored, as pyhf ignores it, and each result says so in
+    ``meta.ignored_observations``. Each notice once, naming its patch or counting its patches.
+
+    >>> class R:
+    ...     meta = {"ignored_observations": ["observations[1] names channel 'VR', ..."]}
+    >>> observation_notices([R(), R()])
+    ["observations[1] names channel 'VR', ..."]
+    >>> observation_notices({"p1": R(), "p2": R()})
+    ["observations[1] names channel 'VR', ... (in 2 patches)"]
+    """
+    found: dict[str, list[str]] = {}
+
+    def visit(item: Any, patch: str | None) -> None:
+        if isinstance(item, list):
+            for entry in item:
+                visit(entry, patch)
+        elif isinstance(item, Mapping):
+            for name, entry in item.items():
+                visit(entry, str(name))
+        else:
+            meta = getattr(item, "meta", None) or {}
+            for notice in meta.get("ignored_observations") or ():
+                patches = found.setdefault(notice, [])
+                if patch is not None and patch not in patches:
+                    patches.append(patch)
+
+    visit(result, None)
+    return [
+        notice
+        + (f" (in patch {patches[0]!r})" if len(patches) == 1 else "")
+        + (f" (in {len(patches)} patches)" if len(patches) > 1 else "")
+        for notice, patches in found.items()
+    ]

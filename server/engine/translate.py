@@ -53,7 +53,7 @@ Example:
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property, partial
 from itertools import groupby
@@ -171,6 +171,54 @@ def measurement_config(spec: Mapping[str, Any], measurement: str | None) -> dict
             "pick from one of the valid ones above"
         )
     return measurements[names.index(measurement)]["config"]
+
+
+def unmatched_observations(spec: Mapping[str, Any]) -> list[str]:
+    """One notice per entry of ``observations`` that names a channel the workspace does not
+    have (a patch that removed a channel leaves its observations behind). pyhf ignores them:
+    ``Workspace.data`` takes the observations of the model's channels by name; so does the
+    engine, and says so (meta ``ignored_observations``, the client's notice).
+
+    Example:
+        >>> unmatched_observations({"channels": [{"name": "SR"}],
+        ...     "observations": [{"name": "SR"}, {"name": "VR"}]})
+        ["observations[1] names channel 'VR', which the workspace does not have; ignored, as pyhf does"]
+    """
+    channels = {channel["name"] for channel in spec["channels"]}
+    return [
+        f"observations[{o}] names channel {observation['name']!r}, which the workspace does "
+        "not have; ignored, as pyhf does"
+        for o, observation in enumerate(spec.get("observations", []))
+        if observation["name"] not in channels
+    ]
+
+
+def ignored_observations(
+    spec: Mapping[str, Any], patch_operations: Sequence[Mapping[str, Any]], channels: Sequence[str]
+) -> list[str]:
+    """:func:`unmatched_observations` of an element: ``spec`` with ``patch_operations``
+    applied, whose channels (its layout's) are ``channels``. The observations are the
+    background's unless an operation touches them (then the patch is applied again).
+
+    Example:
+        >>> spec = {"observations": [{"name": "SR"}, {"name": "VR"}]}
+        >>> ignored_observations(spec, [{"op": "remove", "path": "/channels/1"}], ["SR"])
+        ["observations[1] names channel 'VR', which the workspace does not have; ignored, as pyhf does"]
+        >>> ignored_observations(spec, [{"op": "remove", "path": "/observations/1"}], ["SR"])
+        []
+    """
+    touched = any(
+        isinstance(op.get(key), str) and (op[key] == "" or op[key].startswith("/observations"))
+        for op in patch_operations
+        for key in ("path", "from")
+    )
+    observations = (
+        apply_patch(spec, list(patch_operations)).get("observations", [])
+        if touched
+        else spec.get("observations", [])
+    )
+    named = {"channels": [{"name": c} for c in channels], "observations": observations}
+    return unmatched_observations(named)
 
 
 class WorkspaceTranslator:

@@ -25,6 +25,7 @@ from pyhf_gpu_server.engine import HistFactoryModel
 from pyhf_gpu_server.engine.layout import ElementLayout
 from pyhf_gpu_server.engine.sparsity import layout_per_bin_count
 from pyhf_gpu_server.engine.stacking import partition, split_reason
+from pyhf_gpu_server.engine.translate import ignored_observations
 from pyhf_gpu_server.inference.minimize import MinimizeOptions
 from pyhf_gpu_server.inference.mle import FitOptions
 
@@ -173,6 +174,20 @@ def run_rows(
 
 
 # ------------------------------------------------------------------------------------ answers
+def _ignored_observations(plan: Plan, elements: Sequence[Element]) -> dict[str, list[str]]:
+    """Patch digest -> the notices of its element's observations that name a channel the
+    element does not have (ignored, as pyhf ignores them), where it has any."""
+    found = {}
+    for element in elements:
+        if element.layout is not None:
+            channels = [name for name, _ in element.layout.channels]
+            operations = element.patch.operations
+            notices = ignored_observations(plan.background.workspace, operations, channels)
+            if notices:
+                found[element.patch.digest] = notices
+    return found
+
+
 def finite_json(value: Any) -> Any:
     """``value`` with NaN/inf floats as ``null`` (JSON has no such numbers)."""
     if isinstance(value, float):
@@ -281,9 +296,12 @@ class Dispatcher:
             "total_ms": round((time.perf_counter() - start) * 1000, 3),
         }
         by_element: dict[str, list[dict[str, Any]]] = {}
+        ignored = _ignored_observations(plan, elements)
         for submission, found in zip(submissions, outcomes, strict=True):
             for row, outcome in zip(submission.rows, found, strict=True):
                 meta = self._meta(plan, row, outcome, submission, timings)
+                if row.element in ignored:
+                    meta["ignored_observations"] = ignored[row.element]
                 by_element.setdefault(row.element, []).append(
                     finite_json({**outcome.value.result.payload, "meta": meta})
                 )

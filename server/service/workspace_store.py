@@ -21,6 +21,7 @@ from typing import Any
 import pyhf
 
 from pyhf_gpu_server.engine import schema
+from pyhf_gpu_server.engine.translate import unmatched_observations
 
 from .errors import InsufficientStorage, NotFound, Unavailable, Unprocessable, translate
 from .jobstore import writable_problem
@@ -39,7 +40,10 @@ def validate_workspace(spec: Any) -> None:
     """Raise :class:`Unprocessable` (422) unless ``spec`` is a usable HistFactory workspace.
 
     Checks pyhf's JSON schema (pyhf's message and JSON path), then what the schema leaves open:
-    observations for every channel, equal bin counts, non-negative observed counts.
+    observations for every channel, equal bin counts, non-negative observed counts. An
+    observation of a channel the workspace does not have is no error: pyhf ignores it, and
+    so does the engine, saying so (``unmatched_observations``: logged here, and each result's
+    ``meta.ignored_observations``).
     """
     if not isinstance(spec, dict) or "channels" not in spec:
         raise Unprocessable("the workspace is not a HistFactory workspace: it has no 'channels'")
@@ -50,15 +54,15 @@ def validate_workspace(spec: Any) -> None:
     problems = list(_content_problems(spec))
     if problems:
         raise Unprocessable("invalid workspace: " + "; ".join(problems[:20]))
+    for notice in unmatched_observations(spec):
+        log.info(f"workspace {workspace_digest(spec)[:12]}: {notice}")
 
 
 def _content_problems(spec: dict[str, Any]) -> Iterator[str]:
-    """Bin-count mismatches, missing or unknown observations, negative counts."""
+    """Bin-count mismatches, missing observations, negative counts."""
     observed = {obs["name"]: (i, obs["data"]) for i, obs in enumerate(spec["observations"])}
-    channel_names = set()
     for c, channel in enumerate(spec["channels"]):
         name = channel["name"]
-        channel_names.add(name)
         nbins = len(channel["samples"][0]["data"]) if channel["samples"] else 0
         for s, sample in enumerate(channel["samples"]):
             where = f"channels[{c}].samples[{s}]"
@@ -84,9 +88,6 @@ def _content_problems(spec: dict[str, Any]) -> Iterator[str]:
                 f"the observations of channel {name!r} have negative counts at "
                 f"/observations/{o}/data/{negative[0]} (bins {negative[:10]})"
             )
-    for name, (o, _) in observed.items():
-        if name not in channel_names:
-            yield f"observations[{o}] names channel {name!r}, which does not exist"
 
 
 def workspace_digest(spec: dict[str, Any]) -> str:
