@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from .exceptions import (
     AuthenticationError,
     BadRequestError,
+    BeyondBoundsWarning,
     DoubtfulResultWarning,
     JobCancelledError,
     JobError,
@@ -79,6 +80,7 @@ __all__ = [
     "AsyncClient",
     "AuthenticationError",
     "BadRequestError",
+    "BeyondBoundsWarning",
     "CLsResult",
     "ChannelYields",
     "Client",

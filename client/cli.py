@@ -337,8 +337,9 @@ def main() -> None:
 
     A drop-in for `pyhf cls` / `pyhf fit`: same options, same JSON output. The server is
     --server or $PYHF_GPU_SERVER (default http://127.0.0.1:8000), the token --token or
-    $PYHF_GPU_API_TOKEN. Results whose fits the server flagged (did not converge, extra starts
-    that disagree) are printed with a warning on stderr (with --strict: exit 1).
+    $PYHF_GPU_API_TOKEN. Results the server flagged (fits that did not converge, extra starts
+    that disagree, a limit past the POI's bounds, the POI's best fit on its bound) are printed
+    with a warning on stderr (with --strict: exit 1).
     """
     # the commands say it in their own words, once per result (_output)
     warnings.simplefilter("ignore", DoubtfulResultWarning)
@@ -355,8 +356,10 @@ def _workspace_options(f: Callable[..., Any], outputs: bool = True) -> Callable[
     strict = click.option(
         "--strict",
         is_flag=True,
-        help="Exit 1 when some patch of --patchset could not be tested, or some result's fits "
-        "did not converge (default: report them on stderr, print the results).",
+        help="Exit 1 when some patch of --patchset could not be tested, or the server flagged "
+        "some result: fits that did not converge, a limit past the POI's bounds (where pyhf "
+        "raises), the POI's best fit on its bound (default: warn on stderr, print the "
+        "results).",
     )
     decorators = [
         click.argument("workspace", default="-"),
@@ -535,11 +538,12 @@ def _output(result: Any, kwargs: dict[str, Any]) -> None:
         )
     flagged = doubtful(result)
     for line in flagged:
-        click.echo(f"Warning: {line}; its numbers may not be the minimum's", err=True)
+        click.echo(f"Warning: {line}", err=True)
     if failed and kwargs.get("strict"):
         raise CommandFailed(f"{len(failed)} of {len(failed) + len(result)} patches were not tested")
     if flagged and kwargs.get("strict"):
-        raise CommandFailed(f"{len(flagged)} doubtful results (fits the server flagged)")
+        count = f"{len(flagged)} flag{'s' if len(flagged) != 1 else ''}"
+        raise CommandFailed(f"{count} on the results (the warnings above)")
 
 
 _METHODS = {

@@ -17,9 +17,12 @@ Everything the client raises on purpose derives from :class:`PyhfGpuError`::
         ├── JobCancelledError
         └── WaitTimeoutError      :meth:`Client.wait` gave up before the job finished
 
-A result whose fits did not converge, or whose extra starts reached different minima (its
-``meta``), is returned with a :class:`DoubtfulResultWarning` (a ``UserWarning``: shown once per
-place by default; ``warnings.simplefilter("error", DoubtfulResultWarning)`` makes it raise).
+A result the server flagged (its ``meta.flags``: fits that did not converge, extra starts that
+reached different minima) is returned with a :class:`DoubtfulResultWarning` (a ``UserWarning``:
+shown once per place and message by default; ``warnings.simplefilter("error",
+DoubtfulResultWarning)`` makes it raise); one whose answer lies past its model's limits (a
+limit past the POI's bounds, where pyhf raises ValueError, or outside the scan; the POI's best
+fit on its bound) with its subclass :class:`BeyondBoundsWarning`.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = [
     "AuthenticationError",
     "BadRequestError",
+    "BeyondBoundsWarning",
     "DoubtfulResultWarning",
     "JobCancelledError",
     "JobError",
@@ -165,6 +169,16 @@ def format_detail(detail: Any) -> str:
 
 
 class DoubtfulResultWarning(UserWarning):
-    """A result the server flagged in its ``meta``: fits that did not converge
-    (``converged: false``) or extra starts that reached different minima (``starts_agreed:
-    false``). The numbers are returned; they may not be the likelihood's minimum's."""
+    """A result the server flagged in its ``meta.flags``: fits that did not converge
+    (``converged: false``), extra starts that reached different minima (``starts_agreed:
+    false``), or an answer past its model's limits (:class:`BeyondBoundsWarning`). The numbers
+    are returned; the message names the result and what was found."""
+
+
+class BeyondBoundsWarning(DoubtfulResultWarning):
+    """A result whose answer lies past its model's limits (``meta.flags`` of kind
+    ``limit_beyond_bounds``, ``limit_outside_scan``, ``poi_at_bound``): an upper limit or band
+    past the POI's bounds (pyhf's ``upper_limit`` raises ValueError there) or outside the given
+    scan, a ranking or scan whose POI's best fit lies on its bound. A
+    :class:`DoubtfulResultWarning`, so filters on that cover it; filter this one alone to
+    accept, say, limits extrapolated past the bounds."""

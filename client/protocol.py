@@ -34,6 +34,7 @@ from urllib.parse import quote
 from .exceptions import (
     AuthenticationError,
     BadRequestError,
+    BeyondBoundsWarning,
     DoubtfulResultWarning,
     JobCancelledError,
     JobFailedError,
@@ -47,7 +48,7 @@ from .exceptions import (
     WorkspaceError,
     format_detail,
 )
-from .results import OPERATIONS, Job, Result, doubtful, parse_result
+from .results import OPERATIONS, Job, Result, flagged, parse_result
 from .workspace import (
     JSONFile,
     JSONSource,
@@ -711,10 +712,12 @@ def operation_flow(
 
 
 def warn_if_doubtful(result: Any) -> None:
-    """A :class:`DoubtfulResultWarning` for each flag in the result's ``meta``
-    (:func:`~pyhf_gpu_client.results.doubtful`)."""
-    for line in doubtful(result):
-        warnings.warn(line, DoubtfulResultWarning, stacklevel=4)
+    """A :class:`DoubtfulResultWarning` for each flag in the results' ``meta``
+    (:func:`~pyhf_gpu_client.results.flagged`): a :class:`BeyondBoundsWarning` (its subclass)
+    for an answer past its model's limits."""
+    for flag in flagged(result):
+        category = BeyondBoundsWarning if flag.beyond_bounds else DoubtfulResultWarning
+        warnings.warn(flag.line, category, stacklevel=4)
 
 
 def submit_flow(

@@ -16,10 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 __all__ = [
+    "BOUNDS_FLAGS",
     "OPERATIONS",
     "CLsResult",
     "ChannelYields",
     "FitResult",
+    "Flag",
     "GoodnessOfFit",
     "Job",
     "PoiEstimate",
@@ -32,6 +34,7 @@ __all__ = [
     "UpperLimitResult",
     "YieldsResult",
     "doubtful",
+    "flagged",
     "parse_result",
     "result_to_json",
 ]
@@ -761,17 +764,63 @@ def _single_class(operation: str, data: Any) -> type | None:
     return None
 
 
-def doubtful(result: Any) -> list[str]:
-    """What the server flagged in the ``meta`` of a parsed result (one, a list or a ``{patch:
-    ...}`` dict): fits that did not converge, extra starts that reached different minima; one
-    line each, naming the patch and the tested POI where there are several.
+#: the kinds of ``meta.flags`` that say an answer lies past its model's limits (a limit past
+#: the POI's bounds or the scan's ends, the POI's best fit on its bound) rather than a fit
+#: that failed: warned as :class:`~pyhf_gpu_client.exceptions.BeyondBoundsWarning`
+BOUNDS_FLAGS = frozenset({"limit_beyond_bounds", "limit_outside_scan", "poi_at_bound"})
 
-    >>> doubtful(CLsResult(0.1, [0.1] * 5, meta={"converged": False, "test_poi": 1.0}))
-    ['test_poi 1.0: its fits did not converge (meta.converged false)']
-    >>> doubtful({"p1": CLsResult(0.1, [0.1] * 5, meta={"converged": True})})
-    []
+
+@dataclass(frozen=True)
+class Flag:
+    """One flag the server set in a result's ``meta.flags``: its ``kind`` and ``line``, the
+    sentence that names the result (patch, tested POI) and what was found."""
+
+    kind: str
+    line: str
+
+    @property
+    def beyond_bounds(self) -> bool:
+        """Whether it says the answer lies past its model's limits (:data:`BOUNDS_FLAGS`)."""
+        return self.kind in BOUNDS_FLAGS
+
+
+def _meta_flags(meta: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """``(kind, detail)`` of each of ``meta.flags``; from a server that sends none, its
+    ``converged`` and ``starts_agreed``."""
+    if "flags" in meta:
+        return [(str(f.get("kind")), str(f.get("detail"))) for f in meta["flags"] or ()]
+    found = []
+    if meta.get("converged") is False:
+        found.append(
+            (
+                "not_converged",
+                "its fits did not converge (meta.converged false): its numbers may not be the "
+                "minimum's",
+            )
+        )
+    if meta.get("starts_agreed") is False:
+        found.append(
+            (
+                "starts_disagree",
+                "its fits from extra starts reached different minima (meta.starts_agreed "
+                "false): the answer is the lowest found",
+            )
+        )
+    return found
+
+
+def flagged(result: Any) -> list[Flag]:
+    """The flags the server set in the ``meta`` of a parsed result (one, a list or a
+    ``{patch: ...}`` dict), whatever its operation: fits that did not converge, extra starts
+    that reached different minima, limits past the POI's bounds or outside the scan, the POI's
+    best fit on its bound; one each, naming the patch and the tested POI where there are
+    several.
+
+    >>> meta = {"flags": [{"kind": "poi_at_bound", "detail": "the POI is on its bound 0"}]}
+    >>> flagged({"p1": CLsResult(0.1, [0.1] * 5, meta=meta)})
+    [Flag(kind='poi_at_bound', line="patch 'p1': the POI is on its bound 0")]
     """
-    found: list[str] = []
+    found: list[Flag] = []
 
     def visit(item: Any, where: list[str]) -> None:
         if isinstance(item, list):
@@ -786,16 +835,22 @@ def doubtful(result: Any) -> list[str]:
             if meta.get("test_poi") is not None:
                 place.append(f"test_poi {meta['test_poi']}")
             label = ", ".join(place) or "the result"
-            if meta.get("converged") is False:
-                found.append(f"{label}: its fits did not converge (meta.converged false)")
-            if meta.get("starts_agreed") is False:
-                found.append(
-                    f"{label}: its fits from extra starts reached different minima "
-                    "(meta.starts_agreed false)"
-                )
+            for kind, detail in _meta_flags(meta):
+                found.append(Flag(kind, f"{label}: {detail}"))
 
     visit(result, [])
     return found
+
+
+def doubtful(result: Any) -> list[str]:
+    """The lines of :func:`flagged`: what the server flagged in the results' ``meta``.
+
+    >>> doubtful(CLsResult(0.1, [0.1] * 5, meta={"converged": False, "test_poi": 1.0}))
+    ["test_poi 1.0: its fits did not converge (meta.converged false): its numbers may not be the minimum's"]
+    >>> doubtful({"p1": CLsResult(0.1, [0.1] * 5, meta={"converged": True, "flags": []})})
+    []
+    """
+    return [flag.line for flag in flagged(result)]
 
 
 def parse_result(operation: str, data: Any) -> Result:

@@ -561,7 +561,7 @@ def test_flagged_results_are_said_on_stderr_and_warned_in_python(fake_cli, tmp_p
     assert "Warning: test_poi 1.0: its fits did not converge (meta.converged false)" in res.stderr
     assert "reached different minima (meta.starts_agreed false)" in res.stderr
     strict = runner.invoke(cli.main, ["cls", str(ws), "--strict"])
-    assert strict.exit_code == 1 and "2 doubtful results" in strict.stderr
+    assert strict.exit_code == 1 and "2 flags on the results" in strict.stderr
     with make_client(fake_cli) as client, pytest.warns(pgc.DoubtfulResultWarning, match="converge"):
         result = client.cls(simple_workspace())
     assert result.meta["converged"] is False

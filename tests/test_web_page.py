@@ -214,6 +214,56 @@ def test_report_page_flags_a_doubtful_result(browser, server) -> None:
     assert severe(browser) == []
 
 
+def test_report_page_marks_a_result_past_its_model_limits(browser, server) -> None:
+    """A patch whose answer the server flagged in ``meta.flags`` (an expected limit past the
+    POI's bound, where pyhf raises): the alert says the server's words, naming the patch, and
+    its row in the table is marked; the other patch's is not."""
+    job_id = "d1" * 16
+    detail = (
+        "limits past the upper bound 10 of the POI 'mu_SIG': expected +2 sigma 13.49 (CLs at "
+        "the bound above the level 0.05, where pyhf's upper_limit raises ValueError)"
+    )
+    flag = {"kind": "limit_beyond_bounds", "detail": detail}
+    inside = [2.5, 3.6, 5.5, 8.6, 9.9]
+    result = {
+        "sbottom_1000_850_60": {
+            "upper_limit_obs": 5.18,
+            "upper_limit_exp": [*inside[:4], 13.49],
+            "level": 0.05,
+            "meta": {"converged": True, "starts_agreed": True, "flags": [flag]},
+        },
+        "sbottom_1000_750_60": {
+            "upper_limit_obs": 5.23,
+            "upper_limit_exp": inside,
+            "level": 0.05,
+            "meta": {"converged": True, "starts_agreed": True, "flags": []},
+        },
+    }
+    now = time.time()
+    with sqlite3.connect(server.data_dir / "jobs.sqlite3") as db:
+        db.execute(
+            "INSERT INTO jobs (id, operation, status, request, done, total, result, "
+            "created_at, started_at, finished_at) "
+            "VALUES (?, 'upper-limit', 'succeeded', ?, 2, 2, ?, ?, ?, ?)",
+            (job_id, json.dumps({"workspace_id": "0" * 64}), json.dumps(result), now, now, now),
+        )
+    browser.get(f"{server.url}/jobs/{job_id}/report")
+    wait_until(browser, "return !document.getElementById('doubtful').hidden", "the flag")
+    alert = browser.find_element(By.ID, "doubtful")
+    assert alert.get_attribute("role") == "alert"
+    items = [li.text for li in alert.find_elements(By.CSS_SELECTOR, "li")]
+    assert items == [f"Patch sbottom_1000_850_60: {detail}"]
+    wait_until(
+        browser,
+        "return document.querySelectorAll('#results-table tbody tr').length == 2",
+        "the table",
+    )
+    rows = {row[0]: row for row in results_rows(browser)}
+    assert set(rows) == {"sbottom_1000_850_60 ⚠", "sbottom_1000_750_60"}
+    assert rows["sbottom_1000_850_60 ⚠"][1] == "5.18"  # the numbers are still shown
+    assert severe(browser) == []
+
+
 def test_page_asks_for_the_token_with_auth_on(browser, patchset_file, tmp_path) -> None:
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")

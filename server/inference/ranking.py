@@ -55,6 +55,7 @@ __all__ = [
     "RankingResults",
     "host_elements",
     "parameter_columns",
+    "poi_on_bound",
     "ranking",
 ]
 
@@ -94,6 +95,11 @@ class RankingResults(FittedRows):
         converged: ``[B]`` bool, the free fit and every conditional fit of the row converged.
         starts: ``[B]`` the most start points any fit of the row ran.
         starts_agreed: ``[B]`` bool, in every fit of the row all converged starts agreed.
+        poi_bound: ``[B]`` the bound on which the free fit's POI sits (:func:`poi_on_bound`),
+            NaN where it sits on neither: refits cannot move it past, so the impacts that
+            would are 0 (cabinetry's too).
+        refits_at_bound: ``[B]`` how many of the row's refits ended with the POI on a bound
+            (their impacts truncated there), of ``refits`` ``[B]``.
     """
 
     labels: list[str]
@@ -113,6 +119,9 @@ class RankingResults(FittedRows):
     converged: Tensor
     starts: Tensor
     starts_agreed: Tensor
+    poi_bound: Tensor | None = None
+    refits_at_bound: Tensor | None = None
+    refits: Tensor | None = None
 
     @property
     def poi_index(self) -> int:
@@ -162,6 +171,25 @@ class RankingResults(FittedRows):
         out["starts"] = int(self.starts[i])
         out["starts_agreed"] = bool(self.starts_agreed[i])
         return out
+
+
+#: a POI within this fraction of its bounds' width (plus the minimiser's ``bound_tol``) of
+#: a bound sits on it
+POI_BOUND_RTOL = 1e-9
+
+
+def poi_on_bound(poi: Tensor, bounds: Tensor, bound_tol: float = 0.0) -> Tensor:
+    """``[N]``: the bound (``bounds [N, 2]``, the POI's) on which each of the POI values
+    ``poi [N]`` sits, within :data:`POI_BOUND_RTOL` of the bounds' width plus ``bound_tol``;
+    NaN where it sits on neither.
+
+    >>> poi_on_bound(torch.tensor([0.0, 3.0, 10.0]), torch.tensor([[0.0, 10.0]] * 3)).tolist()
+    [0.0, nan, 10.0]
+    """
+    lo, hi = bounds.select(-1, 0), bounds.select(-1, 1)
+    tol = bound_tol + POI_BOUND_RTOL * (hi - lo)
+    nan = torch.full_like(poi, torch.nan)
+    return torch.where(poi <= lo + tol, lo, torch.where(poi >= hi - tol, hi, nan))
 
 
 def host_elements(model, element, data: Tensor | None, rows: int) -> list[int]:
@@ -288,6 +316,10 @@ def ranking(
     impacts = torch.full((B * P * 4,), torch.nan, dtype=model.dtype, device=model.device)
     fits_ok = torch.ones(B * P, dtype=torch.long, device=model.device)
     status = free.status
+    tol = options.minimize.bound_tol
+    poi_bounds = bounds.select(1, k)  # [B, 2]
+    poi_bound = poi_on_bound(free.bestfit.select(1, k), poi_bounds, tol)
+    refits_at_bound = torch.zeros(B, dtype=torch.long, device=model.device)
     if fit_row:
         r = torch.tensor(fit_row, dtype=torch.long, device=model.device)
         c = torch.tensor(fit_col, dtype=torch.long, device=model.device).unsqueeze(1)
@@ -327,6 +359,8 @@ def ranking(
         impacts = impacts.index_copy(0, flat * 4 + kind, impact)
         fits_ok = fits_ok.scatter_reduce(0, flat, cond_status.converged.long(), reduce="amin")
         status = _combine_per_row(status, cond_status, r)
+        held = poi_on_bound(cond.select(1, k), poi_bounds.index_select(0, r), tol).isfinite()
+        refits_at_bound = refits_at_bound.index_add(0, r, (held & (sigma != 0)).long())
     impacts = impacts.view(B, P, 4)
     ranked = torch.zeros(B * P, dtype=torch.bool, device=model.device)
     ranked_flat = [b * P + c for b, cols in enumerate(columns) for c in cols]
@@ -362,6 +396,9 @@ def ranking(
         converged=status.converged,
         starts=status.starts,
         starts_agreed=status.agreed,
+        poi_bound=poi_bound,
+        refits_at_bound=refits_at_bound,
+        refits=torch.tensor(fits_per_row, dtype=torch.long, device=model.device),
     )
 
 

@@ -245,6 +245,13 @@ class UpperLimitResults:
         hypotests: the number of tested POI values per row.
         starts: ``[B]`` the most start points any fit of the row ran.
         starts_agreed: ``[B]`` bool, in every fit of the row all converged starts agreed.
+        bounds: ``[B, 2]`` the POI's bounds the root search started from (None: a scan).
+        beyond_bounds: ``[B, 6]`` bool per curve (observed, then the five expected): its
+            CLs at the POI's upper bound is above ``level``, the limit lies past the bound
+            (where pyhf's ``upper_limit`` raises ValueError) (None: a scan).
+        outside_scan: ``[B, 6]`` int8 per curve: 1 where its CLs at the scan's last value
+            is above ``level``, -1 where at its first it is below: the limit is the scan's
+            end, not bracketed by it; 0 elsewhere (None: a root search).
     """
 
     obs: Tensor
@@ -255,6 +262,9 @@ class UpperLimitResults:
     hypotests: Tensor
     starts: Tensor
     starts_agreed: Tensor
+    bounds: Tensor | None = None
+    beyond_bounds: Tensor | None = None
+    outside_scan: Tensor | None = None
 
     def to_json(self, i: int = 0) -> dict:
         """Row ``i``: ``{"upper_limit_obs", "upper_limit_exp", "level"}``."""

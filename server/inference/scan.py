@@ -46,7 +46,7 @@ from torch import Tensor
 
 from .errors import InferenceError
 from .mle import FitOptions, fit_rows, hessian_uncertainties, rows_data
-from .ranking import host_elements
+from .ranking import host_elements, poi_on_bound
 from .results import FittedRows
 from .rows import as_float
 from .starts import FitStatus
@@ -75,6 +75,9 @@ class ScanResults(FittedRows):
         converged: ``[B]`` bool, the free fit and every conditional fit of the row converged.
         starts: ``[B]`` the most start points any fit of the row ran.
         starts_agreed: ``[B]`` bool, in every fit of the row all converged starts agreed.
+        poi_bound: ``[B]`` the bound on which the free fit's POI sits
+            (:func:`~pyhf_gpu_server.inference.ranking.poi_on_bound`: the profile is the
+            bounded one's there), NaN where on neither; None: the model has no POI.
     """
 
     name: str
@@ -87,6 +90,7 @@ class ScanResults(FittedRows):
     converged: Tensor
     starts: Tensor
     starts_agreed: Tensor
+    poi_bound: Tensor | None = None
 
     def to_json(self, i: int = 0) -> dict:
         """Row ``i`` with cabinetry's field names, and the row's fit status."""
@@ -113,8 +117,8 @@ class Scan2DResults(FittedRows):
         correlation: ``[B]`` their free-fit correlation.
         parameter_values: ``([B, G_x], [B, G_y])`` each row's grid axes.
         delta_nlls: ``[B, G_x, G_y]`` ``-2 Delta ln L`` at ``(x[i], y[j])``.
-        element, points_converged (``[B, G_x, G_y]``), converged, starts, starts_agreed: as
-            :class:`ScanResults`.
+        element, points_converged (``[B, G_x, G_y]``), converged, starts, starts_agreed,
+            poi_bound: as :class:`ScanResults`.
     """
 
     names: tuple[str, str]
@@ -128,6 +132,7 @@ class Scan2DResults(FittedRows):
     converged: Tensor
     starts: Tensor
     starts_agreed: Tensor
+    poi_bound: Tensor | None = None
 
     def to_json(self, i: int = 0) -> dict:
         """Row ``i``: cabinetry's scan fields, each per axis (``delta_nlls``: ``[G_x][G_y]``)."""
@@ -196,16 +201,17 @@ def _check(model, names, columns, axes, elements, bounds) -> None:
 
 def _profile(
     model, names, axes, steps, data, element, bounds, options
-) -> tuple[Tensor, Tensor, Tensor, list[Tensor], Tensor, Tensor, FitStatus, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, list[Tensor], Tensor, Tensor, FitStatus, Tensor, Tensor | None]:
     """The free fits and the conditional fits at every grid point (the Cartesian product of
     ``axes``, first axis slowest) of ``B`` rows: one batched call, or two where an axis is
     None (automatic: its ``steps`` points over each row's best fit +- :data:`AUTO_SIGMAS`
     uncertainties, within the bounds).
 
     Returns ``(bestfit [B, P], unc [B, P], corr [B, P, P], axes [[B, G_k]], deviance [B, G],
-    converged [B, G], status [B], element [B])``: the free fits with their uncertainties and
-    correlations, each row's grid axes, the conditional fits' ``-2 Delta ln L`` and
-    convergence."""
+    converged [B, G], status [B], element [B], poi_bound [B] or None)``: the free fits with
+    their uncertainties and correlations, each row's grid axes, the conditional fits' ``-2
+    Delta ln L`` and convergence, and the bound the free fit's POI sits on (NaN: neither; None:
+    no POI)."""
     options = options or FitOptions()
     columns = [_column(model, n) for n in names]
     if len(set(columns)) != len(columns):
@@ -273,7 +279,11 @@ def _profile(
     deviance = cond_deviance.view(B, G) - free_deviance.unsqueeze(1)
     status = FitStatus.combine([free_status, cond_status.grouped(B)])
     converged = cond_status.converged.view(B, G)
-    return bestfit, unc, corr, row_axes, deviance, converged, status, element_rows
+    k = model.poi_index
+    poi_bound = None
+    if k is not None:
+        poi_bound = poi_on_bound(bestfit.select(1, k), box.select(1, k), options.minimize.bound_tol)
+    return bestfit, unc, corr, row_axes, deviance, converged, status, element_rows, poi_bound
 
 
 def _automatic_axis(bestfit: Tensor, unc: Tensor, box: Tensor, column: int, steps: int) -> Tensor:
@@ -330,7 +340,7 @@ def scan(
         InferenceError: (a ``ValueError``) ``parameter`` is not in the model, is fixed (or
             not a parameter) in a row's element, or a value lies outside its bounds.
     """
-    bestfit, unc, _, (grid,), delta, ok, status, element_rows = _profile(
+    bestfit, unc, _, (grid,), delta, ok, status, element_rows, poi_bound = _profile(
         model, [parameter], [values], [steps], data, element, bounds, options
     )
     k = model.par_names.index(parameter)
@@ -345,6 +355,7 @@ def scan(
         converged=status.converged,
         starts=status.starts,
         starts_agreed=status.agreed,
+        poi_bound=poi_bound,
     )
 
 
@@ -367,7 +378,7 @@ def scan2d(
     if len(parameters) != 2:
         raise InferenceError("a 2D scan needs exactly two parameters")
     names = (parameters[0], parameters[1])
-    bestfit, unc, corr, (vx, vy), delta, ok, status, element_rows = _profile(
+    bestfit, unc, corr, (vx, vy), delta, ok, status, element_rows, poi_bound = _profile(
         model, list(names), [values_x, values_y], list(steps), data, element, bounds, options
     )
     kx, ky = (model.par_names.index(n) for n in names)
@@ -384,4 +395,5 @@ def scan2d(
         converged=status.converged,
         starts=status.starts,
         starts_agreed=status.agreed,
+        poi_bound=poi_bound,
     )

@@ -2,7 +2,8 @@
 
 - With a ``scan``: every (element, scan point) hypothesis test runs as one batch, then each of
   the six CLs curves (observed, five expected bands) is interpolated at ``level`` exactly as
-  pyhf's ``linear_grid_scan`` (``np.interp`` on the reversed curve).
+  pyhf's ``linear_grid_scan`` (``np.interp`` on the reversed curve); a curve the scan does
+  not bracket gets the scan's end, as pyhf's, and ``outside_scan`` says so.
 - Without: a batched root search on all six curves of every element at once (pyhf runs
   ``toms748`` per curve). Each iteration tests one new POI value per curve and element in
   a single calculator call; the unconditional and Asimov fits are reused from the first
@@ -11,7 +12,8 @@
   ``Phi^-1(CLs)``, which is nearly linear in the POI asymptotically (bisection when it
   leaves the bracket). A bracket open above the POI's upper bound is widened by
   extrapolating (at most 4x, else doubling; pyhf doubles), and the fits go on beyond the
-  bound.
+  bound, where pyhf raises ValueError: ``beyond_bounds`` says which curves went there (pyhf's
+  condition: CLs at the upper bound above ``level``).
 
 Example:
     >>> import torch
@@ -100,8 +102,15 @@ def linear_grid_scan(
         hypotests=torch.full((D,), S, dtype=torch.long, device=limits.device),
         starts=grouped.starts,
         starts_agreed=grouped.agreed,
+        outside_scan=_outside(curves.select(-1, 0) < level, curves.select(-1, -1) > level),
     )
     return _per_row(out, index), res
+
+
+def _outside(below: Tensor, above: Tensor) -> Tensor:
+    """``[R, 6]`` int8: 1 where ``above``, else -1 where ``below``, else 0."""
+    one = torch.ones_like(above, dtype=torch.int8)
+    return torch.where(above, one, torch.where(below, -one, torch.zeros_like(one)))
 
 
 def _per_row(res: UpperLimitResults, index: Tensor) -> UpperLimitResults:
@@ -115,6 +124,9 @@ def _per_row(res: UpperLimitResults, index: Tensor) -> UpperLimitResults:
         hypotests=res.hypotests[index],
         starts=res.starts[index],
         starts_agreed=res.starts_agreed[index],
+        bounds=None if res.bounds is None else res.bounds[index],
+        beyond_bounds=None if res.beyond_bounds is None else res.beyond_bounds[index],
+        outside_scan=None if res.outside_scan is None else res.outside_scan[index],
     )
 
 
@@ -226,9 +238,13 @@ def toms748_like_scan(
     lo, hi = bounds[:, 0], bounds[:, 1]
 
     fractions = torch.tensor(PROBES, dtype=hi.dtype, device=hi.device)
-    mus = lo.unsqueeze(-1) + (hi - lo).unsqueeze(-1) * fractions  # [R, T]
+    mus = lo.unsqueeze(-1) + (hi - lo).unsqueeze(-1) * fractions  # [R, T]; the first: hi
     first = run_calculator(calc, mus.flatten(), rows.repeat_interleave(len(PROBES)))
     values = _curves(first).view(R, len(PROBES), 6)  # [R, T, 6]
+    # pyhf's toms748_scan doubles the upper end while any curve's CLs there is above the
+    # level: a fit beyond the POI's upper bound, where pyhf raises ValueError. That
+    # condition, exactly, per curve (the first probe is the bound):
+    beyond = values[:, 0] > level
     status = first.status.grouped(R)
     points = _asymptotic_guesses(first, mus, calc.free_data.bestfit[:, model.poi_index], level)
     for _ in range(max_iter):
@@ -253,6 +269,8 @@ def toms748_like_scan(
         hypotests=torch.full((R,), mus.shape[1], dtype=torch.long, device=lo.device),
         starts=status.starts,
         starts_agreed=status.agreed,
+        bounds=bounds,
+        beyond_bounds=beyond,
     )
     return _per_row(out, index)
 

@@ -413,6 +413,7 @@ class Dispatcher:
             "converged": status.converged,
             "starts": status.starts,
             "starts_agreed": status.starts_agreed,
+            "flags": [*status.flags(), *computed.result.flags],
             "timings": {
                 **timings,
                 "build_ms": round(computed.build_s * 1000, 3),

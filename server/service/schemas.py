@@ -256,6 +256,40 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     }
 
 
+#: why a result may not say what it seems to, by kind (``meta.flags``); every client reads the
+#: flags generically (their ``detail`` is the sentence it shows), whatever the operation
+FLAG_KINDS: dict[str, str] = {
+    "not_converged": "a fit behind the result did not meet the minimiser's criterion "
+    "(meta.converged false): its numbers may not be the minimum's",
+    "starts_disagree": "the fits' extra start points reached different minima (meta."
+    "starts_agreed false): the likelihood has several, the answer is the lowest found",
+    "limit_beyond_bounds": "an upper limit (observed or a band) lies past the POI's upper "
+    "bound: its CLs at the bound is still above the level, where pyhf's upper_limit raises "
+    "ValueError; the value is found by fits beyond the bound",
+    "limit_outside_scan": "an upper limit (observed or a band) is not bracketed by the given "
+    "scan: the answer is the scan's end (as pyhf's, which says nothing), not the limit",
+    "poi_at_bound": "the POI's best fit (or a ranking refit's) lies on its bound: impacts "
+    "that would move it past the bound are 0 or truncated there, a profile is the bounded one",
+}
+FlagKind = Literal[tuple(FLAG_KINDS)]  # type: ignore[valid-type]  # the kinds, declared once
+
+
+class ResultFlag(_Declared):
+    """A reason to doubt one result: its kind, and what in words (naming the value, the bound,
+    the parameter). `pyhf-gpu-client` prints each as a warning on stderr (`--strict`: exit 1),
+    the Python client warns, the page marks it."""
+
+    kind: FlagKind = Field(
+        description="; ".join(f"`{kind}`: {text}" for kind, text in FLAG_KINDS.items())
+    )
+    detail: str = Field(description="what was found, in words: the sentence clients show")
+
+
+def result_flag(kind: FlagKind, detail: str) -> dict[str, str]:
+    """One entry of ``meta.flags`` (validated: ``kind`` is one of :data:`FLAG_KINDS`)."""
+    return ResultFlag(kind=kind, detail=detail).model_dump()
+
+
 class ResultMeta(_Declared):
     """How a result was computed (one per hypothesis)."""
 
@@ -272,6 +306,13 @@ class ResultMeta(_Declared):
     )
     starts_agreed: bool | None = Field(
         None, description="whether every converged start reached the kept minimum"
+    )
+    flags: list[ResultFlag] = Field(
+        default_factory=list,
+        description="why this result may not say what it seems to (empty: nothing found): "
+        "fits that did not converge or whose starts disagree (as `converged` and "
+        "`starts_agreed` say), a limit past the POI's bounds or outside the scan, the POI's "
+        "best fit on its bound (ranking, scan)",
     )
     test_poi: float | None = Field(None, description="the tested POI value (cls)")
     patch: str | None = Field(None, description="the patch's name (patchsets)")

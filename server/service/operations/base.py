@@ -23,7 +23,7 @@ from pyhf_gpu_server.engine import HistFactoryModel
 from pyhf_gpu_server.engine.layout import ElementLayout
 from pyhf_gpu_server.inference.mle import FitOptions
 
-from ..schemas import ModelSelection, PatchError
+from ..schemas import ModelSelection, PatchError, result_flag
 
 OptionsT = TypeVar("OptionsT", bound=BaseModel)
 
@@ -47,6 +47,28 @@ class RowStatus:
             columns.append([None] * rows if value is None else value.tolist())
         return [cls(*values) for values in zip(*columns, strict=True)]
 
+    def flags(self) -> list[dict[str, str]]:
+        """The ``meta.flags`` this status calls for: fits that did not converge, starts that
+        disagree."""
+        found = []
+        if self.converged is False:
+            found.append(
+                result_flag(
+                    "not_converged",
+                    "its fits did not converge (meta.converged false): its numbers may not "
+                    "be the minimum's",
+                )
+            )
+        if self.starts_agreed is False:
+            found.append(
+                result_flag(
+                    "starts_disagree",
+                    "its fits from extra starts reached different minima (meta.starts_agreed "
+                    "false): the answer is the lowest found",
+                )
+            )
+        return found
+
 
 @dataclass(frozen=True)
 class RowResult:
@@ -55,6 +77,7 @@ class RowResult:
 
     payload: dict[str, Any]
     status: RowStatus
+    flags: tuple[dict[str, str], ...] = ()  # the operation's own meta.flags (result_flag)
 
 
 @dataclass(frozen=True)

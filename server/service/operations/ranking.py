@@ -7,8 +7,9 @@ from __future__ import annotations
 from pyhf_gpu_server import inference
 from pyhf_gpu_server.engine import HistFactoryModel
 from pyhf_gpu_server.engine.layout import ElementLayout
+from pyhf_gpu_server.inference.ranking import RankingResults
 
-from ..schemas import RankingOptions, RankingResult
+from ..schemas import RankingOptions, RankingResult, result_flag
 from .base import EngineRows, Operation, RowResult, RowStatus
 
 STATUS_KEYS = ("converged", "starts", "starts_agreed")  # in meta, not the payload
@@ -47,7 +48,35 @@ class Ranking(Operation[RankingOptions]):
         )
         statuses = RowStatus.of(result, len(rows))
         payloads = [result.to_json(i, top=options.top) for i in range(len(rows))]
+        flags = ranking_flags(result)
         return [
-            RowResult({k: v for k, v in p.items() if k not in STATUS_KEYS}, s)
-            for p, s in zip(payloads, statuses, strict=True)
+            RowResult({k: v for k, v in p.items() if k not in STATUS_KEYS}, s, flags=f)
+            for p, s, f in zip(payloads, statuses, flags, strict=True)
         ]
+
+
+def ranking_flags(result: RankingResults) -> list[tuple[dict[str, str], ...]]:
+    """Per row, ``poi_at_bound`` where the free fit's POI, or some refit's, lies on a bound
+    of the POI: the impacts pushing it past the bound are 0 or truncated there."""
+    poi = result.poi_name
+    out: list[tuple[dict[str, str], ...]] = []
+    for bound, held, refits in zip(
+        result.poi_bound.tolist(),
+        result.refits_at_bound.tolist(),
+        result.refits.tolist(),
+        strict=True,
+    ):
+        counted = f"{held} of its {refits} refits ended on a bound"
+        if bound == bound:  # not NaN: the best fit is on its bound
+            detail = (
+                f"the best fit of the POI {poi!r} lies on its bound {bound:g}: the refits cannot "
+                f"move it past, so the impacts that would are 0 or truncated ({counted})"
+            )
+        elif held:
+            detail = f"the POI {poi!r} is held at a bound in some refits ({counted}): those "
+            detail += "impacts are truncated there"
+        else:
+            out.append(())
+            continue
+        out.append((result_flag("poi_at_bound", detail),))
+    return out

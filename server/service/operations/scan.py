@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch import Tensor
+
 from pyhf_gpu_server import inference
 from pyhf_gpu_server.engine import HistFactoryModel
 from pyhf_gpu_server.engine.layout import ElementLayout
 from pyhf_gpu_server.inference.scan import grid_problem
 
-from ..schemas import PatchError, Scan2DResult, ScanOptions, ScanResult
+from ..schemas import PatchError, Scan2DResult, ScanOptions, ScanResult, result_flag
 from .base import EngineRows, Operation, RowResult, RowStatus
 from .ranking import STATUS_KEYS
 
@@ -81,7 +83,31 @@ class Scan(Operation[ScanOptions]):
                 steps=(options.x.steps, options.y.steps),
             )
         statuses = RowStatus.of(result, len(rows))
+        flags = scan_flags(result.poi_bound, model.poi_name, len(rows))
         return [
-            RowResult({k: v for k, v in result.to_json(i).items() if k not in STATUS_KEYS}, s)
-            for i, s in enumerate(statuses)
+            RowResult(
+                {k: v for k, v in result.to_json(i).items() if k not in STATUS_KEYS}, s, flags=f
+            )
+            for i, (s, f) in enumerate(zip(statuses, flags, strict=True))
         ]
+
+
+def scan_flags(
+    poi_bound: Tensor | None, poi: str | None, rows: int
+) -> list[tuple[dict[str, str], ...]]:
+    """Per row, ``poi_at_bound`` where the free fit's POI lies on its bound (``poi_bound``
+    finite): the profile is measured from that bounded minimum."""
+    if poi_bound is None:
+        return [()] * rows
+    return [
+        ()
+        if bound != bound  # NaN: inside its bounds
+        else (
+            result_flag(
+                "poi_at_bound",
+                f"the best fit of the POI {poi!r} lies on its bound {bound:g}: -2 delta ln L is "
+                "measured from that bounded minimum, not from the unbounded likelihood's",
+            ),
+        )
+        for bound in poi_bound.tolist()
+    ]

@@ -6,8 +6,9 @@ import torch
 
 from pyhf_gpu_server import inference
 from pyhf_gpu_server.engine import HistFactoryModel
+from pyhf_gpu_server.inference.results import UpperLimitResults
 
-from ..schemas import UpperLimitOptions, UpperLimitResult
+from ..schemas import UpperLimitOptions, UpperLimitResult, result_flag
 from .base import EngineRows, Operation, RowResult, RowStatus
 
 SEARCH_HYPOTESTS = 12  # about how many POI values a limit search without a scan tests
@@ -40,4 +41,57 @@ class UpperLimit(Operation[UpperLimitOptions]):
             model, element=rows.element, scan=scan, level=options.level, options=rows.fit
         )
         statuses = RowStatus.of(result, len(rows))
-        return [RowResult(result.to_json(i), s) for i, s in enumerate(statuses)]
+        flags = limit_flags(result, model.poi_name, options.scan)
+        return [
+            RowResult(result.to_json(i), s, flags=f)
+            for i, (s, f) in enumerate(zip(statuses, flags, strict=True))
+        ]
+
+
+CURVES = (
+    "observed",
+    "expected -2 sigma",
+    "expected -1 sigma",
+    "expected median",
+    "expected +1 sigma",
+    "expected +2 sigma",
+)
+
+
+def limit_flags(
+    result: UpperLimitResults, poi: str, scan: list[float] | None
+) -> list[tuple[dict[str, str], ...]]:
+    """Per row, the ``meta.flags`` of its limits: those past the POI's upper bound (root
+    search; pyhf raises ValueError there) and those a ``scan`` does not bracket (answered as
+    the scan's end)."""
+    level = result.level
+    limits = torch.cat([result.obs.unsqueeze(-1), result.exp], dim=-1).tolist()
+    out: list[tuple[dict[str, str], ...]] = []
+    if scan is None:
+        for values, beyond, (_, hi) in zip(
+            limits, result.beyond_bounds.tolist(), result.bounds.tolist(), strict=True
+        ):
+            past = [f"{CURVES[c]} {values[c]:.4g}" for c in range(6) if beyond[c]]
+            detail = (
+                f"limits past the upper bound {hi:g} of the POI {poi!r}: {', '.join(past)} "
+                f"(CLs at the bound above the level {level:g}, where pyhf's upper_limit raises "
+                "ValueError; found here by fits beyond the bound)"
+            )
+            out.append((result_flag("limit_beyond_bounds", detail),) if past else ())
+        return out
+    for sides in result.outside_scan.tolist():
+        flags = []
+        for sign, end, at, cls_is in (
+            (1, "last", scan[-1], "above"),
+            (-1, "first", scan[0], "below"),
+        ):
+            which = [CURVES[c] for c in range(6) if sides[c] == sign]
+            if which:
+                detail = (
+                    f"limits not bracketed by the scan, answered as its {end} value {at:g}: "
+                    f"{', '.join(which)} (CLs at {at:g} {cls_is} the level {level:g}; pyhf "
+                    "answers the same without a word: extend the scan)"
+                )
+                flags.append(result_flag("limit_outside_scan", detail))
+        out.append(tuple(flags))
+    return out

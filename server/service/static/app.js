@@ -337,8 +337,18 @@
     }
   }
 
-  // What the server flagged in the results' meta (as the Python client's `doubtful`): fits
-  // that did not converge, extra starts that reached different minima; one line each.
+  // What the server flagged in the results' meta.flags (as the Python client's `doubtful`):
+  // fits that did not converge, extra starts that reached different minima, limits past the
+  // POI's bounds or outside the scan, the POI's best fit on its bound; one line each, the
+  // server's own words (a server without meta.flags: its converged and starts_agreed).
+  function metaFlags(meta) {
+    if (Array.isArray(meta.flags)) return meta.flags.map((flag) => String(flag.detail));
+    const found = [];
+    if (meta.converged === false) found.push("its fits did not converge");
+    if (meta.starts_agreed === false) found.push("its fits from extra starts reached different minima");
+    return found;
+  }
+
   function doubtful(view) {
     const found = [];
     const visit = (item, where) => {
@@ -350,8 +360,7 @@
       const place = [...where];
       if (item.meta.test_poi !== undefined && item.meta.test_poi !== null) place.push(`μ = ${number(item.meta.test_poi)}`);
       const label = place.join(", ") || "The result";
-      if (item.meta.converged === false) found.push(`${label}: its fits did not converge`);
-      if (item.meta.starts_agreed === false) found.push(`${label}: its fits from extra starts reached different minima`);
+      for (const detail of metaFlags(item.meta)) found.push(`${label}: ${detail}`);
     };
     const entries = isNamed(view) ? Object.entries(view.result) : [[null, view.result]];
     for (const [name, entry] of entries) visit(entry, name === null ? [] : [`Patch ${name}`]);
@@ -439,11 +448,14 @@
     $("results-heading").hidden = false;
   }
 
+  // a row's label, marked when the server flagged its result (the alert above says what)
+  const mark = (label, r) => (r && r.meta && metaFlags(r.meta).length ? `${label} ⚠` : label);
+
   const errorRow = (name, entry, width) => [name, `error ${entry.error.status}: ${describe(entry.error.detail)}`, ...Array(width - 2).fill("")];
 
   function clsRows(name, entry) {
     const one = (r, label) => [
-      label,
+      mark(label, r),
       number(r.CLs_obs),
       number(r.CLs_exp[2]),
       `${number(r.CLs_exp[1])} – ${number(r.CLs_exp[3])}`,
@@ -469,14 +481,14 @@
         table(
           ["Patch", "Observed limit", "Expected limit (median)", "Expected −1σ", "Expected +1σ"],
           entries.map(([name, r]) => (isError(r) ? errorRow(name, r, 5)
-            : [name || "–", number(r.upper_limit_obs), number(r.upper_limit_exp[2]), number(r.upper_limit_exp[1]), number(r.upper_limit_exp[3])])),
+            : [mark(name || "–", r), number(r.upper_limit_obs), number(r.upper_limit_exp[2]), number(r.upper_limit_exp[1]), number(r.upper_limit_exp[3])])),
         );
         break;
       case "significance":
         table(
           ["Patch", "p₀ observed", "Z observed", "p₀ expected", "Z expected"],
           entries.map(([name, r]) => (isError(r) ? errorRow(name, r, 5)
-            : [name || "–", number(r.p0_obs), number(r.z_obs), number(r.p0_exp), number(r.z_exp)])),
+            : [mark(name || "–", r), number(r.p0_obs), number(r.z_obs), number(r.p0_exp), number(r.z_exp)])),
         );
         break;
       case "fit": {

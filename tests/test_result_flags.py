@@ -1,0 +1,353 @@
+"""``meta.flags`` (#39): answers past their model's limits, and fits that do not converge, are
+said wherever a user reads them.
+
+- An upper limit (observed or a band) past the POI's upper bound is flagged exactly where
+  pyhf's ``upper_limit`` raises ValueError (its toms748 scan doubles the upper end while a CLs
+  there is above the level: a fit outside the bounds); a limit a given scan does not bracket
+  (pyhf answers the scan's end without a word) is flagged too.
+- A ranking or scan whose POI's best fit lies on its bound (the ranking's refits held there,
+  their impacts 0 or truncated) is flagged.
+- Every answer from a fit that did not converge is flagged.
+
+Unit tests on small models against pyhf; then a REAL server and the ``pyhf-gpu-client``
+command on the published sbottom likelihoods (ATLAS-SUSY-2018-31, HEPData ins1748602): the
+warning on stderr names the patch and what, ``--strict`` exits 1, the Python client warns.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import typing
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from service_support import WORKSPACES, running_server, workspace_file
+from workspaces import read_json
+
+import pyhf_gpu_client as pgc
+from pyhf_gpu_client.protocol import warn_if_doubtful
+from pyhf_gpu_client.results import CLsResult, UpperLimitResult, flagged
+from pyhf_gpu_server.engine import HistFactoryModel
+from pyhf_gpu_server.inference import ranking, scan, upper_limit
+from pyhf_gpu_server.service.operations.ranking import ranking_flags
+from pyhf_gpu_server.service.operations.scan import scan_flags
+from pyhf_gpu_server.service.operations.upper_limit import CURVES, limit_flags
+from pyhf_gpu_server.service.schemas import FLAG_KINDS, FlagKind, ResultMeta
+
+pyhf = pytest.importorskip("pyhf")
+
+CLIENT_EXE = Path(sys.executable).with_name("pyhf-gpu-client")
+
+
+def workspace(signal: float, observed: float = 52.0, bounds: list[float] | None = None) -> dict:
+    """One bin: ``signal`` events of ``mu``, 50 +- 7 of background, ``observed``."""
+    spec = pyhf.simplemodels.uncorrelated_background([signal], [50.0], [7.0]).spec
+    parameters = [] if bounds is None else [{"name": "mu", "bounds": [bounds]}]
+    return {
+        **spec,
+        "observations": [{"name": "singlechannel", "data": [observed]}],
+        "measurements": [{"name": "m", "config": {"poi": "mu", "parameters": parameters}}],
+        "version": "1.0.0",
+    }
+
+
+def pyhf_model(spec: dict):
+    """pyhf's model and observed data of ``spec`` (numpy backend)."""
+    pyhf.set_backend("numpy")
+    ws = pyhf.Workspace(spec)
+    model = ws.model()
+    return model, ws.data(model)
+
+
+# --- upper limits ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("signal", "bounds"),
+    [
+        (1.0, None),  # every limit past the bound 10
+        (3.0, None),  # the +2 sigma band alone (12.65)
+        (12.0, None),  # none
+        (3.0, [0.0, 12.0]),  # the +2 sigma band just past the bound...
+        (3.0, [0.0, 13.0]),  # ...and just inside it
+    ],
+)
+def test_a_limit_past_the_bound_is_flagged_exactly_where_pyhf_raises(signal, bounds) -> None:
+    spec = workspace(signal, bounds=bounds)
+    result = upper_limit(HistFactoryModel.from_workspace(spec))
+    hi = 10.0 if bounds is None else bounds[1]
+    limits = [float(result.obs[0]), *result.exp[0].tolist()]
+    (flags,) = limit_flags(result, "mu", None)
+    past = [c for c in range(6) if limits[c] > hi]
+    assert result.beyond_bounds[0].tolist() == [c in past for c in range(6)]
+    model, data = pyhf_model(spec)
+    if past:
+        (flag,) = flags
+        assert flag["kind"] == "limit_beyond_bounds"
+        assert f"limits past the upper bound {hi:g} of the POI 'mu'" in flag["detail"]
+        assert all(CURVES[c] in flag["detail"] for c in past)
+        assert "pyhf's upper_limit raises ValueError" in flag["detail"]
+        with pytest.raises(ValueError, match="lies outside of its bounds"):
+            pyhf.infer.intervals.upper_limits.upper_limit(data, model)
+    else:
+        assert flags == ()
+        obs, exp = pyhf.infer.intervals.upper_limits.upper_limit(data, model)
+        expected = [float(obs), *(float(e) for e in exp)]
+        assert limits == pytest.approx(expected, rel=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("signal", "grid"),
+    [(12.0, (1.5, 4.0)), (3.0, (0.0, 8.0)), (3.0, (0.0, 10.0)), (12.0, (0.0, 4.0))],
+)
+def test_a_limit_the_scan_does_not_bracket_is_flagged_where_pyhf_answers_the_scan_end(
+    signal, grid
+) -> None:
+    """pyhf's ``linear_grid_scan`` answers the scan's end for a curve the scan does not
+    bracket (``np.interp`` clamps): ours the same, flagged for exactly those curves."""
+    spec = workspace(signal)
+    values = [grid[0] + (grid[1] - grid[0]) * i / 10 for i in range(11)]
+    result = upper_limit(
+        HistFactoryModel.from_workspace(spec), scan=torch.tensor(values, dtype=torch.float64)
+    )
+    ours = [float(result.obs[0]), *result.exp[0].tolist()]
+    model, data = pyhf_model(spec)
+    obs, exp = pyhf.infer.intervals.upper_limits.upper_limit(
+        data, model, scan=torch.tensor(values).numpy()
+    )
+    theirs = [float(obs), *(float(e) for e in exp)]
+    assert ours == pytest.approx(theirs, rel=1e-4)
+    at_end = {c: theirs[c] for c in range(6) if theirs[c] in (values[0], values[-1])}
+    (flags,) = limit_flags(result, "mu", values)
+    said = " ".join(f["detail"] for f in flags)
+    assert all(f["kind"] == "limit_outside_scan" for f in flags)
+    assert {c for c in range(6) if result.outside_scan[0, c]} == set(at_end)
+    for c, end in at_end.items():
+        which = "last" if end == values[-1] else "first"
+        assert f"answered as its {which} value {end:g}" in said and CURVES[c] in said
+    assert bool(flags) == bool(at_end)
+
+
+# --- ranking and scan -----------------------------------------------------------------------
+
+
+def test_ranking_and_scan_flag_the_poi_on_its_bound() -> None:
+    """A deficit puts the POI's best fit on its bound 0: every impact is 0 there (cabinetry's
+    too), and the ranking and the scan say so; an excess leaves it inside, and nothing is
+    said."""
+    spec = pyhf.simplemodels.uncorrelated_background([12.0, 11.0], [50.0, 52.0], [3.0, 7.0]).spec
+    for observed, on_bound in (([40.0, 41.0], True), ([62.0, 61.0], False)):
+        ws = {
+            **spec,
+            "observations": [{"name": "singlechannel", "data": observed}],
+            "measurements": [{"name": "m", "config": {"poi": "mu", "parameters": []}}],
+            "version": "1.0.0",
+        }
+        model = HistFactoryModel.from_workspace(ws)
+        ranked = ranking(model)
+        row = ranked.to_json(0)
+        (flags,) = ranking_flags(ranked)
+        profile = scan(model, "mu", steps=5)
+        (scan_said,) = scan_flags(profile.poi_bound, "mu", 1)
+        nuisance = scan(model, "uncorr_bkguncrt[0]", steps=5)
+        if on_bound:
+            assert row["poi"]["bestfit"] == 0.0
+            assert row["postfit_up"] == row["postfit_down"] == [0.0, 0.0]
+            (flag,) = flags
+            assert flag["kind"] == "poi_at_bound"
+            assert "the best fit of the POI 'mu' lies on its bound 0" in flag["detail"]
+            assert "8 of its 8 refits ended on a bound" in flag["detail"]
+            for said in (scan_said, scan_flags(nuisance.poi_bound, "mu", 1)[0]):
+                assert [f["kind"] for f in said] == ["poi_at_bound"]
+                assert "lies on its bound 0" in said[0]["detail"]
+        else:
+            assert 0.5 < row["poi"]["bestfit"] < 1.5
+            assert flags == scan_said == () and math.isnan(float(nuisance.poi_bound[0]))
+
+
+# --- the flag's declaration and the client's reading -------------------------------------------
+
+
+def test_the_flag_kinds_are_declared_once_with_their_descriptions() -> None:
+    assert set(typing.get_args(FlagKind)) == set(FLAG_KINDS)
+    schema = ResultMeta.model_json_schema()
+    flag = schema["$defs"]["ResultFlag"]
+    assert set(flag["properties"]["kind"]["enum"]) == set(FLAG_KINDS)
+    assert all(kind in flag["properties"]["kind"]["description"] for kind in FLAG_KINDS)
+    assert schema["properties"]["flags"]["items"] == {"$ref": "#/$defs/ResultFlag"}
+
+
+def test_the_client_reads_the_flags_of_any_result_and_warns_by_kind() -> None:
+    """Flags are read from ``meta.flags`` whatever the operation (the server's words, the
+    place prefixed); an answer past its model's limits warns as a BeyondBoundsWarning, a
+    DoubtfulResultWarning's subclass; a server that sends no flags: its ``converged``."""
+    limit = {"kind": "limit_beyond_bounds", "detail": "limits past the upper bound 10"}
+    stuck = {"kind": "not_converged", "detail": "its fits did not converge"}
+    results = {
+        "p1": UpperLimitResult(1.0, [1.0] * 5, 0.05, meta={"patch": "p1", "flags": [limit]}),
+        "p2": [CLsResult(0.1, [0.1] * 5, meta={"test_poi": 2.0, "flags": [stuck]})],
+        "p3": UpperLimitResult(1.0, [1.0] * 5, 0.05, meta={"flags": [], "converged": True}),
+        "p4": CLsResult(0.1, [0.1] * 5, meta={"converged": False}),  # an older server
+    }
+    found = flagged(results)
+    assert [(f.kind, f.line) for f in found] == [
+        ("limit_beyond_bounds", "patch 'p1': limits past the upper bound 10"),
+        ("not_converged", "patch 'p2', test_poi 2.0: its fits did not converge"),
+        (
+            "not_converged",
+            "patch 'p4': its fits did not converge (meta.converged false): its numbers may "
+            "not be the minimum's",
+        ),
+    ]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warn_if_doubtful(results)
+    assert [w.category for w in caught] == [
+        pgc.BeyondBoundsWarning,
+        pgc.DoubtfulResultWarning,
+        pgc.DoubtfulResultWarning,
+    ]
+    assert issubclass(pgc.BeyondBoundsWarning, pgc.DoubtfulResultWarning)
+    with warnings.catch_warnings(record=True) as caught:  # accept extrapolated limits alone
+        warnings.simplefilter("always")
+        warnings.simplefilter("ignore", pgc.BeyondBoundsWarning)
+        warn_if_doubtful(results)
+    assert [w.category for w in caught] == [pgc.DoubtfulResultWarning] * 2
+
+
+# --- a real server, the command line and the Python client, on published likelihoods ---------
+
+SBOTTOM_A = WORKSPACES / "atlas-susy-2018-31-sbottom-A"
+SBOTTOM_B = WORKSPACES / "atlas-susy-2018-31-sbottom-B"
+#: region B's published point whose expected +2 sigma limit (13.5) lies past mu_SIG's upper
+#: bound 10 (the others inside), and whose best fit mu_SIG lies on its lower bound 0
+PAST_BOUND = "sbottom_1000_850_60"
+#: region A's published point whose conditional fit at mu_SIG = 5 does not converge
+UNCONVERGED = "sbottom_600_400_60"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with running_server(tmp_path_factory.mktemp("flags")) as process:
+        yield process.url
+
+
+def client_command(server: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """The installed ``pyhf-gpu-client`` command against ``server``."""
+    return subprocess.run(
+        [str(CLIENT_EXE), "--server", server, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def published(folder: Path, name: str, *options: str) -> list[str]:
+    """Arguments of one published point of ``folder``'s HEPData patchset (gzip, as read)."""
+    return [
+        str(workspace_file(folder, "BkgOnly.json")),
+        "--patchset",
+        str(workspace_file(folder, "patchset.hepdata.json")),
+        "--patch-name",
+        name,
+        *options,
+    ]
+
+
+def warnings_of(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("Warning: ")]
+
+
+def assert_strict_fails(server: str, args: list[str], stdout: str) -> None:
+    """``--strict``: the same output, exit 1."""
+    strict = client_command(server, *args, "--strict")
+    assert strict.returncode == 1, strict.stderr
+    assert strict.stdout == stdout
+    assert "on the results (the warnings above)" in strict.stderr
+
+
+@pytest.mark.slow
+def test_published_limit_past_its_bound_warns_where_pyhf_raises(server) -> None:
+    """The issue's case: an expected +2 sigma limit past the POI's bound [0, 10] was answered
+    without a word; pyhf raises ValueError on the same input."""
+    args = ["upper-limit", *published(SBOTTOM_B, PAST_BOUND)]
+    run = client_command(server, *args)
+    assert run.returncode == 0, run.stderr
+    limits = json.loads(run.stdout)[PAST_BOUND]
+    assert limits["upper_limit_exp"][4] > 10.0 > max(limits["upper_limit_exp"][:4])
+    (warning,) = warnings_of(run.stderr)
+    assert warning.startswith(
+        f"Warning: patch {PAST_BOUND!r}: limits past the upper bound 10 of the POI 'mu_SIG': "
+        f"expected +2 sigma {limits['upper_limit_exp'][4]:.4g} (CLs at the bound above the "
+        "level 0.05, where pyhf's upper_limit raises ValueError"
+    )
+    assert_strict_fails(server, args, run.stdout)
+
+    patchset = pyhf.PatchSet(read_json(SBOTTOM_B, "patchset.hepdata.json"))
+    spec = patchset.apply(read_json(SBOTTOM_B, "BkgOnly.json"), PAST_BOUND)
+    model, data = pyhf_model(spec)
+    with pytest.raises(ValueError, match=r"value: 20\) lies outside of its bounds: \(0, 10\)"):
+        pyhf.infer.intervals.upper_limits.upper_limit(data, model)
+
+    with pgc.Client(server) as client, pytest.warns(pgc.BeyondBoundsWarning, match=PAST_BOUND):
+        client.upper_limit(
+            workspace_file(SBOTTOM_B, "BkgOnly.json"),
+            patchset=workspace_file(SBOTTOM_B, "patchset.hepdata.json"),
+            patch_names=[PAST_BOUND],
+        )
+
+
+@pytest.mark.slow
+def test_published_ranking_and_scan_with_the_poi_on_its_bound_warn(server) -> None:
+    """The issue's case: the POI's best fit on its bound 0, impacts of exactly 0 among the top
+    five, and no word; now a warning naming the patch, and ``--strict`` exits 1."""
+    args = ["ranking", *published(SBOTTOM_B, PAST_BOUND, "--top", "5")]
+    run = client_command(server, *args)
+    assert run.returncode == 0, run.stderr
+    ranked = json.loads(run.stdout)[PAST_BOUND]
+    assert ranked["poi"]["bestfit"] == 0.0
+    zeros = sum(
+        0.0 in pair for pair in zip(ranked["postfit_up"], ranked["postfit_down"], strict=True)
+    )
+    assert zeros >= 4
+    (warning,) = warnings_of(run.stderr)
+    assert warning.startswith(
+        f"Warning: patch {PAST_BOUND!r}: the best fit of the POI 'mu_SIG' lies on its bound 0: "
+        "the refits cannot move it past"
+    )
+    assert_strict_fails(server, args, run.stdout)
+
+    args = ["scan", *published(SBOTTOM_B, PAST_BOUND, "--steps", "3")]
+    run = client_command(server, *args)
+    assert run.returncode == 0, run.stderr
+    (warning,) = warnings_of(run.stderr)
+    assert warning.startswith(
+        f"Warning: patch {PAST_BOUND!r}: the best fit of the POI 'mu_SIG' lies on its bound 0"
+    )
+    assert_strict_fails(server, args, run.stdout)
+
+
+@pytest.mark.slow
+def test_published_likelihood_whose_fits_do_not_converge_warns_and_strict_fails(server) -> None:
+    """Issue #39 item 3, on a real published likelihood with default options: region A's
+    point ``sbottom_600_400_60`` tested at mu_SIG = 5 (inside its bounds [0, 10]): the fit of
+    the data at mu_SIG = 5 pushes four nuisance parameters onto their bounds +-5 and does not
+    converge within the minimiser's 200 iterations (pyhf's SLSQP says 'terminated
+    successfully' there at -2 log L = 479.41, above the 461.53 our fit from the init reaches:
+    its answer is not the minimum's either, and it says nothing). The command line warns on
+    stderr naming the patch, ``--strict`` exits 1."""
+    args = ["cls", *published(SBOTTOM_A, UNCONVERGED, "--test-poi", "5")]
+    run = client_command(server, *args)
+    assert run.returncode == 0, run.stderr
+    assert set(json.loads(run.stdout)[UNCONVERGED]) == {"CLs_obs", "CLs_exp"}
+    (warning,) = warnings_of(run.stderr)
+    assert warning == (
+        f"Warning: patch {UNCONVERGED!r}, test_poi 5.0: its fits did not converge "
+        "(meta.converged false): its numbers may not be the minimum's"
+    ), run.stderr
+    assert_strict_fails(server, args, run.stdout)
