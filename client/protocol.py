@@ -829,15 +829,28 @@ PLOT_FORMATS: tuple[str, ...] = ("png", "svg")
 PLOT_MEDIA_TYPES: dict[str, str] = {"png": "image/png", "svg": "image/svg+xml"}
 
 #: the renderer's options by type, as the server reads them from a query string (a plot
-#: option not named here is read as JSON, else kept as text, and left to the server to judge)
+#: option not named here is read as JSON, else kept as text, and left to the server to judge);
+#: a copy of the server's ``pyhf_gpu_server.service.plotting.OPTION_TYPES`` (the client does not
+#: import the server): ``tests/test_client_plots.py`` checks that the two are equal
 _PLOT_OPTION_TYPES: dict[str, tuple[str, ...]] = {
     "int": ("top", "max_channels", "columns"),
     "float": ("threshold", "level", "dpi", "test_poi", "ymax"),
     "bool": ("log_y", "show_points", "annotate"),
-    "str": ("label", "rlabel", "title", "xlabel", "ylabel", "poi_label", "stage", "patch"),
+    "str": (
+        "label",
+        "rlabel",
+        "title",
+        "xlabel",
+        "ylabel",
+        "poi_label",
+        "stage",
+        "patch",
+        "poi",
+        "measurement",
+    ),
     "strs": ("channels", "parameters", "labels"),
     "ints": ("axes",),
-    "floats": ("figsize",),
+    "floats": ("figsize", "slice"),
 }
 _OPTION_TYPE = {name: kind for kind, names in _PLOT_OPTION_TYPES.items() for name in names}
 _WHAT = {

@@ -130,3 +130,20 @@ def test_python_client_plot_of_a_job(server, patch):
         assert info.value.status == 422 and "exclusion" in info.value.message
         png = client.render("fit", BKG, "pulls", plot_options={"dpi": 40}, patches=[patch])
         assert png[:8] == PNG_SIGNATURE
+
+
+def test_the_plot_options_table_is_the_servers():
+    """The client's types of the plot options (``protocol._PLOT_OPTION_TYPES``: it cannot
+    import the server) are the server's one declaration (``plotting.OPTION_TYPES``), and every
+    renderer option is declared there or as JSON only: one fact, one place."""
+    from pyhf_gpu_client import protocol
+    from pyhf_gpu_server import plots
+    from pyhf_gpu_server.service import plotting
+
+    assert protocol._PLOT_OPTION_TYPES == plotting.OPTION_TYPES
+    renderer = {o for k in plots.KINDS.values() for o in k.options} | set(plots.COMMON_OPTIONS)
+    assert renderer - set(plotting.QUERY_OPTIONS) - set(plotting.JSON_OPTIONS) == set()
+    assert set(plotting.QUERY_OPTIONS) <= renderer
+    assert not set(plotting.QUERY_OPTIONS) & set(plotting.JSON_OPTIONS)
+    assert protocol.plot_option("slice=60") == ("slice", [60.0])
+    assert plotting.query_options({"slice": ["60"]}) == {"slice": [60.0]}

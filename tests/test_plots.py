@@ -24,6 +24,8 @@ from matplotlib.image import imread
 
 from pyhf_gpu_server import inference, plots
 from pyhf_gpu_server.engine import HistFactoryModel
+from pyhf_gpu_server.service import plotting
+from pyhf_gpu_server.service.errors import ServiceError
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -230,7 +232,7 @@ def test_kind_renders_svg_and_png(real, name):
 def test_png_size_follows_dpi_and_figsize(real):
     png = plots.render("scan", SCAN_1D, "png", dpi=80, figsize=[5, 4])
     assert decode_png(png).shape[:2] == (320, 400)
-    png = plots.render("brazil", real["cls"], "png", dpi=55.5)
+    png = plots.render("brazil", real["cls"], "png", dpi=55.5, figsize=[7.5, 5.5])
     image = decode_png(png)
     assert abs(image.shape[1] - 7.5 * 55.5) <= 1 and abs(image.shape[0] - 5.5 * 55.5) <= 1
 
@@ -259,8 +261,9 @@ def test_exclusion_from_patchset_metadata_and_one_value(real):
     # values and labels straight from the published patchset's metadata (three masses)
     fig = plots.figure("exclusion", real["patchset"], patchset=real["published"])
     ax = fig.axes[0]
-    assert (ax.get_xlabel(), ax.get_ylabel()) == ("m_sbottom", "m_neutralino2")
+    assert (ax.get_xlabel(), ax.get_ylabel()) == ("m_sbottom [GeV]", "m_neutralino2 [GeV]")
     assert "1 patch answered an error (skipped)" in [t.get_text() for t in fig.texts]
+    assert _legend_title(fig) == "m_neutralino1 = 60 GeV (20 of 20 points)"
     # one value per patch: CLs versus it (a slice at m_sbottom = 1400)
     values = {n: [v[1]] for n, v in real["values"].items() if v[0] == 1400}
     answer = {n: real["patchset"][n] for n in values}
@@ -287,8 +290,8 @@ def test_brazil_inputs(real):
     with pytest.raises(ValueError, match=r"brazil plot: patch 'bad' answered an error"):
         plots.figure("brazil", patchset, patch="bad")
     # without limits, they are interpolated from the curves
-    labels = plots.figure("brazil", real["cls"]).axes[0].get_legend_handles_labels()[1]
-    assert any("(interpolated)" in lab for lab in labels)
+    fig = plots.figure("brazil", real["cls"])
+    assert any("interpolated" in t.get_text() for t in fig.texts)
 
 
 def test_scan_2d_contours():
@@ -441,3 +444,170 @@ def test_a_render_waits_for_the_others_at_most_render_wait_s(real, monkeypatch):
         release.set()
         holder.join()
     assert plots.render("pulls", real["fit"], "svg").startswith(b"<?xml")
+
+
+# ---------------------------------------------------------------- exclusion: one slice
+SLICE_LABELS = ["m_sbottom", "m_neutralino2", "m_neutralino1"]
+
+
+def _cls(m_sbottom: float, m_neutralino2: float, m_neutralino1: float) -> dict:
+    """A CLs answer that falls with m_sbottom (faster at higher m_neutralino1) and crosses
+    0.05 inside the grids below; the expected band around it."""
+    log_cls = -(m_sbottom - 1000) / 120 * (1 + m_neutralino1 / 200) + m_neutralino2 / 800
+    cls = 10 ** min(log_cls, 0.0)
+    return {
+        "CLs_obs": cls,
+        "CLs_exp": [min(1.0, cls * f) for f in (0.2, 0.5, 0.8, 1.4, 2.5)],
+    }
+
+
+def two_slices() -> tuple[dict, dict]:
+    """(patchset, answer) over three masses: 20 points at m_neutralino1 = 60 GeV (m_sbottom
+    1000..1300 x m_neutralino2 250..1050) and 9 at 100 GeV (on other m_neutralino2 values, so
+    that the points of both, flattened, are a plane of 29 distinct points)."""
+    points = [
+        (sb, n2, 60.0) for sb in (1000, 1100, 1200, 1300) for n2 in (250, 450, 650, 850, 1050)
+    ]
+    points += [(sb, n2, 100.0) for sb in (1000, 1150, 1300) for n2 in (350, 550, 750)]
+    patches = [
+        {"metadata": {"name": f"sb_{sb:g}_{n2:g}_{n1:g}", "values": [sb, n2, n1]}, "patch": []}
+        for sb, n2, n1 in points
+    ]
+    patchset = {"metadata": {"labels": SLICE_LABELS}, "patches": patches, "version": "1.0.0"}
+    answer = {p["metadata"]["name"]: _cls(*p["metadata"]["values"]) for p in patches}
+    return patchset, answer
+
+
+def _contours(fig) -> dict[str, np.ndarray]:
+    """gid -> the vertices of the exclusion figure's contour sets (main axes)."""
+    return {
+        artist.get_gid(): np.concatenate([p.vertices for p in artist.get_paths()])
+        for artist in fig.axes[0].collections
+        if isinstance(artist, ContourSet)
+    }
+
+
+def _alone(patchset: dict, answer: dict, keep, axes=(0, 1)) -> dict[str, np.ndarray]:
+    """The contours of only the points ``keep(values)`` picks, with their ``axes`` values."""
+    values = {
+        p["metadata"]["name"]: [p["metadata"]["values"][a] for a in axes]
+        for p in patchset["patches"]
+        if keep(p["metadata"]["values"])
+    }
+    return _contours(plots.figure("exclusion", {n: answer[n] for n in values}, values=values))
+
+
+def _legend_title(fig) -> str:
+    return fig.axes[0].get_legend().get_title().get_text()
+
+
+def test_exclusion_contour_of_a_sliced_patchset_is_the_slice_alone():
+    patchset, answer = two_slices()
+    fig = plots.figure("exclusion", answer, patchset=patchset)
+    drawn = _contours(fig)
+    alone = _alone(patchset, answer, lambda v: v[2] == 60)
+    assert set(drawn) == set(alone) == {"expected-band", "expected-contour", "observed-contour"}
+    for gid, vertices in alone.items():
+        assert len(vertices) > 4, gid
+        np.testing.assert_array_equal(drawn[gid], vertices, err_msg=gid)
+    # the choice is named on the plot, the masses have their unit
+    assert _legend_title(fig) == "m_neutralino1 = 60 GeV (20 of 29 points)"
+    ax = fig.axes[0]
+    assert (ax.get_xlabel(), ax.get_ylabel()) == ("m_sbottom [GeV]", "m_neutralino2 [GeV]")
+    assert len(ax.collections[-1].get_offsets()) == 20  # the tested points of the slice only
+    # the 29 points flattened onto one plane (what the plot must not draw) give another line
+    mixed = _alone(patchset, answer, lambda v: True)
+    assert mixed["observed-contour"].shape != alone["observed-contour"].shape or not np.allclose(
+        mixed["observed-contour"], alone["observed-contour"]
+    )
+
+
+def test_exclusion_slice_and_axes_options():
+    patchset, answer = two_slices()
+    # slice: the values of the coordinates off the axes (a list, or one number)
+    for chosen in ([100], 100.0):
+        fig = plots.figure("exclusion", answer, patchset=patchset, slice=chosen)
+        assert _legend_title(fig) == "m_neutralino1 = 100 GeV (9 of 29 points)"
+        alone = _alone(patchset, answer, lambda v: v[2] == 100)
+        for gid, vertices in alone.items():
+            np.testing.assert_array_equal(_contours(fig)[gid], vertices, err_msg=gid)
+    # axes: the plane's two coordinates, in the order given (x then y)
+    fig = plots.figure("exclusion", answer, patchset=patchset, axes=[1, 0])
+    assert (fig.axes[0].get_xlabel(), fig.axes[0].get_ylabel()) == (
+        "m_neutralino2 [GeV]",
+        "m_sbottom [GeV]",
+    )
+    swapped = _alone(patchset, answer, lambda v: v[2] == 60, axes=(1, 0))
+    np.testing.assert_array_equal(_contours(fig)["observed-contour"], swapped["observed-contour"])
+    # one axis: CLs versus it, in the most populated slice of the other two
+    fig = plots.figure("exclusion", answer, patchset=patchset, axes=[0], slice=[450, 60])
+    assert _legend_title(fig) == "m_neutralino2 = 450 GeV, m_neutralino1 = 60 GeV (4 of 29 points)"
+    assert len(fig.axes[0].lines[1].get_xdata()) == 4  # the observed curve: 4 m_sbottom values
+    # labels with a unit keep it; a label that is no mass has none
+    patchset["metadata"]["labels"] = ["m_stop [TeV]", "scale", "m_neutralino1"]
+    fig = plots.figure("exclusion", answer, patchset=patchset)
+    assert (fig.axes[0].get_xlabel(), fig.axes[0].get_ylabel()) == ("m_stop [TeV]", "scale")
+    # the query strings' types: slice is numbers
+    assert plotting.query_options({"slice": ["60"], "axes": ["1,0"]}) == {
+        "slice": [60.0],
+        "axes": [1, 0],
+    }
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (
+            {"slice": [75]},
+            r"exclusion plot: no tested point at m_neutralino1 = 75 GeV; the slices \(points\): "
+            r"m_neutralino1 = 60 GeV \(20\); m_neutralino1 = 100 GeV \(9\)",
+        ),
+        (
+            {"slice": [60, 250]},
+            r"slice gives the values of the coordinates off the axes, m_neutralino1: 1 number",
+        ),
+        ({"axes": [0, 0]}, r"axes must be one or two different indices .*0 m_sbottom"),
+        ({"axes": [0, 1, 2]}, r"axes must be one or two"),
+        ({"axes": [0, 1], "slice": "sixty"}, r"slice must be a list of numbers"),
+    ],
+)
+def test_exclusion_refuses_a_slice_it_cannot_draw(options, message):
+    patchset, answer = two_slices()
+    with pytest.raises(plots.PlotInputError, match=message):
+        plots.figure("exclusion", answer, patchset=patchset, **options)
+
+
+def test_exclusion_refuses_points_on_no_common_plane():
+    """Points that share no slice of 3 (each its own m_neutralino1) are not drawn as one
+    plane: the refusal names the most populated slice and the others."""
+    patchset, answer = two_slices()
+    for i, patch in enumerate(patchset["patches"]):
+        patch["metadata"]["values"][2] = 10.0 * (i // 2)  # two points per value at most
+    with pytest.raises(
+        plots.PlotInputError,
+        match=r"the most populated slice, m_neutralino1 = 0 GeV, has 2 of 29 points: too few "
+        r"for a contour \(3\); .*cannot be drawn as one without mixing slices",
+    ):
+        plots.figure("exclusion", answer, patchset=patchset)
+    # the service answers 422 with the renderer's message
+    with pytest.raises(ServiceError) as refused:
+        plotting.render(
+            plotting.PlotRequest("exclusion", "png"),
+            "cls",
+            {"patchset": patchset},
+            answer,
+            lambda _: None,
+        )
+    assert refused.value.status_code == 422 and "mixing slices" in refused.value.detail
+
+
+def test_the_examples_in_the_docstrings():
+    """The units rule, the ratio panel's range and ticks, the options' parsing, as their
+    docstrings show them."""
+    import doctest
+
+    from pyhf_gpu_server.plots import limits, yields
+
+    for module in (limits, yields, plotting, plots):
+        failures, attempted = doctest.testmod(module)
+        assert failures == 0 and attempted > 0, module.__name__

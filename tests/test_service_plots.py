@@ -223,13 +223,22 @@ def test_labels_go_above_the_main_axes(jobs) -> None:
     panels (not a ratio panel), beside a colorbar over the plot, above a twin's top axis."""
     labels = {"label": "ATLAS Internal", "rlabel": "13 TeV, 139 fb⁻¹"}
     result = jobs["yields"]["result"][SIGNAL]
+
+    def titled(fig) -> dict:
+        return {
+            (ax.get_title(loc="left"), ax.get_title(loc="right")): ax.get_ylabel()
+            for ax in fig.axes
+            if ax.get_title(loc="left") or ax.get_title(loc="right")
+        }
+
+    grid = plots.figure("yields", result, columns=3, **labels)
+    assert titled(grid) == {("ATLAS", ""): "Events", ("", "13 TeV, 139 fb⁻¹"): "Events"}
+    # without columns, the one-bin channels are the bins of one panel, named by the channels
     fig = plots.figure("yields", result, **labels)
-    titled = {
-        (ax.get_title(loc="left"), ax.get_title(loc="right")): ax.get_ylabel()
-        for ax in fig.axes
-        if ax.get_title(loc="left") or ax.get_title(loc="right")
-    }
-    assert titled == {("ATLAS", ""): "Events", ("", "13 TeV, 139 fb⁻¹"): "Events"}
+    assert titled(fig) == {("ATLAS", "13 TeV, 139 fb⁻¹"): "Events"}
+    ratio = fig.axes[0]
+    assert [t.get_text() for t in ratio.get_xticklabels()] == ["CRtt_cuts", "SR_cuts", "VRtt_cuts"]
+    assert ratio.get_xlabel() == "channel" and ratio.get_ylabel() == "Data / Model"
     for name, kind in (("exclusion", "exclusion"), ("fit", "correlation"), ("ranking", "ranking")):
         result = jobs[name]["result"]
         options = {"patchset": plane_patchset()} if kind == "exclusion" else {}
@@ -303,7 +312,8 @@ def test_a_synchronous_request_answers_its_plot(client) -> None:
     response = client.post(f"/cls?{query}&plot_dpi=40", json=workspace)
     assert response.status_code == 200, response.text
     assert response.headers["content-type"] == "image/png"
-    assert decode_png(response.content).shape[:2] == (round(5.5 * 40), round(7.5 * 40))
+    height, width = decode_png(response.content).shape[:2]
+    assert height == round(5.5 * 40) and width >= round(7.5 * 40)  # wider: a legend beside
 
     envelope = {
         "workspace": workspace,
@@ -386,3 +396,31 @@ def test_twenty_plots_at_once_equal_one_at_a_time(client, jobs) -> None:
         together = list(pool.map(lambda route: client.get(route).content, routes))
     assert together == alone
     assert all(png.startswith(PNG_SIGNATURE) for png in together)
+
+
+# ------------------------------------------------------------------- exclusion: one slice
+def test_exclusion_names_its_slice_and_takes_the_slice_option(client, jobs) -> None:
+    """A three-mass patchset's plane is one slice of the third mass, named on the plot, the
+    masses in GeV; ``?slice=`` picks it; a slice without tested points is a 422 naming
+    those there are (the renderer's own tests: tests/test_plots.py)."""
+    view = jobs["exclusion"]
+    route = f"/jobs/{view['id']}/plots/exclusion"
+    _, texts = svg_texts(client.get(route + ".svg").content)
+    assert "m_neutralino1 = 60 GeV (20 of 20 points)" in texts
+    assert "m_sbottom [GeV]" in texts and "m_neutralino2 [GeV]" in texts
+    listed = client.get(f"/jobs/{view['id']}/plots").json()["plots"]
+    assert {"axes", "slice"} <= set(next(p for p in listed if p["kind"] == "exclusion")["options"])
+    assert client.get(route + ".png?slice=60&axes=0,1&dpi=30").status_code == 200
+    for query, message in [
+        (
+            "slice=100",
+            "no tested point at m_neutralino1 = 100 GeV; the slices (points): "
+            "m_neutralino1 = 60 GeV (20)",
+        ),
+        ("slice=sixty", "plot option 'slice' must be numbers"),
+        ("axes=0,0", "axes must be one or two different indices"),
+        ("axes=0,2&slice=250,60", "1 number(s), not 2"),
+    ]:
+        response = client.get(f"{route}.png?{query}")
+        assert response.status_code == 422, (query, response.text)
+        assert message in response.json()["detail"], (query, response.text)

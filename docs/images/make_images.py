@@ -28,6 +28,8 @@ from PIL import Image
 
 OUT = Path(__file__).resolve().parent
 sys.path.insert(0, str(OUT.parents[1] / "tests"))
+sys.path.insert(0, str(OUT.parents[1] / "benchmarks"))
+import generate_large  # noqa: E402
 from workspaces import WORKSPACES_DIR as WORKSPACES  # noqa: E402
 from workspaces import read_json, workspace_file  # noqa: E402
 
@@ -85,18 +87,27 @@ def start_server(data_dir: Path) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("the server did not start")
 
 
+#: a generated analysis of many bins (``benchmarks/generate_large.py``): the yields grid
+LARGE = {"channels": 4, "bins": 20, "systematics": 20, "per_sample": 6, "backgrounds": 4}
+
+
 def plots(client: httpx.Client) -> None:
-    """One PNG per plot kind, from jobs on the shared workspaces."""
+    """One PNG per plot kind, from jobs on the published workspaces (the exclusion of a whole
+    published patchset: its most populated slice), and the yields of a generated model."""
     small = client.post("/workspaces", json=read(SMALL / "BkgOnly.json")).json()["workspace_id"]
     plane = client.post("/workspaces", json=read(PLANE / "BkgOnly.json")).json()["workspace_id"]
+    large = generate_large.workspace(mass=0.4, injected=4.0, seed=1, **LARGE)
     one = {
         "workspace_id": small,
         "patchset": read(SMALL / "patchset.json"),
         "patch_names": [SIGNAL],
     }
     jobs = {
-        "brazil": ("cls", {**one, "test_poi": [0.25 * i for i in range(1, 25)]}),
-        "exclusion": ("cls", {"workspace_id": plane, "patchset": plane_patchset()}),
+        "brazil": ("cls", {**one, "test_poi": [0.4 * i for i in range(1, 26)]}),
+        "exclusion": (
+            "cls",
+            {"workspace_id": plane, "patchset": read(PLANE / "patchset.hepdata.json.gz")},
+        ),
         "fit": ("fit", one),
         "ranking": ("ranking", {**one, "top": 15}),
         "scan": ("scan", {**one, "x": {"range": [0.0, 6.0], "steps": 25}}),
@@ -109,6 +120,7 @@ def plots(client: httpx.Client) -> None:
             },
         ),
         "yields": ("yields", one),
+        "yields-grid": ("yields", {"workspace": large}),
     }
     ids = {}
     for name, (operation, body) in jobs.items():
@@ -123,22 +135,21 @@ def plots(client: httpx.Client) -> None:
         assert view["status"] == "succeeded", (name, view["error"])
     wanted = [
         ("brazil", "brazil", {}),
-        ("exclusion", "exclusion", {"labels": "m(b̃₁) [GeV],m(χ̃⁰₂) [GeV]"}),
+        ("exclusion", "exclusion", {}),
         ("fit", "pulls", {"top": 30}),
         ("fit", "correlation", {}),
         ("ranking", "ranking", {}),
         ("scan", "scan", {}),
         ("scan-2d", "scan", {}),
         ("yields", "yields", {}),
+        ("yields-grid", "yields", {}),
     ]
     label = {"label": "ATLAS Open Likelihoods", "rlabel": "13 TeV, 139 fb⁻¹"}
     for job, kind, options in wanted:
         params = {"dpi": DPI, **label, **options}
-        if kind == "yields":
-            params.pop("rlabel")
         response = client.get(f"/jobs/{ids[job]}/plots/{kind}.png", params=params)
         response.raise_for_status()
-        save_png(response.content, f"plot-{job if job == 'scan-2d' else kind}")
+        save_png(response.content, f"plot-{job if job in ('scan-2d', 'yields-grid') else kind}")
 
 
 def screenshots(url: str, scratch: Path) -> None:

@@ -12,7 +12,8 @@ Kinds (:data:`KINDS`; options in each function's docstring):
 * ``brazil`` (:func:`~.limits.brazil`): CLs versus the POI, from a ``POST /cls`` list answer
   (or an upper-limit answer).
 * ``exclusion`` (:func:`~.limits.exclusion`): CLs = 0.05 contours over a patchset's
-  signal-parameter plane, from a patchset ``POST /cls`` answer.
+  signal-parameter plane (one slice of its other parameters), from a patchset ``POST /cls``
+  answer.
 * ``pulls`` (:func:`~.fit.pulls`), ``correlation`` (:func:`~.fit.correlation`): from a
   ``POST /fit`` answer.
 * ``ranking`` (:func:`~.fit.ranking`): impacts on the POI (cabinetry-like ranking JSON).

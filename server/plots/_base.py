@@ -151,10 +151,16 @@ def figure(
         raise PlotInputError(
             f"{kind} plot: unknown option {', '.join(map(repr, unknown))}; accepted: {accepted}"
         )
+    size = None if figsize is None else _figsize(kind, figsize)
+    pending = _style.Pending(size, bool(title), bool(label or rlabel))
     with _drawing(kind):
-        fig = spec.draw(result, **options)
-        if figsize is not None:
-            fig.set_size_inches(_figsize(kind, figsize))
+        token = _style.PENDING.set(pending)
+        try:
+            fig = spec.draw(result, **options)
+        finally:
+            _style.PENDING.reset(token)
+        if size is not None:
+            fig.set_size_inches(size)
         if title:
             fig.suptitle(title, **_style.text_kw(_style.TITLE_SIZE))
         if (label or rlabel) and fig.axes:

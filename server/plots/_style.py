@@ -11,15 +11,28 @@ setting and no other figure's fonts).
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from matplotlib import font_manager
 from matplotlib.axes import Axes
+from matplotlib.axis import Axis
 from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.collections import Collection, PathCollection
 from matplotlib.figure import Figure
 from matplotlib.font_manager import FontProperties
+from matplotlib.layout_engine import ConstrainedLayoutEngine
+from matplotlib.legend import Legend
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
+from matplotlib.spines import Spine
+from matplotlib.text import Text
+from matplotlib.transforms import Bbox
 
 #: text font, with fallbacks for glyphs it lacks (and for installs without mplhep's fonts)
 FONT_FAMILY: list[str] = ["TeX Gyre Heros", "DejaVu Sans"]
@@ -132,9 +145,27 @@ def font(size: float = LEGEND_SIZE, **extra: Any) -> FontProperties:
     return FontProperties(family=FONT_FAMILY, size=size, math_fontfamily=MATH_FONT, **extra)
 
 
+@dataclass(frozen=True)
+class Pending:
+    """What :func:`pyhf_gpu_server.plots.figure` adds to a figure once a kind has drawn it:
+    its size (``figsize``), a title, labels above the axes. Kinds that place things by the
+    layout (:func:`place_legend`) read it, to place them as they will be."""
+
+    figsize: tuple[float, float] | None = None
+    title: bool = False
+    labels: bool = False
+
+
+#: the :class:`Pending` of the figure being drawn (set by ``figure`` around a kind's draw)
+NOTHING_PENDING = Pending()
+PENDING: ContextVar[Pending] = ContextVar("PENDING", default=NOTHING_PENDING)
+
+
 def new_figure(width: float, height: float, *, layout: str | None = "constrained") -> Figure:
-    """A white figure with its own Agg canvas (``pyplot`` keeps no reference to it)."""
-    fig = Figure(figsize=(width, height), dpi=100, facecolor="white", layout=layout)
+    """A white figure with its own Agg canvas (``pyplot`` keeps no reference to it), of the
+    size asked for (``figsize``, :data:`PENDING`) or else ``width`` x ``height`` inches."""
+    size = PENDING.get().figsize or (width, height)
+    fig = Figure(figsize=size, dpi=100, facecolor="white", layout=layout)
     FigureCanvasAgg(fig)
     return fig
 
@@ -198,20 +229,164 @@ def legend(ax: Axes, *args: Any, size: float = LEGEND_SIZE, **kwargs: Any):
     return ax.legend(*args, prop=font(size), **kwargs)
 
 
+#: where :func:`place_legend` tries a legend inside the axes, in this order
+INSIDE = (
+    "upper right",
+    "upper left",
+    "lower left",
+    "lower right",
+    "center right",
+    "center left",
+    "upper center",
+    "lower center",
+)
+
+
+def hides_data(ax: Axes, box: Bbox, renderer: Any, ignore: Sequence[Any] = ()) -> bool:
+    """Whether the display-space ``box`` hides any of ``ax``'s data: a line (or a curve's
+    outline) through it, a filled area (a band, a contour region, a bar) under it, a marker
+    or an error bar in it, or a text."""
+    for artist in ax.get_children():
+        if artist in ignore or not artist.get_visible() or artist is ax.patch:
+            continue
+        if isinstance(artist, (Legend, Spine, Axis)):
+            continue
+        if isinstance(artist, Line2D):
+            path = artist.get_transform().transform_path(artist.get_path())
+            drawn = artist.get_linestyle() not in ("None", "none", "", " ")
+            if (drawn and path.intersects_bbox(box, filled=False)) or (
+                artist.get_marker() not in (None, "None", "none", "", " ")
+                and box.count_contains(path.vertices)
+            ):
+                return True
+        elif isinstance(artist, Patch):
+            path = artist.get_transform().transform_path(artist.get_path())
+            if path.intersects_bbox(box, filled=bool(artist.get_fill())):
+                return True
+        elif isinstance(artist, Collection):
+            offsets = artist.get_offsets()
+            if isinstance(artist, PathCollection) and len(offsets):  # markers (scatter)
+                points = artist.get_offset_transform().transform(offsets)
+                radius = np.sqrt(np.max(artist.get_sizes(), initial=36.0)) / 2 * renderer.dpi / 72
+                if box.padded(radius).count_contains(points):
+                    return True
+                continue
+            faces = artist.get_facecolor()
+            filled = len(faces) > 0 and bool(np.any(np.asarray(faces)[:, 3] > 0))
+            transform = artist.get_transform()
+            if any(
+                transform.transform_path(path).intersects_bbox(box, filled=filled)
+                for path in artist.get_paths()
+            ):
+                return True
+        elif (
+            isinstance(artist, Text)
+            and artist.get_text()
+            and artist.get_window_extent(renderer).overlaps(box)
+        ):
+            return True
+    return False
+
+
+def place_legend(
+    ax: Axes,
+    *args: Any,
+    candidates: Sequence[str] = INSIDE,
+    outside: str = "right",
+    ignore: Sequence[Any] = (),
+    data_top: float | None = None,
+    **kwargs: Any,
+) -> Legend:
+    """A legend where it hides no data: the first of ``candidates`` inside the axes that is
+    clear of them (:func:`hides_data`, a few points of margin), else outside the axes:
+    ``outside="right"`` beside them (the layout makes room), ``"top"`` at the first
+    candidate, in headroom made above the data up to ``data_top`` (:func:`room_above`)."""
+    leg = legend(ax, *args, loc=candidates[0], **kwargs)
+    fig = ax.figure
+    with as_finished(ax):
+        fig.draw_without_rendering()  # the layout: where the axes are
+        renderer = fig.canvas.get_renderer()
+        margin = 4 * renderer.dpi / 72
+        for loc in candidates:
+            leg.set_loc(loc)
+            box = leg.get_window_extent(renderer).padded(margin)
+            if not hides_data(ax, box, renderer, ignore):
+                return leg
+        if outside == "top" and data_top is not None:
+            leg.set_loc(candidates[0])
+            room_above(ax, [leg], renderer, data_top)
+            return leg
+    leg.set_loc("upper left")
+    leg.set_bbox_to_anchor((1.02, 1.0), transform=ax.transAxes)
+    # the figure grows by the legend's width: the axes keep theirs (and room for the labels
+    # above them), unless the size was asked for
+    if PENDING.get().figsize is None:
+        width, height = fig.get_size_inches()
+        extra = leg.get_window_extent(renderer).width / renderer.dpi + 0.15
+        fig.set_size_inches(width + extra, height)
+    return leg
+
+
+@contextmanager
+def as_finished(ax: Axes) -> Iterator[None]:
+    """The figure laid out as it will be once finished (:data:`PENDING`): with stand-ins for
+    the title and the labels above ``ax`` (the axes as small as they will be: a legend
+    placed clear of the data then stays clear)."""
+    pending = PENDING.get()
+    fig = ax.figure
+    stand_ins = []
+    if pending.labels and not ax.get_title(loc="left"):
+        stand_ins.append(ax.set_title("Ag", loc="left", pad=5, **text_kw(LABEL_SIZE)))
+    if pending.title and not fig.get_suptitle():
+        stand_ins.append(fig.suptitle("Ag", **text_kw(TITLE_SIZE)))
+    try:
+        yield
+    finally:
+        for text in stand_ins:  # the title and labels to come replace them
+            text.set_text("")
+
+
+def room_above(
+    ax: Axes, boxes: Sequence[Any], renderer: Any, data_top: float, gap: float = 0.03
+) -> None:
+    """Raise the top of ``ax``'s y range so that its data, up to ``data_top`` (data
+    coordinates), end ``gap`` (axes fraction) below the lowest of ``boxes`` (a legend, a text
+    at the top of the axes); on a log axis in decades."""
+    axes_box = ax.get_window_extent(renderer)
+    if not boxes or axes_box.height <= 0:
+        return
+    lowest = min(b.get_window_extent(renderer).y0 for b in boxes)
+    free = clamp((lowest - axes_box.y0) / axes_box.height - gap, 0.3, 0.97)
+    bottom = ax.get_ylim()[0]
+    if ax.get_yscale() == "log":
+        low, high = np.log10(bottom), np.log10(max(data_top, bottom * 1.0001))
+        ax.set_ylim(bottom, 10 ** (low + (high - low) / free))
+    else:
+        ax.set_ylim(bottom, bottom + (data_top - bottom) / free)
+
+
 def note(fig: Figure, lines: Sequence[str]) -> None:
-    """Small grey notes (what was skipped or capped) in the figure's lower left corner."""
+    """Small grey notes (what was skipped or capped) in the figure's lower left corner; in a
+    figure laid out by constrained layout they have a strip of their own at the bottom, under
+    everything else (tick labels, axis labels)."""
     lines = [line for line in lines if line]
-    if lines:
-        fig.text(
-            0.005,
-            0.005,
-            "\n".join(lines),
-            ha="left",
-            va="bottom",
-            color="0.35",
-            gid="plot-notes",
-            **text_kw(NOTE_SIZE),
-        )
+    if not lines:
+        return
+    engine = fig.get_layout_engine()
+    if isinstance(engine, ConstrainedLayoutEngine):
+        strip = (len(lines) * NOTE_SIZE * 1.3 + 4) / 72  # inches
+        fraction = min(strip / fig.get_size_inches()[1], 0.3)
+        engine.set(rect=(0.0, fraction, 1.0, 1.0 - fraction))
+    fig.text(
+        0.005,
+        0.005,
+        "\n".join(lines),
+        ha="left",
+        va="bottom",
+        color="0.35",
+        gid="plot-notes",
+        **text_kw(NOTE_SIZE),
+    )
 
 
 def experiment_label(ax: Axes, label: str | None, rlabel: str | None) -> None:

@@ -422,10 +422,11 @@ def ranking(result: Any, *, top: int | None = 20, poi_label: str = "μ") -> Figu
     for v in (-1, 1):
         ax_pulls.axvline(v, color="black", ls="-.", lw=0.75)
     span = np.nanmax(np.abs(np.stack([impacts[f][order] for f in _RANKING_FIELDS])))
-    span = float(span) * 1.1 if np.isfinite(span) and span > 0 else 1.0
+    span_zero = not (np.isfinite(span) and span > 0)
+    span = 1.0 if span_zero else float(span) * 1.1
     ax_impact.set_xlim(-span, span)
     ax_pulls.set_xlim(-2, 2)
-    ax_pulls.set_ylim(-0.5, n - 0.5 + 1.8)  # room for the legend above the bars
+    ax_pulls.set_ylim(-0.5, n - 0.5)
     ax_pulls.set_yticks(y, shown)
     _style.style_axes(ax_pulls, minor_y=False, top=False)
     _style.style_axes(ax_impact, minor_y=False, top=True, right=False)
@@ -442,7 +443,7 @@ def ranking(result: Any, *, top: int | None = 20, poi_label: str = "μ") -> Figu
     )
     bars = ax_impact.get_legend_handles_labels()[0]  # pre up, pre down, post up, post down
     handles = [bars[0], bars[1], *ax_pulls.get_legend_handles_labels()[0], bars[2], bars[3]]
-    _style.legend(
+    leg = _style.legend(
         ax_pulls,
         handles=handles,
         loc="upper center",
@@ -456,8 +457,16 @@ def ranking(result: Any, *, top: int | None = 20, poi_label: str = "μ") -> Figu
         edgecolor="none",
         framealpha=1.0,
     )
+    # room for the legend above the first bar, however thin the rows
+    notes = []
     if n < n_all:
-        _style.note(fig, [f"{n} of {n_all} parameters, by post-fit impact"])
+        notes.append(f"{n} of {n_all} parameters, by post-fit impact")
+    if span_zero:
+        notes.append(f"every impact on {poi_label} is 0 (its best fit at a bound?)")
+    _style.note(fig, notes)
+    with _style.as_finished(ax_pulls):
+        fig.draw_without_rendering()
+        _style.room_above(ax_pulls, [leg], fig.canvas.get_renderer(), n - 0.5, gap=0.01)
     return fig
 
 

@@ -4,6 +4,7 @@ signal-model parameters, from a patchset's answer)."""
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -206,7 +207,6 @@ def _brazil_figure(
     )
     ax.axhline(level, color=_style.LEVEL_LINE, lw=1.5, label=f"{CLS_LABEL} = {level:g}")
     obs_limit, exp_limits = limits
-    how = " (interpolated)" if interpolated else ""
     cl = f"{100 * (1 - level):g}% CL"
     if math.isfinite(obs_limit):
         ax.axvline(obs_limit, color=_style.OBSERVED, lw=1.2, ls=":", zorder=1)
@@ -218,14 +218,14 @@ def _brazil_figure(
             ms=9,
             color=_style.LEVEL_LINE,
             mec="black",
-            label=f"Observed {cl} limit{how}: {obs_limit:.3g}",
+            label=f"Observed {cl} limit: {obs_limit:.3g}",
         )
     if len(exp_limits) == 5 and math.isfinite(exp_limits[2]):
         median, lo, hi = exp_limits[2], exp_limits[1], exp_limits[3]
-        spread = (
-            f" (+{hi - median:#.2g} −{median - lo:#.2g})"
+        value = (
+            f"${median:.3g}^{{+{hi - median:#.2g}}}_{{-{median - lo:#.2g}}}$"
             if math.isfinite(lo) and math.isfinite(hi)
-            else ""
+            else f"{median:.3g}"
         )
         ax.plot(
             [median],
@@ -235,7 +235,7 @@ def _brazil_figure(
             ms=9,
             color="white",
             mec="black",
-            label=f"Expected {cl} limit{how}: {median:.3g}{spread}",
+            label=f"Expected {cl} limit: {value}",
         )
     ax.set_xlim(float(x[0]), float(x[-1]))
     if not log_y:
@@ -246,12 +246,18 @@ def _brazil_figure(
     _style.style_axes(ax)
     _style.set_xlabel(ax, xlabel)
     _style.set_ylabel(ax, CLS_LABEL)
-    _legend_in_order(ax, "lower left" if log_y else "upper right")
+    found = [v for v in (obs_limit, *exp_limits[2:3]) if math.isfinite(v)]
+    if interpolated and found:
+        _style.note(fig, ["limits interpolated linearly between the tested POI values"])
+    elif not found:
+        _style.note(fig, [f"{CLS_LABEL} does not fall to {level:g} in the tested range: no limit"])
+    _legend_in_order(ax)  # once the layout is final
     return fig
 
 
-def _legend_in_order(ax, loc: str) -> None:
-    """Observed, expected, the bands, the level, then the limits: the usual order."""
+def _legend_in_order(ax, **kwargs: Any) -> None:
+    """Observed, expected, the bands, the level, then the limits: the usual order; where it
+    hides no curve nor band, else beside the axes."""
     handles, labels = ax.get_legend_handles_labels()
     prefixes = (
         "Observed CL",
@@ -264,7 +270,7 @@ def _legend_in_order(ax, loc: str) -> None:
     )
     rank = [next((k for k, p in enumerate(prefixes) if lab.startswith(p)), 99) for lab in labels]
     order = sorted(range(len(labels)), key=lambda i: rank[i])
-    _style.legend(ax, [handles[i] for i in order], [labels[i] for i in order], loc=loc)
+    _style.place_legend(ax, [handles[i] for i in order], [labels[i] for i in order], **kwargs)
 
 
 def _limits_only(obs: float, exp: list[float], level: float, xlabel: str) -> Figure:
@@ -372,10 +378,114 @@ def _pick_entry(kind: str, name: str, entry: Any, test_poi: float) -> Any:
     return entry
 
 
+#: a label of the patchset's metadata that names a mass (``m_sbottom``, ``m(N1)``)
+_MASS_LABEL = re.compile(r"^m(_|\()")
+#: a unit in square brackets at the end of a label: ``m_stop [GeV]``
+_UNIT = re.compile(r"^(.*?)\s*\[\s*([^\[\]]+?)\s*\]\s*$")
+
+
+def split_unit(label: str) -> tuple[str, str | None]:
+    """A patchset label's name and unit: the unit it carries in square brackets
+    (``m_stop [TeV]``), else GeV for a mass (a label starting ``m_`` or ``m(``, as HEPData's
+    ``m_sbottom``), else none (``shape``, ``scale``).
+
+    >>> split_unit("m_sbottom"), split_unit("m_stop [TeV]"), split_unit("scale")
+    (('m_sbottom', 'GeV'), ('m_stop', 'TeV'), ('scale', None))
+    """
+    match = _UNIT.match(label)
+    if match:
+        return match.group(1), match.group(2)
+    if _MASS_LABEL.match(label):
+        return label, "GeV"
+    return label, None
+
+
+def axis_label(label: str) -> str:
+    """A patchset label as an axis label, with its unit: ``m_sbottom [GeV]``."""
+    name, unit = split_unit(label)
+    return f"{name} [{unit}]" if unit else name
+
+
+def _value_text(label: str, value: float) -> str:
+    name, unit = split_unit(label)
+    return f"{name} = {value:g}{' ' + unit if unit else ''}"
+
+
+@dataclass
+class _Slice:
+    """The points of one slice of a patchset's values: the other coordinates held at
+    ``values``; ``caption`` names it on the plot."""
+
+    mask: np.ndarray
+    caption: str | None
+
+
+def _slice(
+    kind: str,
+    coords: np.ndarray,
+    axes: list[int],
+    names: list[str],
+    wanted: Any,
+) -> _Slice:
+    """The points whose coordinates off the plotted ``axes`` equal ``wanted`` (the ``slice``
+    option), default the most populated such values (the lowest of those tied); every point
+    when the values have no other coordinate. A slice too small to draw is refused, naming
+    the slices there are: slices are never mixed on one plane."""
+    n, dim = coords.shape
+    others = [a for a in range(dim) if a not in axes]
+    if not others:
+        if wanted is not None:
+            raise fail(kind, "slice: the plotted axes are all of the patches' values")
+        return _Slice(np.ones(n, bool), None)
+    keys = [tuple(float(v) for v in row) for row in np.round(coords[:, others], 9)]
+    counts: dict[tuple[float, ...], int] = {}
+    for key in keys:
+        counts[key] = counts.get(key, 0) + 1
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    other_names = [names[a] for a in others]
+
+    def describe(key: tuple[float, ...]) -> str:
+        return ", ".join(_value_text(lab, v) for lab, v in zip(other_names, key, strict=True))
+
+    listed = "; ".join(f"{describe(k)} ({c})" for k, c in ranked[:8])
+    more = f"; and {len(ranked) - 8} more" if len(ranked) > 8 else ""
+    needed = 3 if len(axes) == 2 else 2
+    if wanted is not None:
+        values = [wanted] if isinstance(wanted, (int, float)) else wanted
+        values = numbers(kind, "slice", values)
+        if len(values) != len(others):
+            raise fail(
+                kind,
+                f"slice gives the values of the coordinates off the axes, "
+                f"{', '.join(other_names)}: {len(others)} number(s), not {len(values)}",
+            )
+        chosen = tuple(float(v) for v in np.round(values, 9))
+        if chosen not in counts:
+            raise fail(
+                kind,
+                f"no tested point at {describe(chosen)}; the slices (points): {listed}{more}",
+            )
+    else:
+        chosen = ranked[0][0]
+    count = counts[chosen]
+    if count < needed:
+        what = "the most populated slice" if wanted is None else "the slice"
+        raise fail(
+            kind,
+            f"{what}, {describe(chosen)}, has {count} of {n} points: too few for "
+            f"{'a contour (3)' if needed == 3 else 'a curve (2)'}; the points are not on "
+            f"common planes of {', '.join(names[a] for a in axes)}, so they cannot be drawn "
+            f"as one without mixing slices (choose other axes, or a slice: {listed}{more})",
+        )
+    mask = np.array([key == chosen for key in keys])
+    caption = f"{describe(chosen)} ({count} of {n} points)"
+    return _Slice(mask, caption)
+
+
 @register(
     "exclusion",
-    "observed and expected CLs = level contours (1σ band) over the signal-parameter plane "
-    "from a patchset CLs answer, or CLs versus one parameter",
+    "observed and expected CLs = level contours (1σ band) over a plane of the signal "
+    "parameters from a patchset CLs answer (one slice of the others), or CLs versus one",
 )
 def exclusion(
     result: Any,
@@ -384,6 +494,7 @@ def exclusion(
     patchset: Mapping[str, Any] | None = None,
     labels: Sequence[str] | None = None,
     axes: Sequence[int] | None = None,
+    slice: Sequence[float] | None = None,
     level: float = 0.05,
     test_poi: float = 1.0,
     show_points: bool = True,
@@ -392,9 +503,13 @@ def exclusion(
 
     ``values``: ``{patch_name: [v1, v2, ...]}`` (the patchset's metadata ``values``; or give
     ``patchset`` itself); ``axes``: which two of them span the plane (default the first two;
-    one index, or one value per patch: CLs versus that value); ``labels``: the axis labels
-    (default the patchset's metadata ``labels``). Patches answered with an error, without
-    coordinates or with a non-finite CLs are skipped and counted in a note.
+    one index: CLs versus that value); ``slice``: the values of the other coordinates (in
+    their order) whose points are drawn, default the most populated (named on the plot, e.g.
+    "m_neutralino1 = 60 GeV (131 of 218 points)"): points of different slices are never
+    drawn on one plane, and a slice too small to draw is refused. ``labels``: the axis labels
+    (default the patchset's metadata ``labels``, with their unit: given in brackets, else GeV
+    for a mass, a label starting ``m_``). Patches answered with an error, without coordinates
+    or with a non-finite CLs are skipped and counted in a note.
     """
     kind = "exclusion"
     if not isinstance(result, Mapping) or not result:
@@ -431,17 +546,31 @@ def exclusion(
     if len(dims) != 1:
         raise fail(kind, "the patches' values differ in length")
     (dim,) = dims
+    if meta_labels is None or len(meta_labels) != dim:
+        meta_labels = [f"value {a}" for a in range(dim)]
     if axes is None:
         axes = [0] if dim == 1 else [0, 1]
     axes = [int(a) for a in (axes if isinstance(axes, Sequence) else [axes])]
-    if not 1 <= len(axes) <= 2 or any(not 0 <= a < dim for a in axes):
-        raise fail(kind, f"axes must be one or two indices into the {dim} values of a patch")
+    if (
+        not 1 <= len(axes) <= 2
+        or len(set(axes)) != len(axes)
+        or any(not 0 <= a < dim for a in axes)
+    ):
+        named = ", ".join(f"{a} {lab}" for a, lab in enumerate(meta_labels))
+        raise fail(
+            kind, f"axes must be one or two different indices into a patch's values ({named})"
+        )
+    coords_all = np.asarray(points, float)
+    chosen = _slice(kind, coords_all, axes, meta_labels, slice)
+    keep = chosen.mask
     data = _Points(
-        names, np.asarray(points)[:, axes], np.clip(obs, _LOG_FLOOR, None), np.asarray(exp)
+        [n for n, k in zip(names, keep, strict=True) if k],
+        coords_all[keep][:, axes],
+        np.clip(np.asarray(obs)[keep], _LOG_FLOOR, None),
+        np.clip(np.asarray(exp)[keep], _LOG_FLOOR, None),
     )
-    data.exp = np.clip(data.exp, _LOG_FLOOR, None)
     if labels is None:
-        labels = [meta_labels[a] for a in axes] if meta_labels else [f"value {a}" for a in axes]
+        labels = [axis_label(meta_labels[a]) for a in axes]
     labels = strings(kind, "labels", labels)
     if len(labels) < len(axes):
         raise fail(kind, f"labels must name the {len(axes)} axes")
@@ -455,18 +584,20 @@ def exclusion(
             f"{nonfinite} patch{'es' if nonfinite > 1 else ''} with non-finite CLs (skipped)"
         )
     if len(axes) == 1:
-        return _exclusion_1d(data, level, labels[0], notes)
-    return _exclusion_2d(data, level, labels, notes, show_points)
+        return _exclusion_1d(data, level, labels[0], notes, chosen.caption)
+    return _exclusion_2d(data, level, labels, notes, show_points, chosen.caption)
 
 
-def _exclusion_1d(data: _Points, level: float, xlabel: str, notes: list[str]) -> Figure:
+def _exclusion_1d(
+    data: _Points, level: float, xlabel: str, notes: list[str], caption: str | None
+) -> Figure:
     order = np.argsort(data.coords[:, 0], kind="stable")
     x = data.coords[order, 0]
     obs, exp = data.obs[order], data.exp[order].T
     shared = len(x) - len(np.unique(x))
     line = "-" if shared == 0 else "none"  # points sharing a value: no curve through them
     if shared:
-        notes.append(f"{shared} patches share a value with another: pick one slice")
+        notes.append(f"{shared} patches share a value with another: no curve through them")
     fig = _style.new_figure(7.5, 5.5)
     ax = fig.add_subplot()
     ax.set_yscale("log")
@@ -523,9 +654,20 @@ def _exclusion_1d(data: _Points, level: float, xlabel: str, notes: list[str]) ->
     _style.style_axes(ax)
     _style.set_xlabel(ax, xlabel)
     _style.set_ylabel(ax, CLS_LABEL)
-    _style.legend(ax, loc="best")
     _style.note(fig, notes)
+    _legend_in_order(ax, **_caption(caption))
     return fig
+
+
+def _caption(caption: str | None) -> dict[str, Any]:
+    """The legend's title naming the slice drawn (none for a plane of all the values)."""
+    if caption is None:
+        return {}
+    return {
+        "title": caption,
+        "title_fontproperties": _style.font(_style.LEGEND_SIZE),
+        "alignment": "left",
+    }
 
 
 def _triangulation(x: np.ndarray, y: np.ndarray) -> Triangulation | None:
@@ -546,7 +688,12 @@ def _triangulation(x: np.ndarray, y: np.ndarray) -> Triangulation | None:
 
 
 def _exclusion_2d(
-    data: _Points, level: float, labels: list[str], notes: list[str], show_points: bool
+    data: _Points,
+    level: float,
+    labels: list[str],
+    notes: list[str],
+    show_points: bool,
+    caption: str | None,
 ) -> Figure:
     x, y = data.coords[:, 0].astype(float), data.coords[:, 1].astype(float)
     fig = _style.new_figure(8.0, 6.5)
@@ -615,10 +762,17 @@ def _exclusion_2d(
         handles.append(points)
     pad_x, pad_y = 0.04 * (np.ptp(x) or 1.0), 0.04 * (np.ptp(y) or 1.0)
     ax.set_xlim(x.min() - pad_x, x.max() + pad_x)
-    ax.set_ylim(y.min() - pad_y, y.max() + pad_y + 0.25 * (np.ptp(y) or 1.0))
+    ax.set_ylim(y.min() - pad_y, y.max() + pad_y)
+    _style.note(fig, notes)
     _style.style_axes(ax)
     _style.set_xlabel(ax, labels[0])
     _style.set_ylabel(ax, labels[1])
-    _style.legend(ax, handles=handles, loc="upper left")
-    _style.note(fig, notes)
+    _style.place_legend(
+        ax,
+        handles=handles,
+        candidates=("upper left", "lower right", "upper right", "lower left"),
+        outside="top",
+        data_top=float(y.max() + pad_y),
+        **_caption(caption),
+    )
     return fig

@@ -55,8 +55,9 @@ def scan(
     top = max(5.0, float(np.max(y[finite])) * 1.25) if finite.any() else 5.0
     if ymax is not None:
         top = number(kind, "ymax", ymax)
+    shading: list[Any] = []
     if math.isfinite(bestfit) and math.isfinite(unc):
-        ax.axvspan(
+        band = ax.axvspan(
             bestfit - unc,
             bestfit + unc,
             color="0.8",
@@ -65,16 +66,20 @@ def scan(
             zorder=0,
             label=f"Best fit: {bestfit:.3g} ± {unc:.2g}",
         )
+        shading.append(band)
     ax.plot(x, y, color=_style.COLORS[0], lw=2, marker="o", ms=4, zorder=3, label="Profile scan")
+    ends = y[finite][[0, -1]] if finite.any() else np.array([np.inf, np.inf])
     for level, text in ONE_D_LEVELS:
         if level < top:
             ax.axhline(level, color="0.3", ls="--", lw=1, zorder=1)
+            # at the end where the curve is farther from the line (its label clear of it)
+            right = abs(ends[1] - level) >= 0.5 * abs(ends[0] - level)
             ax.text(
-                0.99,
+                0.99 if right else 0.01,
                 level,
                 text,
                 transform=ax.get_yaxis_transform(),
-                ha="right",
+                ha="right" if right else "left",
                 va="bottom",
                 **_style.text_kw(_style.LEGEND_SIZE, color="0.3"),
             )
@@ -85,7 +90,9 @@ def scan(
     _style.style_axes(ax)
     _style.set_xlabel(ax, xlabel or name)
     _style.set_ylabel(ax, ylabel or Y_LABEL)
-    _style.legend(ax, loc="upper center")
+    _style.place_legend(  # the best fit's band is a background: the legend may go over it
+        ax, candidates=("upper center", *_style.INSIDE), ignore=shading
+    )
     return fig
 
 

@@ -12,6 +12,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
+from matplotlib.ticker import AutoMinorLocator, MaxNLocator
 from scipy.special import gammaincinv
 
 from . import _style
@@ -33,6 +34,7 @@ class Channel:
     total: np.ndarray
     total_stdev: np.ndarray | None
     data: np.ndarray | None
+    axis: str = "bin"  # the x axis' label
 
 
 def poisson_interval(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -137,6 +139,8 @@ def yields(
     ``stage``: ``postfit`` (default when present) or ``prefit``; ``channels``: which, in that
     order (default all, at most ``max_channels``, default 12); ``log_y``: default when a
     channel's yields span more than two orders of magnitude; ``columns``: of the grid.
+    Channels of one bin each are drawn side by side in one panel (a summary of the regions)
+    unless ``columns`` asks for a grid.
     """
     kind = "yields"
     stage, all_channels = _channels(kind, result, stage)
@@ -153,6 +157,8 @@ def yields(
         notes.append(f"{cap} of {len(names)} channels shown (options channels, max_channels)")
         names = names[:cap]
     parsed = [_channel(kind, name, all_channels[name]) for name in names]
+    if len(parsed) > 1 and columns is None and all(_one_bin(c) for c in parsed):
+        parsed = [_side_by_side(parsed)]
     sample_names: list[str] = []
     for channel in parsed:
         sample_names += [s for s, _ in channel.samples if s not in sample_names]
@@ -163,7 +169,8 @@ def yields(
         1 if n == 1 else min(4, math.ceil(math.sqrt(n)))
     )
     nrows = math.ceil(n / ncols)
-    fig = _grid(parsed, nrows, ncols, colors, log_y)
+    stage_text = {"postfit": "Post-fit", "prefit": "Pre-fit"}.get(stage or "")
+    fig = _grid(parsed, nrows, ncols, colors, log_y, stage_text if n == 1 else None)
     if n > 1:
         handles = [
             Patch(facecolor=colors[s], edgecolor="black", lw=0.5, label=s) for s in sample_names
@@ -180,17 +187,47 @@ def yields(
             frameon=False,
             prop=_style.font(_style.LEGEND_SIZE),
         )
-    if stage:
+    if stage_text and n > 1:  # one panel has it under its name
         fig.text(
             0.995,
             0.995,
-            "Post-fit" if stage == "postfit" else "Pre-fit",
+            stage_text,
             ha="right",
             va="top",
             **_style.text_kw(_style.LABEL_SIZE - 2, fontstyle="italic"),
         )
     _style.note(fig, notes)
     return fig
+
+
+def _one_bin(channel: Channel) -> bool:
+    return len(channel.total) == 1 and channel.bin_labels is None
+
+
+def _side_by_side(channels: list[Channel]) -> Channel:
+    """Channels of one bin each as the bins of one panel, named by their channels (a summary
+    of the regions, as published), a sample missing from a channel counted 0 there."""
+    names: list[str] = []
+    for channel in channels:
+        names += [s for s, _ in channel.samples if s not in names]
+    samples = []
+    for name in names:
+        values = [dict(c.samples).get(name) for c in channels]
+        samples.append((name, np.array([0.0 if v is None else float(v[0]) for v in values])))
+    stdevs = [c.total_stdev for c in channels]
+    data = [c.data for c in channels]
+    return Channel(
+        "",
+        np.arange(len(channels) + 1, dtype=float),
+        [c.name for c in channels],
+        samples,
+        np.concatenate([c.total for c in channels]),
+        None if any(v is None for v in stdevs) else np.concatenate(stdevs),
+        None
+        if all(d is None for d in data)
+        else np.array([np.nan if d is None else d[0] for d in data]),
+        axis="channel",
+    )
 
 
 _CELL = {True: (6.5, 6.0), False: (4.2, 4.3)}  # one channel / a grid: inches per channel
@@ -202,7 +239,12 @@ def _legend_columns(entries: int, ncols: int) -> int:
 
 
 def _grid(
-    parsed: list[Channel], nrows: int, ncols: int, colors: dict[str, str], log_y: bool | None
+    parsed: list[Channel],
+    nrows: int,
+    ncols: int,
+    colors: dict[str, str],
+    log_y: bool | None,
+    stage_text: str | None = None,
 ) -> Figure:
     """Channels on a grid of fixed-size cells, each a main panel over a ratio panel that
     touch (placed by hand: a layout engine would pad between them)."""
@@ -216,11 +258,17 @@ def _grid(
         )
     )
     head = 0.15 + 0.3 * legend_rows
+    left, right, top, bottom = _MARGINS
+    scale = 1.0 if single else 0.8
+    labels = [label for c in parsed for label in c.bin_labels or ()]
+    if labels:  # room for the bin labels, turned 45 degrees when many
+        longest = max(len(label) for label in labels) * _style.TICK_SIZE * scale / 72 * 0.6
+        turned = any(len(c.bin_labels or ()) > 3 for c in parsed)
+        bottom += max(0.0, (longest * 0.75 if turned else 0.0) - 0.1)
+    cell_h += bottom - _MARGINS[3]
     width, height = cell_w * ncols, cell_h * nrows + head + 0.2
     fig = _style.new_figure(width, height, layout=None)
-    left, right, top, bottom = _MARGINS
-    if all(c.bin_labels is None and len(c.total) == 1 for c in parsed):
-        bottom = 0.3  # no x tick labels nor x label
+    panels = []
     for k, channel in enumerate(parsed):
         row, col = divmod(k, ncols)
         x0 = col * cell_w + left
@@ -233,8 +281,63 @@ def _grid(
             (x0 / width, (y_bottom + 0.25 * span) / height, w / width, 0.75 * span / height),
             sharex=ratio,
         )
-        _draw_channel(ax, ratio, channel, colors, log_y, 1.0 if single else 0.8, single)
+        drawn = _draw_channel(ax, ratio, channel, colors, log_y, scale, single)
+        if stage_text:
+            _, boxes = drawn
+            below = boxes[0] if channel.name else None
+            boxes.append(
+                ax.annotate(
+                    stage_text,
+                    xy=(0.0, -0.3) if below else (0.04, 0.95),
+                    xycoords=below or ax.transAxes,
+                    ha="left",
+                    va="top",
+                    **_style.text_kw(_style.LABEL_SIZE * scale - 2, fontstyle="italic"),
+                )
+            )
+        panels.append((ax, drawn))
+    renderer = fig.canvas.get_renderer()
+    for ax, (data_top, boxes) in panels:  # the name and legend above the bars and points
+        _style.room_above(ax, boxes, renderer, data_top)
     return fig
+
+
+def ratio_range(
+    value: np.ndarray, low: np.ndarray, high: np.ndarray, band: np.ndarray | None
+) -> tuple[float, float]:
+    """The ratio panel's y range: the data / model points with their error bars and the
+    model's uncertainty band, 1 always inside, a margin of 8% each side; error bars count up
+    to 2 (a longer one is cut at the edge), the points themselves up to 3.
+
+    >>> ratio_range(np.array([1.02, 0.97]), np.array([0.05, 0.05]), np.array([0.05, 0.06]), None)
+    (0.884, 1.116)
+    """
+    parts_low = [np.asarray(value - low, float), np.array([0.9])]
+    parts_high = [np.asarray(value + high, float), np.array([1.1])]
+    if band is not None:
+        parts_low.append(1 - np.asarray(band, float))
+        parts_high.append(1 + np.asarray(band, float))
+    lows, highs = np.concatenate(parts_low), np.concatenate(parts_high)
+    points = np.asarray(value, float)
+    points = points[np.isfinite(points)]
+    lo = max(float(np.min(lows[np.isfinite(lows)])), 0.0)
+    hi = min(float(np.max(highs[np.isfinite(highs)])), 2.0)
+    if len(points):
+        lo, hi = min(lo, float(points.min())), max(hi, min(float(points.max()), 3.0))
+    margin = 0.08 * (hi - lo)
+    return round(max(lo - margin, 0.0), 4), round(hi + margin, 4)
+
+
+def ratio_ticks(lo: float, hi: float) -> list[float]:
+    """The ratio panel's y ticks: round steps, none in the top 12% of the panel (where the
+    main panel's lowest label is) nor at its bottom edge (the x labels' corner).
+
+    >>> ratio_ticks(0.0, 2.16), ratio_ticks(0.88, 1.12)
+    ([0.5, 1.0, 1.5], [0.9, 0.95, 1.0, 1.05])
+    """
+    span = hi - lo
+    ticks = MaxNLocator(nbins=5, steps=[1, 2, 2.5, 5, 10]).tick_values(lo, hi)
+    return [round(float(t), 6) for t in ticks if lo + 0.04 * span <= t <= hi - 0.12 * span]
 
 
 def _draw_channel(
@@ -245,7 +348,9 @@ def _draw_channel(
     log_y: bool | None,
     scale: float,
     legend: bool,
-) -> None:
+) -> tuple[float, list[Any]]:
+    """One channel's panels; returns the top of its data and the boxes to keep them under
+    (its name, its legend)."""
     edges = channel.edges
     centers = 0.5 * (edges[1:] + edges[:-1])
     widths = np.diff(edges)
@@ -294,16 +399,19 @@ def _draw_channel(
         tops.append(channel.data + poisson_interval(channel.data)[1])
         positive.append(channel.data[channel.data > 0])
     tops = np.concatenate(tops)
+    tops = tops[np.isfinite(tops)]
     positive = np.concatenate(positive)
+    data_top = max(float(tops.max()) if len(tops) else 1.0, 1e-9)
     if log_y is None:
         log_y = len(positive) > 0 and positive.max() / positive.min() > 100
     if log_y and len(positive):
         ax.set_yscale("log")
-        ax.set_ylim(positive.min() / 5, tops.max() * 30)
+        ax.set_ylim(positive.min() / 5, data_top * 30)
     else:
-        ax.set_ylim(0, max(tops.max(), 1e-9) * 1.35)
+        ax.set_ylim(0, data_top * 1.35)
     # data / model
     with np.errstate(divide="ignore", invalid="ignore"):
+        rel = None
         if channel.total_stdev is not None:
             rel = np.where(total > 0, channel.total_stdev / total, np.nan)
             ratio.bar(
@@ -317,29 +425,21 @@ def _draw_channel(
                 lw=0,
             )
         ratio.axhline(1.0, color="black", lw=1, ls="--")
-        spread = 0.25
+        value = err_low = err_high = np.array([np.nan])
         if channel.data is not None:
             low, high = poisson_interval(channel.data)
-            value = np.where(total > 0, channel.data / total, np.nan)
+            model = np.where(total > 0, total, np.nan)
+            value, err_low, err_high = channel.data / model, low / model, high / model
             ratio.errorbar(
                 centers,
                 value,
-                yerr=[
-                    low / np.where(total > 0, total, np.nan),
-                    high / np.where(total > 0, total, np.nan),
-                ],
+                yerr=[err_low, err_high],
                 fmt="o",
                 color="black",
                 ms=5 * scale,
                 lw=1.2,
             )
-            finite = value[np.isfinite(value)]
-            if len(finite):
-                spread = max(spread, float(np.max(np.abs(finite - 1))) * 1.3)
-    spread = next((v for v in (0.2, 0.5, 1.0) if spread <= v), 1.0)
-    ratio.set_ylim(1 - spread, 1 + spread)
-    ratio.set_yticks([1 - spread / 2, 1.0, 1 + spread / 2])  # none at the edges, where the
-    # main panel's lowest label would overlap
+    ratio.set_ylim(*ratio_range(value, err_low, err_high, rel))
     ratio.set_xlim(edges[0], edges[-1])
     size = _style.LABEL_SIZE * scale
     tick = _style.TICK_SIZE * scale
@@ -347,29 +447,54 @@ def _draw_channel(
     _style.style_axes(
         ratio, tick_size=tick, minor_x=channel.bin_labels is None and len(centers) > 1
     )
+    ratio.set_yticks(ratio_ticks(*ratio.get_ylim()))
+    ratio.yaxis.set_minor_locator(AutoMinorLocator())
     ax.tick_params(labelbottom=False)
     _style.set_ylabel(ax, "Events", size)
     _style.set_ylabel(ratio, "Data / Model", size * 0.8)
     if channel.bin_labels is not None:
-        ratio.set_xticks(centers, channel.bin_labels, rotation=45 if len(centers) > 3 else 0)
-        ratio.tick_params(axis="x", which="minor", bottom=False, top=False)
-    elif len(centers) == 1:
-        ratio.set_xticks([])
+        turned = len(centers) > 3
+        ratio.set_xticks(
+            centers,
+            channel.bin_labels,
+            rotation=45 if turned else 0,
+            ha="right" if turned else "center",
+            rotation_mode="anchor" if turned else "default",
+        )
         ratio.tick_params(axis="x", which="minor", bottom=False, top=False)
         ax.tick_params(axis="x", which="minor", bottom=False, top=False)
+    elif len(centers) == 1:
+        ratio.set_xticks(centers, ["1"])
+        ratio.tick_params(axis="x", which="minor", bottom=False, top=False)
+        ax.tick_params(axis="x", which="minor", bottom=False, top=False)
+    elif len(centers) <= 12:
+        ratio.set_xticks(edges)
     else:
-        if len(centers) <= 12:
-            ratio.set_xticks(edges)
-        _style.set_xlabel(ratio, "bin", size)
-    ax.text(
-        0.04,
-        0.95,
-        channel.name,
-        transform=ax.transAxes,
-        ha="left",
-        va="top",
-        **_style.text_kw(size, fontweight="bold"),
-    )
+        ratio.xaxis.set_major_locator(MaxNLocator(nbins=6, integer=True))
+    _style.set_xlabel(ratio, channel.axis, size)
+    boxes: list[Any] = []
+    if channel.name:
+        boxes.append(
+            ax.text(
+                0.04,
+                0.95,
+                channel.name,
+                transform=ax.transAxes,
+                ha="left",
+                va="top",
+                **_style.text_kw(size, fontweight="bold"),
+            )
+        )
     if legend:
         handles, labels = ax.get_legend_handles_labels()
-        _style.legend(ax, handles[::-1], labels[::-1], loc="upper right")
+        boxes.append(
+            _style.legend(
+                ax, handles[::-1], labels[::-1], loc="upper right", ncols=_columns(len(labels))
+            )
+        )
+    return data_top, boxes
+
+
+def _columns(entries: int) -> int:
+    """A one-panel legend's columns: two beyond six entries (it stays short)."""
+    return 1 if entries <= 6 else 2

@@ -50,24 +50,41 @@ _NEEDS = {
     "exclusion": "a patchset",
 }
 
-# options given as query strings (``?top=20&label=ATLAS%20Internal``), by type; lists are
-# repeated parameters or one comma-separated value
-_INTS = ("top", "max_channels", "columns")
-_FLOATS = ("threshold", "level", "dpi", "test_poi", "ymax")
-_BOOLS = ("log_y", "show_points", "annotate")
-_STRINGS = ("label", "rlabel", "title", "xlabel", "ylabel", "poi_label", "stage", "patch")
-_STRING_LISTS = ("channels", "parameters", "labels")
-_INT_LISTS = ("axes",)
-_FLOAT_LISTS = ("figsize",)
-QUERY_OPTIONS: tuple[str, ...] = (
-    *_INTS,
-    *_FLOATS,
-    *_BOOLS,
-    *_STRINGS,
-    *_STRING_LISTS,
-    *_INT_LISTS,
-    *_FLOAT_LISTS,
-)
+#: The plot options a query string carries (``?top=20&label=ATLAS%20Internal``), by type:
+#: the one declaration of them. Lists are repeated parameters or one comma-separated value.
+#: The client mirrors this table as ``pyhf_gpu_client.protocol._PLOT_OPTION_TYPES`` (it cannot
+#: import the server) and ``tests/test_client_plots.py`` checks the two are equal, and that
+#: every renderer option is here or in :data:`JSON_OPTIONS`.
+OPTION_TYPES: dict[str, tuple[str, ...]] = {
+    "int": ("top", "max_channels", "columns"),
+    "float": ("threshold", "level", "dpi", "test_poi", "ymax"),
+    "bool": ("log_y", "show_points", "annotate"),
+    "str": (
+        "label",
+        "rlabel",
+        "title",
+        "xlabel",
+        "ylabel",
+        "poi_label",
+        "stage",
+        "patch",
+        "poi",
+        "measurement",
+    ),
+    "strs": ("channels", "parameters", "labels"),
+    "ints": ("axes",),
+    "floats": ("figsize", "slice"),
+}
+#: renderer options only a JSON plot spec carries (objects), or that the service fills in
+JSON_OPTIONS: tuple[str, ...] = ("values", "patchset", "workspace", "upper_limit", "prefit")
+_INTS = OPTION_TYPES["int"]
+_FLOATS = OPTION_TYPES["float"]
+_BOOLS = OPTION_TYPES["bool"]
+_STRINGS = OPTION_TYPES["str"]
+_STRING_LISTS = OPTION_TYPES["strs"]
+_INT_LISTS = OPTION_TYPES["ints"]
+_FLOAT_LISTS = OPTION_TYPES["floats"]
+QUERY_OPTIONS: tuple[str, ...] = tuple(name for names in OPTION_TYPES.values() for name in names)
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
