@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from conftest import WORKSPACES_DIR, load_json
 from service_support import running_server
 
@@ -106,16 +107,30 @@ def test_a_worker_that_let_its_model_go_is_sent_it_again(batch, workers) -> None
     assert workers.shared_batches == 3 and workers.count == 1
 
 
-def test_a_lone_element_s_rows_are_shared_but_not_toys_nor_a_lone_row(workers) -> None:
+def test_a_lone_element_s_rows_are_shared_but_not_a_lone_row(workers) -> None:
     lone, rows = stau_batch(1)  # one element, at mu = 1 and 2
     assert len(rows) == 2
     answered = EngineShares(workers)(lone, rows)
     assert_same(answered, run_rows(lone, rows))
     assert [r.worker is None for r in answered] == [True, False]
     assert all(r.worker is None for r in EngineShares(workers)(lone, rows[:1]))
-    toys = ClsOptions(test_poi=1.0, calctype="toybased", ntoys=20)
-    context, rows = stau_batch(2, toys)
-    assert all(r.worker is None for r in EngineShares(workers)(context, rows[:2]))
+    assert workers.shared_batches == 1
+
+
+def test_toy_slices_are_shared_and_answer_as_in_process(workers) -> None:
+    """A toy row's draws follow its hypothesis and slice, not the batch: its slices fitted
+    by a worker give the statistics the device thread gives them."""
+    toys = ClsOptions(test_poi=1.0, calctype="toybased", ntoys=60)
+    context, _ = stau_batch(1, toys)
+    element = context.call.digests[0]
+    rows = [Row(element, 1.0, (0, 50)), Row(element, 1.0, (50, 60))]
+    answered = EngineShares(workers)(context, rows)
+    alone = run_rows(context, rows)
+    assert [r.worker is None for r in answered] == [True, False]
+    for s, a in zip(answered, alone, strict=True):  # the same toys; fits equal to ~1e-12
+        for hypothesis in ("signal", "background"):
+            ours, theirs = (getattr(r.result.part.toys, hypothesis)[0] for r in (s, a))
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-7)
     assert workers.shared_batches == 1
 
 

@@ -12,9 +12,9 @@ from test_inference_support import DEVICE, one_thread  # noqa: F401 (fixture)
 
 from pyhf_gpu_server.engine import HistFactoryModel
 from pyhf_gpu_server.inference import hypotest
-from pyhf_gpu_server.inference.hypotest import CalculatorSpec, make_calculator
+from pyhf_gpu_server.inference.hypotest import CalculatorSpec, join_toy_parts, make_calculator
 from pyhf_gpu_server.inference.mle import FitRequest, fit_requests
-from pyhf_gpu_server.inference.toys import sample_toys
+from pyhf_gpu_server.inference.toys import ToySlice, sample_toys
 
 OBSERVED = [12.0, 10.0]
 
@@ -174,3 +174,26 @@ def test_toy_statistics_skip_only_conditional_fits_the_clip_makes_irrelevant(mod
     assert status.converged.all()
     assert 0 < int((found == 0).sum()) < toys.shape[0]  # both regimes are present
     assert torch.allclose(found, expected, rtol=0, atol=1e-6)
+
+
+def test_a_row_s_toys_do_not_depend_on_its_slices_nor_its_company(models):
+    """A row's toys follow (seed, key, block): its slices, run in one call with another
+    hypothesis' slices or each alone, join into exactly the whole row's answer."""
+    _, _, model = models
+    whole = hypotest(model, 1.0, calctype="toybased", ntoys=120, seed=3)  # key 0: its row
+    mine, other = ToySlice.cut(0, 120), ToySlice.cut(9, 70)
+    mixed = [mine[0], other[0], mine[1], other[1], mine[2]]
+    mu = torch.tensor([1.0, 2.0, 1.0, 2.0, 1.0], dtype=model.dtype, device=model.device)
+    element = torch.zeros(5, dtype=torch.long, device=model.device)
+    together = hypotest(model, mu, element, calctype="toybased", ntoys=120, seed=3, toys=mixed)
+    joined = join_toy_parts([together.row(i) for i in (0, 2, 4)])
+    alone = join_toy_parts(
+        [hypotest(model, 1.0, calctype="toybased", ntoys=120, seed=3, toys=[s]) for s in mine]
+    )
+    for result in (joined, alone):
+        assert torch.equal(result.cls_obs.cpu(), whole.cls_obs.cpu())
+        assert torch.equal(result.cls_exp.cpu(), whole.cls_exp.cpu())
+        assert torch.equal(result.toys.signal[0].cpu(), whole.toys.signal[0].cpu())
+        assert result.converged.all()
+    with pytest.raises(ValueError, match="multiple of 50"):
+        ToySlice(0, 10, 60)

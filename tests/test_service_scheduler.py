@@ -280,8 +280,8 @@ class PerRowCost(Recorder):
 
 
 def test_job_chunks_are_sized_by_measured_time_and_interactive_work_waits_one_chunk() -> None:
-    """Jobs run chunks of about ``job_chunk_s``: the first from the prior (row cost 100 at
-    2 ms: one row), the next from the measured 20 ms per row (10 rows of 0.2 s); an interactive
+    """Jobs run chunks of about ``job_chunk_s``: the first one row (nothing measured yet), the
+    next from the measured 20 ms per row (10 rows of 0.2 s); an interactive
     request arriving meanwhile waits for one chunk only, not for the job's 40 rows (0.8 s)."""
 
     async def scenario() -> None:
@@ -295,7 +295,7 @@ def test_job_chunks_are_sized_by_measured_time_and_interactive_work_waits_one_ch
         waited = time.monotonic() - start
         assert [o.value for o in await job.future] == [i * i for i in range(40)]
         sizes = [len(rows) for ctx, rows in runner.calls if ctx == "J"]
-        assert sizes[0] == 1  # nothing measured yet: 0.2 s / (100 x 2 ms)
+        assert sizes[0] == 1  # nothing measured yet
         assert max(sizes) <= 12 and len(sizes) >= 4, sizes  # ~10 rows of 20 ms each
         assert sum(sizes) == 40
         assert waited < 0.2 + 0.15, waited  # one chunk at most (plus scheduling)

@@ -24,7 +24,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-import torch
 from torch import Tensor
 
 from .asymptotics import AsymptoticCalculator
@@ -33,12 +32,26 @@ from .mle import FitOptions, FitSpec, rows_data
 from .results import HypotestResults
 from .rows import rows_of, unique_datasets
 from .test_statistics import TestStatistic, get_test_stat
-from .toys import ToyCalculator
+from .toys import (
+    ToyCalculator,
+    ToySlice,
+    ToyStats,
+    expected_toy_pvalues,
+    join_toy_stats,
+    toy_pvalues,
+)
 
 if TYPE_CHECKING:
     from ..engine.model import HistFactoryModel
 
-__all__ = ["CalculatorSpec", "hypotest", "make_calculator", "prepare_rows", "run_calculator"]
+__all__ = [
+    "CalculatorSpec",
+    "hypotest",
+    "join_toy_parts",
+    "make_calculator",
+    "prepare_rows",
+    "run_calculator",
+]
 
 CalcType = Literal["asymptotics", "toybased"]
 
@@ -76,7 +89,6 @@ class CalculatorSpec:
     calc_base_dist: str = "normal"
     ntoys: int = 2000
     seed: int | None = None
-    generator: torch.Generator | None = None
 
     @classmethod
     def of(
@@ -87,7 +99,6 @@ class CalculatorSpec:
         calc_base_dist: str = "normal",
         ntoys: int = 2000,
         seed: int | None = None,
-        generator: torch.Generator | None = None,
         init: Tensor | None = None,
         bounds: Tensor | None = None,
         fixed: Tensor | None = None,
@@ -101,7 +112,7 @@ class CalculatorSpec:
                 f"unknown calctype {calctype!r}; expected 'asymptotics' or 'toybased'"
             )
         fit = FitSpec(init, bounds, fixed, options or FitOptions(), stat.poi_floor)
-        return cls(stat, fit, calctype, calc_base_dist, ntoys, seed, generator)
+        return cls(stat, fit, calctype, calc_base_dist, ntoys, seed)
 
 
 def _check_model(model: HistFactoryModel) -> None:
@@ -128,11 +139,8 @@ def make_calculator(
         return AsymptoticCalculator(
             model, datasets, elements, spec.stat, spec.fit, spec.calc_base_dist
         )
-    generator = spec.generator
-    if generator is None:
-        generator = torch.Generator(device=model.device)
-        generator.manual_seed(0 if spec.seed is None else spec.seed)
-    return ToyCalculator(model, datasets, elements, spec.stat, spec.fit, spec.ntoys, generator)
+    seed = 0 if spec.seed is None else spec.seed
+    return ToyCalculator(model, datasets, elements, spec.stat, spec.fit, spec.ntoys, seed)
 
 
 def hypotest(
@@ -146,7 +154,7 @@ def hypotest(
     calc_base_dist: str = "normal",
     ntoys: int = 2000,
     seed: int | None = None,
-    generator: torch.Generator | None = None,
+    toys: list[ToySlice] | None = None,
     init: Tensor | None = None,
     bounds: Tensor | None = None,
     fixed: Tensor | None = None,
@@ -162,8 +170,10 @@ def hypotest(
         test_stat: ``"qtilde"`` (default), ``"q"`` or ``"q0"``.
         calctype: ``"asymptotics"`` or ``"toybased"``.
         calc_base_dist: asymptotics only, ``"normal"`` or ``"clipped_normal"``.
-        ntoys, seed, generator: toys only; ``generator`` (a ``torch.Generator`` on the model's
-            device) wins over ``seed``.
+        ntoys, seed: toys only: toys per hypothesis, and the seed of every row's toys.
+        toys: toys only, the :class:`~.toys.ToySlice` each row draws (default: all ``ntoys``
+            toys of the stream keyed by the row's position): the rows' p-values from those
+            toys, the statistics kept in ``toys`` to be joined (:func:`join_toy_parts`).
         init, bounds, fixed: ``[P]``-shaped overrides of the model's suggested values.
         options: :class:`~pyhf_gpu_server.inference.mle.FitOptions`.
 
@@ -177,25 +187,44 @@ def hypotest(
         calc_base_dist=calc_base_dist,
         ntoys=ntoys,
         seed=seed,
-        generator=generator,
         init=init,
         bounds=bounds,
         fixed=fixed,
         options=options,
     )
     poi, datasets, elements, index = prepare_rows(model, test_poi, data, element)
-    return run_calculator(make_calculator(model, datasets, elements, spec), poi, index)
+    calc = make_calculator(model, datasets, elements, spec)
+    if toys is not None:
+        if not isinstance(calc, ToyCalculator):
+            raise InferenceError("toy slices are given, but calctype is not 'toybased'")
+        if len(toys) != poi.shape[0]:
+            raise InferenceError(f"{len(toys)} toy slices for {poi.shape[0]} rows")
+        return run_calculator(calc, poi, index, toys)
+    return run_calculator(calc, poi, index)
 
 
-def run_calculator(calc, poi: Tensor, index: Tensor) -> HypotestResults:
-    """Observed and expected p-values of rows ``(poi [B], dataset index [B])`` from ``calc``."""
-    stats = calc.teststatistic(poi, index)
-    clsb, clb, cls = calc.pvalues(stats)
-    clsb_exp, clb_exp, cls_exp = calc.expected_pvalues(stats)
+def run_calculator(
+    calc, poi: Tensor, index: Tensor, slices: list[ToySlice] | None = None
+) -> HypotestResults:
+    """Observed and expected p-values of rows ``(poi [B], dataset index [B])`` from ``calc``
+    (a toy calculator's rows drawing ``slices``)."""
+    if slices is None:
+        stats = calc.teststatistic(poi, index)
+    else:
+        stats = calc.teststatistic(poi, index, slices)
+    observed, expected = calc.pvalues(stats), calc.expected_pvalues(stats)
+    return _results(poi, calc.element[index], calc.stat.name, stats, observed, expected)
+
+
+def _results(
+    poi: Tensor, element: Tensor, test_stat: str, stats, observed, expected
+) -> HypotestResults:
+    clsb, clb, cls = observed
+    clsb_exp, clb_exp, cls_exp = expected
     return HypotestResults(
         poi=poi,
-        element=calc.element[index],
-        test_stat=calc.stat.name,
+        element=element,
+        test_stat=test_stat,
         cls_obs=cls,
         cls_exp=cls_exp,
         clsb_obs=clsb,
@@ -204,4 +233,32 @@ def run_calculator(calc, poi: Tensor, index: Tensor) -> HypotestResults:
         clb_exp=clb_exp,
         teststat=stats.teststat,
         fits=stats.fits,
+        toys=stats if isinstance(stats, ToyStats) else None,
     )
+
+
+def join_toy_parts(parts: list[HypotestResults]) -> HypotestResults:
+    """One row's toy-based result from its slices' (one-row results of
+    :func:`hypotest` with ``toys``, in the order of their toys): the p-values of all its
+    toys, as one call drawing them all would give.
+
+    Example:
+        >>> import pyhf
+        >>> from pyhf_gpu_server.engine import HistFactoryModel
+        >>> spec = pyhf.simplemodels.uncorrelated_background([5.0], [10.0], [2.0]).spec
+        >>> ws = {**spec, "observations": [{"name": "singlechannel", "data": [12.0]}],
+        ...       "measurements": [{"name": "m", "config": {"poi": "mu", "parameters": []}}],
+        ...       "version": "1.0.0"}
+        >>> model = HistFactoryModel.from_workspace(ws)
+        >>> whole = hypotest(model, 1.0, calctype="toybased", ntoys=120, seed=3)
+        >>> slices = [hypotest(model, 1.0, calctype="toybased", ntoys=120, seed=3, toys=[s])
+        ...           for s in ToySlice.cut(0, 120)]
+        >>> join_toy_parts(slices).cls_exp.tolist() == whole.cls_exp.tolist()
+        True
+    """
+    first = parts[0]
+    if any(part.toys is None or len(part) != 1 for part in parts):
+        raise InferenceError("only one-row toy-based results are joined")
+    stats = join_toy_stats([part.toys for part in parts])
+    observed, expected = toy_pvalues(stats), expected_toy_pvalues(stats)
+    return _results(first.poi, first.element, first.test_stat, stats, observed, expected)

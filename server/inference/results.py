@@ -22,12 +22,16 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from .starts import FitStatus
 from .test_statistics import get_test_stat
+
+if TYPE_CHECKING:
+    from .toys import ToyStats
 
 __all__ = [
     "FitResults",
@@ -174,9 +178,32 @@ class HypotestResults:
     clb_exp: Tensor
     teststat: Tensor
     fits: dict[str, FitStatus] = field(default_factory=dict)
+    toys: ToyStats | None = None  # toy-based: the statistics, to join a row's slices
 
     def __len__(self) -> int:
         return self.cls_obs.shape[0]
+
+    def row(self, i: int) -> HypotestResults:
+        """Row ``i`` alone, on the host (picklable; what a slice of a toy row leaves until
+        its other slices are in)."""
+
+        def one(t: Tensor) -> Tensor:
+            return t[i : i + 1].cpu()
+
+        return HypotestResults(
+            one(self.poi),
+            one(self.element),
+            self.test_stat,
+            one(self.cls_obs),
+            one(self.cls_exp),
+            one(self.clsb_obs),
+            one(self.clb_obs),
+            one(self.clsb_exp),
+            one(self.clb_exp),
+            one(self.teststat),
+            {name: FitStatus(*(one(t) for t in s)) for name, s in self.fits.items()},
+            None if self.toys is None else self.toys.row(i),
+        )
 
     @property
     def status(self) -> FitStatus:

@@ -4,7 +4,7 @@
 fluctuation at least as signal-like as the data), ``Z = Phi^-1(1 - p0)``. The expected
 values are, asymptotically, from pyhf's Asimov dataset at ``mu = 1``; with
 ``calctype="toybased"``, the percentiles of p0 over toys drawn at ``mu = 1`` (pyhf's
-``ToyCalculator``: the rows of one call share one generator, seeded by ``seed``).
+``ToyCalculator``, each row's toys from ``seed``: :mod:`~pyhf_gpu_server.inference.toys`).
 
 Example:
     >>> import pyhf
@@ -27,12 +27,12 @@ from torch import Tensor
 
 from .hypotest import CalcType, hypotest
 from .mle import FitOptions
-from .results import SignificanceResults
+from .results import HypotestResults, SignificanceResults
 
 if TYPE_CHECKING:
     from ..engine.model import HistFactoryModel
 
-__all__ = ["significance", "z_from_p"]
+__all__ = ["significance", "significance_of", "z_from_p"]
 
 
 def z_from_p(p: Tensor) -> Tensor:
@@ -70,6 +70,12 @@ def significance(
         fixed=fixed,
         options=options,
     )
+    return significance_of(res)
+
+
+def significance_of(res: HypotestResults) -> SignificanceResults:
+    """The significances of ``q0`` tests (:func:`~.hypotest.hypotest` at 0 with
+    ``test_stat="q0"``)."""
     p0_obs, p0_set = res.clsb_obs, res.clsb_exp
     p0_exp = p0_set[:, 2]
     return SignificanceResults(

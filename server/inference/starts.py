@@ -129,6 +129,27 @@ class FitStatus(NamedTuple):
             agreed = agreed & status.agreed
         return cls(converged, starts, agreed)
 
+    def combine_segments(self, sizes: list[int]) -> FitStatus:
+        """One row from each run of consecutive rows of ``sizes`` (host ints), combined.
+
+        >>> import torch
+        >>> status = FitStatus(torch.tensor([True, False, True]), torch.tensor([1, 2, 1]),
+        ...                    torch.tensor([True, True, True]))
+        >>> [t.tolist() for t in status.combine_segments([2, 1])]
+        [[False, True], [2, 1], [True, True]]
+        """
+        segment = torch.repeat_interleave(
+            torch.arange(len(sizes), device=self.converged.device),
+            torch.tensor(sizes, device=self.converged.device),
+        )
+        rows = len(sizes)
+        failed = torch.zeros(rows, dtype=torch.long, device=segment.device)
+        failed = failed.index_add(0, segment, (~self.converged).long())
+        disagreed = torch.zeros_like(failed).index_add(0, segment, (~self.agreed).long())
+        starts = torch.zeros(rows, dtype=self.starts.dtype, device=segment.device)
+        starts = starts.scatter_reduce(0, segment, self.starts, "amax", include_self=False)
+        return FitStatus(failed == 0, starts, disagreed == 0)
+
     def grouped(self, groups: int) -> FitStatus:
         """``groups`` rows from consecutive equal blocks of these rows, each combined."""
         return FitStatus(

@@ -10,6 +10,7 @@ operation's :meth:`~.operations.Operation.run`.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -106,11 +107,15 @@ class EngineCall:
             max_rows=self.max_rows,
             stop=stop,
         )
+        toys = None
+        if operation_named(self.operation).toys(self.options):
+            toys = [row.toy_slice() for row in rows]
         return EngineRows(
             torch.tensor(elements, dtype=torch.long, device=model.device),
             poi,
             [model.element_columns(e) for e in elements],
             fit,
+            toys,
         )
 
     def run(
@@ -174,6 +179,34 @@ def run_rows(
 
 
 # ------------------------------------------------------------------------------------ answers
+def joined(
+    operation: Operation, rows: Sequence[Row], outcomes: Sequence[RowOutcome[ComputedRow]]
+) -> Iterator[tuple[Row, RowOutcome[ComputedRow]]]:
+    """Each hypothesis with its outcome: the toy slices of one (consecutive rows) joined by
+    ``operation`` (:meth:`~.operations.Operation.join`), computed in the engine calls that
+    ran them (``batch_rows``: the most rows of any; ``compute_s``: all of them)."""
+    for hypothesis, group in itertools.groupby(
+        zip(rows, outcomes, strict=True), key=lambda pair: pair[0].hypothesis
+    ):
+        pairs = list(group)
+        row, first = pairs[0]
+        if row.toys is None:
+            yield from pairs
+            continue
+        parts = [outcome for _, outcome in pairs]
+        calls = {outcome.call: outcome for outcome in parts}
+        result = operation.join([outcome.value.result for outcome in parts])
+        yield (
+            Row(*hypothesis),
+            RowOutcome(
+                replace(first.value, result=result),
+                max(outcome.batch_rows for outcome in parts),
+                sum(outcome.compute_s for outcome in calls.values()),
+                first.call,
+            ),
+        )
+
+
 def _ignored_observations(plan: Plan, elements: Sequence[Element]) -> dict[str, list[str]]:
     """Patch digest -> the notices of its element's observations that name a channel the
     element does not have (ignored, as pyhf ignores them), where it has any."""
@@ -298,7 +331,7 @@ class Dispatcher:
         by_element: dict[str, list[dict[str, Any]]] = {}
         ignored = _ignored_observations(plan, elements)
         for submission, found in zip(submissions, outcomes, strict=True):
-            for row, outcome in zip(submission.rows, found, strict=True):
+            for row, outcome in joined(plan.operation, submission.rows, found):
                 meta = self._meta(plan, row, outcome, submission, timings)
                 if row.element in ignored:
                     meta["ignored_observations"] = ignored[row.element]

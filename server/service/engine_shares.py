@@ -11,7 +11,8 @@ which travel once per model and worker), the device thread fits its share on the
 model, one intra-op thread each. A row's fits depend on its own element's data only, so its
 answer is the same (to ~1e-12, as any two stacks holding the element) wherever it is fitted.
 
-Not shared: batches with toys (their random draws follow the batch), batches of one row, and
+A toy row's draws follow its own hypothesis and slice (:mod:`~pyhf_gpu_server.inference.toys`),
+so the slices of toy rows are shared as other rows are. Not shared: batches of one row, and
 any batch while every worker is busy (translating, or fitting another batch). A worker
 that fails on its share, or dies, or does not answer within its bound costs time only: the
 device thread fits that share too (the worker is given up after a death or a stall). Once
@@ -38,7 +39,7 @@ from .admission import FitMemory
 from .dispatch import BatchContext, ComputedRow, run_rows
 from .local_workers import MISSING
 from .models_cache import CacheEntry, WarmModels, host_memory_releaser, memory_releaser, model_bytes
-from .operations import RowResult, operation_named
+from .operations import RowResult
 from .requests import Row
 
 if TYPE_CHECKING:
@@ -227,11 +228,8 @@ class _Share:
 def _units(context: BatchContext, rows: Sequence[Row]) -> list[list[int]]:
     """The indices of ``rows`` in the units shares are made of, in order: each element's
     rows (kept together: fewer models to build), or with one element each row; none when
-    the batch cannot be shared (toys, or not in process)."""
+    the batch cannot be shared (not in process)."""
     if context.cached is None:
-        return []
-    call = context.call
-    if operation_named(call.operation).toys(call.options):
         return []
     groups: dict[str, list[int]] = {}
     for i, row in enumerate(rows):

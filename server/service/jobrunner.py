@@ -129,7 +129,7 @@ class JobRunner:
                 self.store.create,
                 operation,
                 envelope,
-                plan.n_rows,
+                plan.n_work_rows,
                 self.max_queued,
                 owner=caller,
                 max_owned=sys.maxsize if max_owned is None else max_owned,

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
@@ -25,6 +24,7 @@ from pydantic import BaseModel
 
 from pyhf_gpu_server.engine import schema
 from pyhf_gpu_server.engine.errors import UnrepresentableValueError
+from pyhf_gpu_server.inference.toys import ToySlice
 
 from .elements import Background, Element, PatchSpec
 from .errors import BadRequest, Unprocessable, pydantic_detail, translate
@@ -191,10 +191,27 @@ def _list_only(field: pydantic.fields.FieldInfo, values: list[str]) -> bool:
 # ----------------------------------------------------------------------------------------- plans
 @dataclass(frozen=True)
 class Row:
-    """One hypothesis: an element (by its patch digest) and, for CLs, the tested POI."""
+    """One hypothesis, or a slice of its toys: an element (by its patch digest), for CLs
+    the tested POI, and for a toy-based test the toys ``first .. stop - 1`` it draws (its
+    slices' statistics are joined into the hypothesis' answer: a toy row never holds the
+    device for all its toys at once)."""
 
     element: str
     poi: float | None = None
+    toys: tuple[int, int] | None = None
+
+    @property
+    def hypothesis(self) -> tuple[str, float | None]:
+        """What its slices have in common (the hypothesis it answers)."""
+        return self.element, self.poi
+
+    def toy_slice(self) -> ToySlice:
+        """Its toys as the inference layer draws them: the stream keyed by its hypothesis
+        (the same toys whatever rows or requests it runs with, however it is sliced)."""
+        if self.toys is None:
+            raise ValueError("an asymptotic row draws no toys")
+        digest = hashlib.blake2b(repr(self.hypothesis).encode(), digest_size=8).digest()
+        return ToySlice(int.from_bytes(digest, "little"), *self.toys)
 
 
 @dataclass(frozen=True)
@@ -212,10 +229,14 @@ class Plan:
     poi_list: bool
 
     def rows(self, patches: Sequence[PatchSpec]) -> list[Row]:
-        """Elements x POIs, element-major."""
-        if self.pois is None:
-            return [Row(p.digest) for p in patches]
-        return [Row(p.digest, poi) for p in patches for poi in self.pois]
+        """Elements x POIs, element-major; for a toy-based test each hypothesis as
+        consecutive slices of :data:`~pyhf_gpu_server.inference.toys.TOY_BLOCK` toys."""
+        hypotheses = [(p.digest, poi) for p in patches for poi in self.pois or (None,)]
+        ntoys = self.operation.toys(self.options)
+        if not ntoys:
+            return [Row(digest, poi) for digest, poi in hypotheses]
+        slices = [(s.first, s.stop) for s in ToySlice.cut(0, ntoys)]
+        return [Row(digest, poi, toys) for digest, poi in hypotheses for toys in slices]
 
     @property
     def n_rows(self) -> int:
@@ -223,8 +244,16 @@ class Plan:
         return len(self.patches) * len(self.pois or (None,))
 
     @property
+    def n_work_rows(self) -> int:
+        """Rows the scheduler runs for the whole request (what progress counts): its
+        hypotheses, or for a toy-based test their slices of toys."""
+        ntoys = self.operation.toys(self.options)
+        return self.n_rows * (len(ToySlice.cut(0, ntoys)) if ntoys else 1)
+
+    @property
     def row_cost(self) -> float:
-        """About how many fits one row takes (sizes the chunks of jobs by time)."""
+        """About how many fits one row (or toy slice) takes (sizes the chunks of jobs by
+        time)."""
         return self.operation.row_cost(self.options)
 
     @property
@@ -244,14 +273,12 @@ class Plan:
         return replace(element, layout=None, error=Unprocessable(problem))
 
     @cached_property
-    def batch_group(self) -> tuple[Any, ...] | None:
+    def batch_group(self) -> tuple[Any, ...]:
         """What the rows of requests that may share an engine call have in common before
         their patches are read: the background, operation and options (the tested POI values
-        aside: they are the rows'). None for toy-based tests: their toys are drawn per call,
-        so they batch only within their request, and a request gives the same numbers alone
+        aside: they are the rows'). Toy-based rows too: a row's toys follow from the seed
+        and its hypothesis (:meth:`Row.toy_slice`), so a request gives the same numbers alone
         or in company."""
-        if self.operation.toys(self.options):
-            return None
         pois = {self.operation.pois_field} if self.operation.pois_field else set()
         options = self.options.model_dump_json(exclude=pois)
         return (self.background.key, self.operation.name, options)
@@ -259,8 +286,8 @@ class Plan:
     def batch_key(self, stack_key: str) -> tuple[Any, ...]:
         """Rows with equal keys share an engine call: the same :attr:`batch_group` and
         stackable elements (channels, bins, POI, interpolation codes), whatever their patches
-        and requests; toy-based rows only with the rows of their own request."""
-        return (self.batch_group or uuid.uuid4().hex, stack_key)
+        and requests."""
+        return (self.batch_group, stack_key)
 
 
 def plan_request(

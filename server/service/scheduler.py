@@ -20,9 +20,9 @@ lasts as long as its slowest fit however few rows it has, and run in a second on
 Two lanes: ``interactive`` (HTTP requests) is always served before ``jobs`` (asynchronous jobs,
 not delayed for batching), and jobs run in chunks sized by time: as many rows as fit in
 ``job_chunk_s`` at the measured seconds per unit of row cost of their batch key (each item says
-what a row costs, e.g. the fits of a toy-based row; a key not yet measured assumes
-:data:`PRIOR_SECONDS_PER_COST`), at least one row and at most ``max_batch_size``. So a large
-patchset or toy job delays an interactive request by at most one such chunk. Jobs are not
+what a row costs, e.g. the fits of a toy slice; a key not yet measured runs one row first, its
+time unknown until then), at least one row and at most ``max_batch_size``. So a large
+patchset or toy job (whose rows are slices of toys) delays an interactive request by at most one such chunk. Jobs are not
 starved by a steady stream of requests either: once the jobs lane has waited
 ``JOB_SHARE_ROUNDS`` chunk lengths since it last ran, its next chunk goes before the
 interactive lane (jobs keep at least a fifth of a busy device).
@@ -69,21 +69,18 @@ Runner = Callable[[BatchT, Sequence[RowT], Callable[[], bool]], list[ValueT]]
 # contexts of a batch's items -> (context to run with, indices of the items it serves)
 Combiner = Callable[[Sequence[WorkT]], Awaitable[list[tuple[BatchT, list[int]]]]]
 ProgressCallback = Callable[[int, int], None]
-# Seconds per unit of row cost (about one fit) assumed for a batch key before its first chunk
-# has run: conservative for the CPU, so the first chunk of a job is short, the next ones sized
-# from what it measured.
-PRIOR_SECONDS_PER_COST = 2e-3
 # How many ``job_chunk_s`` the jobs lane may wait behind interactive work before it runs a chunk
 JOB_SHARE_ROUNDS = 4
 
 
 @dataclass(frozen=True)
 class RowOutcome(Generic[ValueT]):
-    """One row's result and the engine call that produced it."""
+    """One row's result and the engine call that produced it (``call``: its number)."""
 
     value: ValueT
     batch_rows: int
     compute_s: float
+    call: int = 0
 
 
 @dataclass(eq=False)
@@ -173,6 +170,7 @@ class Scheduler(Generic[WorkT, BatchT, RowT, ValueT]):
         self._max_in_flight = max_in_flight
         self._running: dict[asyncio.Task[None], list[_Slice]] = {}
         self.batches_run = 0
+        self._calls = itertools.count(1)
 
     # ------------------------------------------------------------------ public
     def start(self) -> None:
@@ -387,8 +385,9 @@ class Scheduler(Generic[WorkT, BatchT, RowT, ValueT]):
         batch: list[_Slice] = []
         room = self.max_batch_size
         budget = math.inf
-        if lane == "jobs":
-            budget = self.job_chunk_s / self._seconds_per_cost.get(key, PRIOR_SECONDS_PER_COST)
+        if lane == "jobs":  # a key not yet measured: one row (its first chunk measures it)
+            known = self._seconds_per_cost.get(key)
+            budget = 0.0 if known is None else self.job_chunk_s / known
         items = [i for i in self._lanes[lane] if i.key == key and not i.finished and i.remaining]
         if items:
             per_batch = room if budget == math.inf else int(budget // items[0].row_cost)
@@ -497,7 +496,8 @@ class Scheduler(Generic[WorkT, BatchT, RowT, ValueT]):
             )
         seconds = time.perf_counter() - start
         self._metrics.batch_seconds.observe(seconds)
-        return [RowOutcome(value, len(rows), seconds) for value in values]
+        call = next(self._calls)
+        return [RowOutcome(value, len(rows), seconds, call) for value in values]
 
     def _deliver(self, part: _Slice, outcomes: list[RowOutcome]) -> None:
         """Store a slice's outcomes; report progress; resolve the item when all rows are in."""

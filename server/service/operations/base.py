@@ -22,6 +22,7 @@ from torch import Tensor
 from pyhf_gpu_server.engine import HistFactoryModel
 from pyhf_gpu_server.engine.layout import ElementLayout
 from pyhf_gpu_server.inference.mle import FitOptions
+from pyhf_gpu_server.inference.toys import TOY_BLOCK, ToySlice
 
 from ..schemas import ModelSelection, PatchError, result_flag
 
@@ -73,10 +74,12 @@ class RowStatus:
 @dataclass(frozen=True)
 class RowResult:
     """One row's answer: its JSON payload (the operation's result model, without ``meta``)
-    and how its fits went."""
+    and how its fits went; for a slice of a toy row, ``part``: what
+    :meth:`Operation.join` joins into the hypothesis' answer (on the host, picklable)."""
 
     payload: dict[str, Any]
     status: RowStatus
+    part: Any = None
     flags: tuple[dict[str, str], ...] = ()  # the operation's own meta.flags (result_flag)
 
 
@@ -90,6 +93,7 @@ class EngineRows:
     poi: Tensor | None
     columns: list[list[int]]
     fit: FitOptions
+    toys: list[ToySlice] | None = None  # toy-based: the toys each row draws
 
     def __len__(self) -> int:
         return self.element.shape[0]
@@ -145,8 +149,16 @@ class Operation(ABC, Generic[OptionsT]):
         return getattr(options, "toys", 0)
 
     def row_cost(self, options: OptionsT) -> float:
-        """About how many fits a row runs (sizes the chunks of jobs by time)."""
-        return 4.0 + 3.0 * self.toys(options)
+        """About how many fits a row runs (sizes the chunks of jobs by time): a toy row is
+        a slice of at most :data:`~pyhf_gpu_server.inference.toys.TOY_BLOCK` toys."""
+        return 4.0 + 3.0 * min(self.toys(options), TOY_BLOCK)
+
+    def join(self, parts: list[RowResult]) -> RowResult:
+        """One hypothesis' answer from its toy slices' results (in the order of their
+        toys); operations with toys say how."""
+        if len(parts) == 1 and parts[0].part is None:
+            return parts[0]
+        raise NotImplementedError(f"{self.name} has no toy slices to join")
 
     def element_problem(self, layout: ElementLayout, options: OptionsT) -> str | None:
         """Why ``options`` cannot be answered on the element (patch) ``layout``, or None:

@@ -43,6 +43,14 @@ class Cls(Operation[ClsOptions]):
             calctype=options.calctype,
             ntoys=options.ntoys,
             seed=options.seed,
+            toys=rows.toys,
         )
         statuses = RowStatus.of(result, len(rows))
-        return [RowResult(result.to_pyhf_json(i), s) for i, s in enumerate(statuses)]
+        return [
+            RowResult(result.to_pyhf_json(i), s, None if rows.toys is None else result.row(i))
+            for i, s in enumerate(statuses)
+        ]
+
+    def join(self, parts: list[RowResult]) -> RowResult:
+        result = inference.join_toy_parts([part.part for part in parts])
+        return RowResult(result.to_pyhf_json(0), RowStatus.of(result, 1)[0])

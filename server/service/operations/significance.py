@@ -20,13 +20,24 @@ class Significance(Operation[SignificanceOptions]):
     def run(
         self, model: HistFactoryModel, rows: EngineRows, options: SignificanceOptions
     ) -> list[RowResult]:
-        result = inference.significance(
+        tests = inference.hypotest(
             model,
-            element=rows.element,
+            0.0,
+            rows.element,
+            test_stat="q0",
             options=rows.fit,
             calctype=options.calctype,
             ntoys=options.ntoys,
             seed=options.seed,
+            toys=rows.toys,
         )
+        result = inference.significance_of(tests)
         statuses = RowStatus.of(result, len(rows))
-        return [RowResult(result.to_json(i), s) for i, s in enumerate(statuses)]
+        return [
+            RowResult(result.to_json(i), s, None if rows.toys is None else tests.row(i))
+            for i, s in enumerate(statuses)
+        ]
+
+    def join(self, parts: list[RowResult]) -> RowResult:
+        result = inference.significance_of(inference.join_toy_parts([p.part for p in parts]))
+        return RowResult(result.to_json(0), RowStatus.of(result, 1)[0])
