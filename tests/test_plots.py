@@ -446,6 +446,35 @@ def test_a_render_waits_for_the_others_at_most_render_wait_s(real, monkeypatch):
     assert plots.render("pulls", real["fit"], "svg").startswith(b"<?xml")
 
 
+def test_an_abandoned_render_gives_up_its_wait_and_its_drawing(real):
+    """A render whose client went away stops waiting for the drawing lock (within
+    ABANDON_POLL_S, not RENDER_WAIT_S) and, once it holds it, is not written."""
+    from pyhf_gpu_server.plots import _base
+
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with _base._LOCK:
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(10)
+        gone_at = time.monotonic() + 0.3
+        start = time.monotonic()
+        with pytest.raises(plots.PlotAbandonedError, match="went away before it was drawn"):
+            plots.render("pulls", real["fit"], "svg", abandoned=lambda: time.monotonic() > gone_at)
+        assert time.monotonic() - start < 0.3 + 5 * _base.ABANDON_POLL_S < _base.RENDER_WAIT_S
+    finally:
+        release.set()
+        holder.join()
+    with pytest.raises(plots.PlotAbandonedError, match="while it was drawn"):
+        plots.render("pulls", real["fit"], "svg", abandoned=lambda: True)
+    assert plots.render("pulls", real["fit"], "svg", abandoned=lambda: False).startswith(b"<?xml")
+
+
 # ---------------------------------------------------------------- exclusion: one slice
 SLICE_LABELS = ["m_sbottom", "m_neutralino2", "m_neutralino1"]
 

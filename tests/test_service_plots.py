@@ -6,6 +6,7 @@ log CLs along the renderer's triangulation, and 20 plots drawn at once equal to 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import math
@@ -396,6 +397,27 @@ def test_twenty_plots_at_once_equal_one_at_a_time(client, jobs) -> None:
         together = list(pool.map(lambda route: client.get(route).content, routes))
     assert together == alone
     assert all(png.startswith(PNG_SIGNATURE) for png in together)
+
+
+def test_renders_whose_clients_went_away_give_way(server, client, jobs) -> None:
+    """Renders are drawn one at a time: abandoned ones (their clients gave up) are not drawn
+    after them, so the next request waits for at most the one already drawing."""
+    heavy = f"/jobs/{jobs['fit']['id']}/plots/correlation.png?top=200&threshold=0&annotate=true"
+    light = f"/jobs/{jobs['fit']['id']}/plots/pulls.png?dpi=30"
+    start = time.monotonic()
+    assert client.get(heavy).status_code == 200
+    one_heavy = time.monotonic() - start
+
+    def abandon() -> None:
+        with contextlib.suppress(httpx.TimeoutException):
+            httpx.get(server.url + heavy, timeout=0.2)
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda _: abandon(), range(4)))
+    start = time.monotonic()
+    assert client.get(light).status_code == 200
+    waited = time.monotonic() - start
+    assert waited < 2 * one_heavy + 2.0, (waited, one_heavy)  # not 4 heavy renders behind it
 
 
 # ------------------------------------------------------------------- exclusion: one slice

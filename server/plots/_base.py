@@ -17,6 +17,7 @@ import inspect
 import io
 import math
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -68,13 +69,27 @@ class PlotBusyError(RuntimeError):
     (every wait has a bound; a client that went away is not waited for past it)."""
 
 
+class PlotAbandonedError(RuntimeError):
+    """Nobody waits for the figure any more (its client went away): not drawn, or not
+    written, and the drawing lock given to the next render."""
+
+
+#: How often a render waiting for the drawing lock asks whether it is still wanted.
+ABANDON_POLL_S = 0.1
+
+
 @contextmanager
-def _drawing(kind: str) -> Iterator[None]:
-    """Hold the drawing lock, waiting for it at most :data:`RENDER_WAIT_S`."""
-    if not _LOCK.acquire(timeout=RENDER_WAIT_S):
-        raise PlotBusyError(
-            f"{kind} plot: other plots have been drawing for {RENDER_WAIT_S:g} s; retry shortly"
-        )
+def _drawing(kind: str, abandoned: Callable[[], bool] = lambda: False) -> Iterator[None]:
+    """Hold the drawing lock, waiting for it at most :data:`RENDER_WAIT_S`, and not at all
+    once ``abandoned()``."""
+    deadline = time.monotonic() + RENDER_WAIT_S
+    while not _LOCK.acquire(timeout=min(ABANDON_POLL_S, max(deadline - time.monotonic(), 0))):
+        if abandoned():
+            raise PlotAbandonedError(f"{kind} plot: its client went away before it was drawn")
+        if time.monotonic() >= deadline:
+            raise PlotBusyError(
+                f"{kind} plot: other plots have been drawing for {RENDER_WAIT_S:g} s; retry shortly"
+            )
     try:
         yield
     finally:
@@ -176,6 +191,7 @@ def render(
     fmt: Format = "png",
     *,
     dpi: float | None = None,
+    abandoned: Callable[[], bool] = lambda: False,
     **options: Any,
 ) -> bytes:
     """The figure of ``kind`` for ``result`` as SVG or PNG bytes.
@@ -186,18 +202,22 @@ def render(
         result: the service's result JSON for that kind (parsed: dicts, lists, numbers).
         fmt: ``"svg"`` or ``"png"``.
         dpi: PNG resolution (default 150); the PNG is ``figsize * dpi`` pixels.
+        abandoned: asked while waiting for the drawing lock and before the figure is
+            written: true gives up (:class:`PlotAbandonedError`), e.g. its client went away.
         options: the kind's options, and ``figsize``, ``title``, ``label``, ``rlabel``.
 
     Raises:
         PlotInputError (a ValueError): unknown kind, format or option, or a result that does
             not fit the kind (the message names the kind and the missing or wrong field).
+        PlotBusyError: other figures were drawing for :data:`RENDER_WAIT_S`.
+        PlotAbandonedError: ``abandoned()`` turned true.
     """
     if fmt not in FORMATS:
         raise PlotInputError(f"unknown format {fmt!r}; one of {', '.join(FORMATS)}")
     resolution = DEFAULT_DPI if dpi is None else _number(kind, "dpi", dpi)
     if not 10 <= resolution <= 1200:
         raise PlotInputError(f"{kind} plot: dpi must be within 10..1200, not {dpi!r}")
-    with _drawing(kind):
+    with _drawing(kind, abandoned):
         fig = figure(kind, result, **options)
         width, height = fig.get_size_inches()
         if fmt == "png" and width * height * resolution**2 > MAX_PIXELS:
@@ -205,6 +225,8 @@ def render(
                 f"{kind} plot: {width:g} x {height:g} in at {resolution:g} dpi is more than "
                 f"{MAX_PIXELS} pixels; lower dpi or figsize"
             )
+        if abandoned():  # writing the figure is most of the drawing
+            raise PlotAbandonedError(f"{kind} plot: its client went away while it was drawn")
         return _save(fig, fmt, resolution, options.get("title") or f"{kind} plot")
 
 

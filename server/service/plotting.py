@@ -434,16 +434,18 @@ def render(
     request: Mapping[str, Any],
     result: Any,
     lookup: WorkspaceLookup,
+    abandoned: Callable[[], bool] = lambda: False,
 ) -> bytes:
     """The image of ``plot`` (blocking: call it in a thread); 422 when the result or an
-    option does not fit the kind (the renderer's message)."""
+    option does not fit the kind (the renderer's message); not drawn once ``abandoned()``
+    (its client went away: :class:`~pyhf_gpu_server.plots.PlotAbandonedError`)."""
     for name in _STRINGS:  # texts given as JSON values (an envelope's plot) must be texts
         value = plot.options.get(name)
         if value is not None and not isinstance(value, str):
             raise Unprocessable(f"plot option {name!r} must be a string, not {value!r:.40}")
     drawn, options = inputs(plot, operation, request, result, lookup)
     try:
-        return plots.render(plot.kind, drawn, plot.fmt, **options)
+        return plots.render(plot.kind, drawn, plot.fmt, abandoned=abandoned, **options)
     except plots.PlotInputError as exc:
         raise Unprocessable(str(exc)) from None
     except plots.PlotBusyError as exc:

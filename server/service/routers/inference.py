@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from asyncio import FIRST_COMPLETED
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
+
+from pyhf_gpu_server import plots
 
 from .. import plotting
 from ..dependencies import StateDep
@@ -108,6 +111,35 @@ async def _disconnected(request: Request) -> None:
         await asyncio.sleep(DISCONNECT_POLL_S)
 
 
+async def image_unless_gone(
+    request: Request,
+    plot: plotting.PlotRequest,
+    operation: str,
+    envelope: Any,
+    result: Any,
+    lookup: plotting.WorkspaceLookup,
+    name: str,
+) -> Response:
+    """The image of ``plot``, drawn off the event loop; not drawn (or not written) once its
+    client has gone (499, never sent), and the drawing lock passed on to the next render."""
+    gone = threading.Event()
+
+    async def watch() -> None:
+        await _disconnected(request)
+        gone.set()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        data = await run_in_threadpool(
+            plotting.render, plot, operation, envelope, result, lookup, gone.is_set
+        )
+    except plots.PlotAbandonedError:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    finally:
+        watcher.cancel()
+    return plotting.image(plot, data, name)
+
+
 def _endpoint(operation: Operation):
     """The handler of POST /<operation>."""
 
@@ -121,12 +153,12 @@ def _endpoint(operation: Operation):
         done, _ = await asyncio.wait({run, gone}, timeout=timeout, return_when=FIRST_COMPLETED)
         gone.cancel()
         if run in done:
-            if plot is not None:  # drawn off the event loop
+            if plot is not None:
                 lookup = plotting.store_lookup(state.workspaces)
-                data = await run_in_threadpool(
-                    plotting.render, plot, operation.name, envelope, run.result(), lookup
+                name = f"{operation.name}-{plot.kind}"
+                return await image_unless_gone(
+                    request, plot, operation.name, envelope, run.result(), lookup, name
                 )
-                return plotting.image(plot, data, f"{operation.name}-{plot.kind}")
             return run.result()  # validated and serialised by the operation's answer model
         # nobody will read the answer: cancelling the run drops its rows from the queue and
         # stops a batch that serves nobody else between two fit iterations

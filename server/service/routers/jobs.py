@@ -25,6 +25,7 @@ from ..operations import OPERATIONS, JobList, JobView
 from ..requests import parse_json
 from ..schemas import BODY_ERRORS, JobAccepted, JobStatus, error_responses
 from ..state import ServiceState
+from .inference import image_unless_gone
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 
@@ -217,8 +218,9 @@ async def job_plot(
     query = {key: request.query_params.getlist(key) for key in request.query_params}
     plot = plotting.PlotRequest(kind, fmt, plotting.query_options(query))
     lookup = plotting.store_lookup(state.workspaces)
-    data = await run_in_threadpool(plotting.render, plot, operation, stored, view["result"], lookup)
-    return plotting.image(plot, data, f"{job_id}-{kind}")
+    return await image_unless_gone(
+        request, plot, operation, stored, view["result"], lookup, f"{job_id}-{kind}"
+    )
 
 
 async def _stored_request(state: ServiceState, job_id: str) -> tuple[str, dict[str, Any]]:
