@@ -41,9 +41,16 @@ browser:
 serve: $(VENV)/.server-installed
 	$(VENV)/bin/pyhf-gpu-server --host $(HOST) --port $(PORT) --device $(DEVICE)
 
+# Two pytest processes, each taking whole test files (their module-scoped servers stay shared):
+# most tests wait on real servers and subprocesses, so two overlap their waits even where a
+# core is busy with something else. PYTEST_WORKERS=0 runs them in this process. Tests marked
+# one_process (schemathesis' route tests, which share one node id) run in pytest's own after.
+PYTEST_WORKERS ?= 2
+
 test: $(VENV)/.test-installed browser
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m "not one_process"
+	$(PY) -m pytest -m one_process
 
 lint: $(VENV)/.test-installed
 	$(VENV)/bin/ruff check .

@@ -38,7 +38,8 @@ from service_support import ServerProcess, running_server, simple_workspace, wai
 from pyhf_gpu_server.service.app import create_app
 from pyhf_gpu_server.service.settings import Settings
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+# one_process: the route tests below share one node id, which pytest-xdist would run once
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.one_process]
 
 MAX_TOYS = 20
 MEASUREMENT = simple_workspace()["measurements"][0]["name"]
