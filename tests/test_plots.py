@@ -6,11 +6,13 @@ there should be, thread safety without global state, and errors naming the kind 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import threading
 import time
 import xml.etree.ElementTree as ET
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import matplotlib
@@ -418,13 +420,11 @@ def test_wrong_results_name_kind_and_field(kind, result, options, message):
         plots.render(kind, result, "png", **options)
 
 
-def test_a_render_waits_for_the_others_at_most_render_wait_s(real, monkeypatch):
-    """Renders are serialised (matplotlib's state is process-wide): one that cannot have the
-    drawing lock within RENDER_WAIT_S gives up with PlotBusyError (the service's 503) instead
-    of waiting without a bound; once the lock is free it draws."""
+@contextlib.contextmanager
+def drawing_lock_held_elsewhere() -> Iterator[None]:
+    """Another thread holds the renderers' drawing lock for the duration of the block."""
     from pyhf_gpu_server.plots import _base
 
-    monkeypatch.setattr(_base, "RENDER_WAIT_S", 0.2)
     held, release = threading.Event(), threading.Event()
 
     def hold() -> None:
@@ -436,13 +436,24 @@ def test_a_render_waits_for_the_others_at_most_render_wait_s(real, monkeypatch):
     holder.start()
     try:
         assert held.wait(10)
+        yield
+    finally:
+        release.set()
+        holder.join()
+
+
+def test_a_render_waits_for_the_others_at_most_render_wait_s(real, monkeypatch):
+    """Renders are serialised (matplotlib's state is process-wide): one that cannot have the
+    drawing lock within RENDER_WAIT_S gives up with PlotBusyError (the service's 503) instead
+    of waiting without a bound; once the lock is free it draws."""
+    from pyhf_gpu_server.plots import _base
+
+    monkeypatch.setattr(_base, "RENDER_WAIT_S", 0.2)
+    with drawing_lock_held_elsewhere():
         start = time.monotonic()
         with pytest.raises(plots.PlotBusyError, match=r"other plots have been drawing for 0\.2 s"):
             plots.render("pulls", real["fit"], "svg")
         assert time.monotonic() - start < 2
-    finally:
-        release.set()
-        holder.join()
     assert plots.render("pulls", real["fit"], "svg").startswith(b"<?xml")
 
 
@@ -451,25 +462,12 @@ def test_an_abandoned_render_gives_up_its_wait_and_its_drawing(real):
     ABANDON_POLL_S, not RENDER_WAIT_S) and, once it holds it, is not written."""
     from pyhf_gpu_server.plots import _base
 
-    held, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with _base._LOCK:
-            held.set()
-            release.wait(10)
-
-    holder = threading.Thread(target=hold)
-    holder.start()
-    try:
-        assert held.wait(10)
+    with drawing_lock_held_elsewhere():
         gone_at = time.monotonic() + 0.3
         start = time.monotonic()
         with pytest.raises(plots.PlotAbandonedError, match="went away before it was drawn"):
             plots.render("pulls", real["fit"], "svg", abandoned=lambda: time.monotonic() > gone_at)
         assert time.monotonic() - start < 0.3 + 5 * _base.ABANDON_POLL_S < _base.RENDER_WAIT_S
-    finally:
-        release.set()
-        holder.join()
     with pytest.raises(plots.PlotAbandonedError, match="while it was drawn"):
         plots.render("pulls", real["fit"], "svg", abandoned=lambda: True)
     assert plots.render("pulls", real["fit"], "svg", abandoned=lambda: False).startswith(b"<?xml")

@@ -24,7 +24,7 @@ from pydantic import BaseModel
 
 from pyhf_gpu_server.engine import schema
 from pyhf_gpu_server.engine.errors import UnrepresentableValueError
-from pyhf_gpu_server.inference.toys import ToySlice
+from pyhf_gpu_server.inference.toys import TOY_BLOCK, ToySlice
 
 from .elements import Background, Element, PatchSpec
 from .errors import BadRequest, Unprocessable, pydantic_detail, translate
@@ -248,7 +248,7 @@ class Plan:
         """Rows the scheduler runs for the whole request (what progress counts): its
         hypotheses, or for a toy-based test their slices of toys."""
         ntoys = self.operation.toys(self.options)
-        return self.n_rows * (len(ToySlice.cut(0, ntoys)) if ntoys else 1)
+        return self.n_rows * (math.ceil(ntoys / TOY_BLOCK) if ntoys else 1)
 
     @property
     def row_cost(self) -> float:
