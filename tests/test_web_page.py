@@ -17,6 +17,7 @@ import sqlite3
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -185,6 +186,20 @@ def test_report_page_shows_one_job(browser, server, patchset_file) -> None:
     assert severe(browser) == []
 
 
+def store_finished_job(server, job_id: str, operation: str, result: Any, rows: int) -> None:
+    """A succeeded job of ``operation`` with ``result``, written straight into the server's
+    real SQLite file (as the job runner leaves one)."""
+    now = time.time()
+    request = json.dumps({"workspace_id": "0" * 64})
+    with sqlite3.connect(server.data_dir / "jobs.sqlite3") as db:
+        db.execute(
+            "INSERT INTO jobs (id, operation, status, request, done, total, result, "
+            "created_at, started_at, finished_at) "
+            "VALUES (?, ?, 'succeeded', ?, ?, ?, ?, ?, ?, ?)",
+            (job_id, operation, request, rows, rows, json.dumps(result), now, now, now),
+        )
+
+
 def test_report_page_flags_a_doubtful_result(browser, server) -> None:
     """A result whose fits the server flagged in its meta (a job row written into the server's
     real SQLite file, as a finished job would be) is said above the table, in an alert."""
@@ -196,14 +211,7 @@ def test_report_page_flags_a_doubtful_result(browser, server) -> None:
         "z_exp": 1.17,
         "meta": {"converged": False, "starts_agreed": False},
     }
-    now = time.time()
-    with sqlite3.connect(server.data_dir / "jobs.sqlite3") as db:
-        db.execute(
-            "INSERT INTO jobs (id, operation, status, request, done, total, result, "
-            "created_at, started_at, finished_at) "
-            "VALUES (?, 'significance', 'succeeded', ?, 1, 1, ?, ?, ?, ?)",
-            (job_id, json.dumps({"workspace_id": "0" * 64}), json.dumps(result), now, now, now),
-        )
+    store_finished_job(server, job_id, "significance", result, rows=1)
     browser.get(f"{server.url}/jobs/{job_id}/report")
     wait_until(browser, "return !document.getElementById('doubtful').hidden", "the flag")
     flag = browser.find_element(By.ID, "doubtful")
@@ -239,14 +247,7 @@ def test_report_page_marks_a_result_past_its_model_limits(browser, server) -> No
             "meta": {"converged": True, "starts_agreed": True, "flags": []},
         },
     }
-    now = time.time()
-    with sqlite3.connect(server.data_dir / "jobs.sqlite3") as db:
-        db.execute(
-            "INSERT INTO jobs (id, operation, status, request, done, total, result, "
-            "created_at, started_at, finished_at) "
-            "VALUES (?, 'upper-limit', 'succeeded', ?, 2, 2, ?, ?, ?, ?)",
-            (job_id, json.dumps({"workspace_id": "0" * 64}), json.dumps(result), now, now, now),
-        )
+    store_finished_job(server, job_id, "upper-limit", result, rows=2)
     browser.get(f"{server.url}/jobs/{job_id}/report")
     wait_until(browser, "return !document.getElementById('doubtful').hidden", "the flag")
     alert = browser.find_element(By.ID, "doubtful")
