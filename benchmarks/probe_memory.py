@@ -2,7 +2,9 @@
 time: small bodies whose models would take gigabytes, and patchsets whose patches each bring
 their own modifiers. Prints a markdown table (docs/OPERATORS.md): per probe, the status, the
 seconds to the answer and the server's peak resident memory (``/proc``, every 0.1 s), each on
-a fresh server with its defaults.
+a fresh server with its defaults, except the toy probe: 100000 toys on one POI of a generated
+427-parameter, 300-bin analysis, with ``--max-fit-memory-mb 1024``, its client gone after 90 s
+(the peak shows whether the fits' memory stays within that bound plus the model's).
 
     .venv/bin/python benchmarks/probe_memory.py [--timeout-s 300]
 """
@@ -32,6 +34,11 @@ from service_support import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_patchsets import _peak_rss
+from generate_large import workspace as analysis_workspace
+
+#: the toy probe's server flags and client timeout
+TOY_SERVER_ARGS = ("--max-fit-memory-mb", "1024")
+TOY_TIMEOUT_S = 90.0
 
 
 def unique_histosys_patchset(background: dict[str, Any], patches: int) -> dict[str, Any]:
@@ -47,8 +54,8 @@ def unique_histosys_patchset(background: dict[str, Any], patches: int) -> dict[s
     return patchset
 
 
-def probes() -> list[tuple[str, str, bytes]]:
-    """(name, route, gzip-compressed JSON body)."""
+def probes() -> list[tuple[str, str, bytes, tuple[str, ...], float | None]]:
+    """(name, route, gzip-compressed JSON body, server flags, client timeout or None)."""
     background = simple_workspace()
     bodies = [
         (
@@ -72,12 +79,27 @@ def probes() -> list[tuple[str, str, bytes]]:
             {"workspace": background, "patchset": unique_histosys_patchset(background, 3000)},
         ),
     ]
-    return [(name, route, gzip.compress(json.dumps(body).encode())) for name, route, body in bodies]
+    probes = [(name, route, body, (), None) for name, route, body in bodies]
+    analysis = analysis_workspace(channels=12, bins=25, systematics=120, injected=1.0)
+    toys = {"workspace": analysis, "test_poi": 1.0, "calctype": "toybased", "ntoys": 100_000}
+    probes.append(
+        (
+            "100000 toys, 427-parameter analysis, --max-fit-memory-mb 1024",
+            "/cls",
+            toys,
+            TOY_SERVER_ARGS,
+            TOY_TIMEOUT_S,
+        )
+    )
+    return [
+        (name, route, gzip.compress(json.dumps(body).encode()), args, timeout)
+        for name, route, body, args, timeout in probes
+    ]
 
 
-def run(name: str, route: str, body: bytes, timeout_s: float) -> str:
+def run(name: str, route: str, body: bytes, args: tuple[str, ...], timeout_s: float) -> str:
     with tempfile.TemporaryDirectory() as tmp:
-        server = ServerProcess(Path(tmp)).start()
+        server = ServerProcess(Path(tmp), args).start()
         stop, found = threading.Event(), []
         watcher = threading.Thread(target=_peak_rss, args=(server.process.pid, stop, found))
         watcher.start()
@@ -114,12 +136,15 @@ def run(name: str, route: str, body: bytes, timeout_s: float) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--timeout-s", type=float, default=300.0)
+    parser.add_argument("--only", default="", help="run the probes whose name contains this")
     args = parser.parse_args()
     print(f"pyhf {pyhf.__version__}; a fresh server per probe, its defaults\n")
     print("| probe | gzip body | status | seconds | server peak RSS | answer |")
     print("|---|---|---|---|---|---|")
-    for name, route, body in probes():
-        print(run(name, route, body, args.timeout_s), flush=True)
+    for name, route, body, server_args, timeout in probes():
+        if args.only not in name:
+            continue
+        print(run(name, route, body, server_args, timeout or args.timeout_s), flush=True)
 
 
 if __name__ == "__main__":

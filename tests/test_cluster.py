@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -89,7 +90,10 @@ def test_stack_shape_equals_the_built_model_s() -> None:
         layouts = [translator.element(p["patch"], p["metadata"]["name"]) for p in patches]
         for group in partition(layouts):
             members = [layouts[i] for i in group]
-            assert stack_shape(members) == model_shape(HistFactoryModel(members)), file
+            estimated, built = stack_shape(members), model_shape(HistFactoryModel(members))
+            # the Jacobian assembly's numbers: a bound without the stack, exact with it
+            assert estimated.n_assembly >= built.n_assembly > 0, file
+            assert replace(estimated, n_assembly=0) == replace(built, n_assembly=0), file
 
 
 def test_in_process_mode_never_imports_dask(tmp_path: Path) -> None:

@@ -200,6 +200,14 @@ def _add_at(target: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> 
     return target.scatter_add(1, index, values)
 
 
+def _add_at_(target: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """:func:`_add_at` into ``target`` itself: for an accumulator the caller made, so that a
+    row's ``[N, P]`` Jacobian is not held twice while it is assembled."""
+    if index.dim() == 1:
+        return target.index_add_(1, index, values)
+    return target.scatter_add_(1, index, values)
+
+
 def _multiplier_factors(pars: torch.Tensor, block: _Block) -> torch.Tensor:
     """The parameter values ``[B, M, Q]`` multiplying each column (1 where none)."""
     extended = torch.cat([pars, torch.ones_like(pars.narrow(1, 0, 1))], dim=1)
@@ -316,22 +324,22 @@ def expected_main_jacobian(
             target = main.bins.unsqueeze(1) * width + _remap(
                 shared, block.histosys_params
             ).unsqueeze(0)
-            jacobian = jacobian.index_add(1, target.flatten(), per_bin_shift.reshape(rows, -1))
+            jacobian.index_add_(1, target.flatten(), per_bin_shift.reshape(rows, -1))
         if block.normsys_column.shape[-1]:
             weighted = _take(rates * weight, block.normsys_column)
             target = column_bin.index_select(0, block.normsys_column.reshape(-1)).reshape_as(
                 block.normsys_column
             ) * width + _remap(shared, block.normsys_param)
-            jacobian = _add_at(jacobian, target, factors.normsys_slope * weighted)
+            _add_at_(jacobian, target, factors.normsys_slope * weighted)
         if block.multiplier_params.shape[-2]:
             others = _others(factors.multiplier_values)
             scale = (factors.base * factors.normsys * weight).unsqueeze(1)
             values = (others * scale).reshape(rows, -1)
             params = block.multiplier_params  # [M, Q] or [B, M, Q]
             target = column_bin * width + _remap(shared, params)
-            jacobian = _add_at(jacobian, target.flatten(-2), values)
+            _add_at_(jacobian, target.flatten(-2), values)
             if bin_jacobian is not None:
-                bin_jacobian = _add_at(bin_jacobian, _remap(per_bin, params).flatten(-2), values)
+                _add_at_(bin_jacobian, _remap(per_bin, params).flatten(-2), values)
     jacobian = jacobian.reshape(rows, n_main, width).narrow(2, 0, width - 1)
     if bin_jacobian is None:
         return expected, jacobian

@@ -10,7 +10,9 @@ by 5.6 ``P^2`` + 2 ``N P`` numbers per extra row, by 10-22 ``P^2`` for a first r
 low-rank solver (``inference/curvature.py``: diagonal + rank ``r`` Woodbury, ``r`` = main bins
 + secant pairs + unconstrained parameters) keeps ``2 r P + 2 r^2`` instead, and the block solver
 (the ``M`` per-bin parameters eliminated, ``K = P - M`` shared ones dense) ``3 N K + 4 K^2``
-and its secant columns' solves. A 129 kB workspace of 6000 bins with a staterror has ``P =
+and its secant columns' solves. Each adds what assembling the rate Jacobian holds
+(:func:`assembly_numbers`: on a 300-bin model of 8 samples as much again as the block
+solver's own). A 129 kB workspace of 6000 bins with a staterror has ``P =
 6001``: 3.8 GiB a dense row, 4.3 MiB a block one. So before any work:
 
 - the solver of a model is the one the minimiser would pick (``"auto"``,
@@ -68,13 +70,16 @@ Solver = Literal["auto", "low-rank"]
 class ModelShape:
     """The sizes admission looks at: parameters, main bins, auxiliary data, parameters
     without a Normal constraint (their curvature may be zero: a low-rank column each), and
-    per-bin parameters (``engine.sparsity``; 0 where unknown: no block solver assumed)."""
+    per-bin parameters (``engine.sparsity``; 0 where unknown: no block solver assumed), and
+    the numbers one row's rate Jacobian assembly holds besides the Jacobian
+    (:func:`assembly_numbers`; 0 where unknown)."""
 
     n_pars: int
     n_main: int
     n_aux: int
     n_flat: int
     n_per_bin: int = 0
+    n_assembly: int = 0
 
     @property
     def solver(self) -> str:
@@ -150,28 +155,58 @@ def _bin(layout: ElementLayout, index: int) -> str:
     raise IndexError(index)
 
 
+def assembly_numbers(
+    n_main: int,
+    columns: int,
+    histosys_width: int,
+    n_histosys: int,
+    normsys_entries: int,
+    multiplier_depth: int,
+    per_column_histosys: bool = False,
+) -> int:
+    """Numbers one row holds while a modifier block's share of the rate Jacobian is assembled
+    (``engine.kernel.expected_main_jacobian``), at the block's largest step: the histosys
+    shifts scaled per bin (``[N, K J]`` twice, ``K J`` = ``histosys_width``) or, in a stack's
+    own block, per column (``[K J, Q]`` twice), and their ``[N, J]`` sum; or the normsys
+    entries' factors, slopes and weighted rates (``5 T``); or the multipliers' values and
+    products (``3 D Q``); plus the ``Q`` columns' rate factors (``10 Q``).
+
+    Example (a 300-bin model of 8 samples, 60 histosys parameters in code4's 4 terms, 25200
+    normsys entries, 3 multipliers deep: 1.5 MB a row)::
+
+        >>> assembly_numbers(300, 2400, 240, 60, 25200, 3)
+        186000
+    """
+    scaled = columns if per_column_histosys else n_main
+    histosys = 2 * histosys_width * scaled + n_main * n_histosys if histosys_width else 0
+    return max(histosys, 5 * normsys_entries, 3 * multiplier_depth * columns) + 10 * columns
+
+
 def dense_bytes_per_row(shape: ModelShape) -> int:
     """``10 P^2`` (curvature, factor, secant, temporaries) + ``2 N P`` (Jacobian, and the trial
-    point's)."""
+    point's) + the Jacobian's assembly."""
     P = shape.n_pars
-    return BYTES_PER_NUMBER * (10 * P * P + 2 * shape.n_data * P)
+    return BYTES_PER_NUMBER * (10 * P * P + 2 * shape.n_data * P + shape.n_assembly)
 
 
 def low_rank_bytes_per_row(shape: ModelShape) -> int:
-    """``2 N P`` (Jacobians) + ``2 r P`` (Woodbury columns) + ``2 r^2`` (capacitance, factor)."""
+    """``2 N P`` (Jacobians) + ``2 r P`` (Woodbury columns) + ``2 r^2`` (capacitance, factor)
+    + the Jacobian's assembly."""
     P, r = shape.n_pars, shape.low_rank
-    return BYTES_PER_NUMBER * (2 * shape.n_data * P + 2 * r * P + 2 * r * r)
+    return BYTES_PER_NUMBER * (2 * shape.n_data * P + 2 * r * P + 2 * r * r + shape.n_assembly)
 
 
 def block_bytes_per_row(shape: ModelShape) -> int:
     """``3 N K`` (the shared parameters' Jacobians, current and trial, and weighted for one
     damping at a time) + ``2 D K^2`` (per damping: the Schur complement and its factor) +
     ``2 D (2 m + 1) P`` (the secant columns and their solves) + ``8 (N + A + P)`` (the per-bin
-    blocks and the per-row vectors): nothing grows with ``M P`` or ``P^2``."""
+    blocks and the per-row vectors) + the Jacobian's assembly: nothing grows with ``M P`` or
+    ``P^2``."""
     P, N = shape.n_pars, shape.n_main
     K = P - shape.n_per_bin
     m = SECANT_PAIRS
     numbers = 3 * N * K + DAMPINGS * 2 * K * K + 2 * DAMPINGS * (2 * m + 1) * P
+    numbers += shape.n_assembly
     return BYTES_PER_NUMBER * (numbers + 8 * (shape.n_data + P))
 
 

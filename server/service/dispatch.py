@@ -30,7 +30,14 @@ from pyhf_gpu_server.engine.translate import ignored_observations
 from pyhf_gpu_server.inference.minimize import MinimizeOptions
 from pyhf_gpu_server.inference.mle import FitOptions
 
-from .admission import FitLimits, FitMemory, FitPlan, ModelShape, likelihood_refusal
+from .admission import (
+    FitLimits,
+    FitMemory,
+    FitPlan,
+    ModelShape,
+    assembly_numbers,
+    likelihood_refusal,
+)
 from .elements import Element, ElementStore
 from .errors import ServiceError, Unprocessable, translate
 from .models_cache import CachedModel, ModelCache, model_id
@@ -538,7 +545,31 @@ def layout_shape(layout: ElementLayout) -> ModelShape:
         layout.n_main,
         len(layout.aux_param),
         layout.n_pars - len(constrained) + len(poisson),
+        n_assembly=_layouts_assembly([layout], len(layout.histosys_params), common=True),
     )
+
+
+def _layouts_assembly(layouts: Sequence[ElementLayout], n_histosys: int, common: bool) -> int:
+    """:func:`~.admission.assembly_numbers` of ``layouts`` stacked, without stacking them:
+    exact for one layout (``common``: all its samples in the common block); for several, a
+    bound (at most the smallest element's samples are common to all, at most the largest's
+    are one row's own), as :func:`stack_shape` has no stack to count."""
+    n_main = layouts[0].n_main
+    n_basis = layouts[0].samples[0].histosys.shape[0] if layouts[0].samples else 0
+    width = n_basis * n_histosys
+    samples = [len(layout.samples) for layout in layouts]
+    entries = [sum(len(s.normsys_param) for s in layout.samples) for layout in layouts]
+    depth = max(
+        (max(map(len, s.multipliers), default=0) for layout in layouts for s in layout.samples),
+        default=0,
+    )
+    if common:
+        return assembly_numbers(n_main, samples[0] * n_main, width, n_histosys, entries[0], depth)
+    shared = assembly_numbers(n_main, min(samples) * n_main, width, n_histosys, min(entries), depth)
+    own = assembly_numbers(
+        n_main, max(samples) * n_main, width, n_histosys, max(entries), depth, True
+    )
+    return shared + own
 
 
 def stack_shape(layouts: Sequence[ElementLayout]) -> ModelShape:
@@ -558,14 +589,41 @@ def stack_shape(layouts: Sequence[ElementLayout]) -> ModelShape:
     n_pars = sum(sizes.values())
     n_flat = n_pars - len(poisson) + sum(poisson.values())
     n_per_bin = layout_per_bin_count(list(layouts))
-    return ModelShape(n_pars, layouts[0].n_main, len(poisson), n_flat, n_per_bin)
+    histosys = {
+        labels_of[i]
+        for layout in layouts
+        for labels_of in [[p.name for p in layout.parameters for _ in range(p.n_parameters)]]
+        for i in layout.histosys_params
+    }
+    n_assembly = _layouts_assembly(layouts, len(histosys), common=len(layouts) == 1)
+    return ModelShape(n_pars, layouts[0].n_main, len(poisson), n_flat, n_per_bin, n_assembly)
 
 
 def model_shape(model: HistFactoryModel) -> ModelShape:
     """The sizes of a (stacked) model that admission looks at."""
     n_flat = model.unconstrained.numel() + model.poisson_constrained.numel()
     n_per_bin = model.bin_parameters.n_per_bin
-    return ModelShape(model.n_pars, model.n_main, model.n_aux, n_flat, n_per_bin)
+    main, n_main = model.main, model.n_main
+    common = assembly_numbers(
+        n_main,
+        main.nominal.shape[-1],
+        main.histosys_by_bin.shape[-1],
+        main.histosys_params.shape[0],
+        main.normsys_column.shape[-1],
+        main.multiplier_params.shape[-2],
+    )
+    own = main.own_nominal.shape[-1]
+    if own:
+        common += assembly_numbers(
+            n_main,
+            own,
+            main.own_histosys_coefficients.shape[1],
+            main.own_histosys_params.shape[0],
+            main.own_normsys_column.shape[-1],
+            main.own_multiplier_params.shape[-2],
+            per_column_histosys=True,
+        )
+    return ModelShape(model.n_pars, model.n_main, model.n_aux, n_flat, n_per_bin, common)
 
 
 class _Progress:
