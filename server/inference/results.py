@@ -121,6 +121,36 @@ class FitResults(FittedRows):
             starts_agreed=self.starts_agreed[index],
         )
 
+    def lower_of(self, other: FitResults, agree_twice_nll: float = 1e-6) -> FitResults:
+        """Per row, the fit of ``self`` or ``other`` (the same rows fitted from other starts)
+        whose ``-2 log L`` is lower, a converged one before one that is not: the starts of
+        both counted, and agreed where both agreed and both converged ones reached minima
+        within ``agree_twice_nll``."""
+        ours, theirs = self.best_twice_nll, other.best_twice_nll
+        take = (other.converged & ~self.converged) | (
+            (other.converged == self.converged) & (theirs < ours)
+        )
+        both = self.converged & other.converged
+        close = (ours - theirs).abs() <= agree_twice_nll
+        agreed = self.starts_agreed & other.starts_agreed & (~both | close)
+
+        def pick(a: Tensor, b: Tensor) -> Tensor:
+            return torch.where(take.reshape(-1, *[1] * (a.dim() - 1)), b, a)
+
+        return FitResults(
+            bestfit=pick(self.bestfit, other.bestfit),
+            uncertainty=pick(self.uncertainty, other.uncertainty),
+            corr_mat=pick(self.corr_mat, other.corr_mat),
+            best_twice_nll=pick(ours, theirs),
+            deviance=pick(self.deviance, other.deviance),
+            converged=pick(self.converged, other.converged),
+            iterations=self.iterations + other.iterations,
+            labels=self.labels,
+            element=self.element,
+            starts=self.starts + other.starts,
+            starts_agreed=agreed,
+        )
+
     def restrict(self, columns: list[int]) -> FitResults:
         """The same fits over the parameters ``columns`` only, in that order (a stacked
         element's own parameters: the others are held fixed in its rows)."""
