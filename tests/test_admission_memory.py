@@ -77,12 +77,12 @@ def test_a_block_row_is_admitted_with_what_its_jacobian_assembly_allocates(analy
 
 def test_toy_fits_hold_at_most_their_admitted_bytes_per_row(analysis_model):
     """Every fit of a toy hypothesis test (free and conditional, signal and background toys)
-    in minimiser calls of 64 rows, each at most 8 iterations (the memory of an iteration does
+    in minimiser calls of 32 rows, each at most 3 iterations (the memory of an iteration does
     not grow with their number): the most tensor bytes held at once, per row, within what
     admission counts for a block-solver row."""
-    model, rows = analysis_model, 64
+    model, rows = analysis_model, 32
     admitted = block_bytes_per_row(model_shape(model))
-    options = FitOptions(max_rows=rows, minimize=MinimizeOptions(max_iter=8))
+    options = FitOptions(max_rows=rows, minimize=MinimizeOptions(max_iter=3))
     with PeakTensorBytes() as counter:
         hypotest(model, 1.0, calctype="toybased", ntoys=rows, seed=1, options=options)
     held = counter.peak / rows
