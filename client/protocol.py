@@ -48,6 +48,7 @@ from .exceptions import (
     WorkspaceError,
     format_detail,
 )
+from .plot_tables import OPTION_TYPE, PLOT_FORMATS, PLOT_KINDS, PLOT_MEDIA_TYPES
 from .results import OPERATIONS, Job, Result, flagged, parse_result
 from .workspace import (
     JSONFile,
@@ -814,45 +815,6 @@ def get_text_flow(path: str, config: ClientConfig) -> Flow[str]:
 
 # ---------------------------------------------------------------------------------- plots
 
-#: the plot kinds the server draws of each operation's answer (:func:`plot_kinds_for` narrows
-#: ``cls`` by its request); the server's ``GET /jobs/{id}/plots`` has the final word
-PLOT_KINDS: dict[str, tuple[str, ...]] = {
-    "cls": ("brazil", "exclusion"),
-    "upper-limit": ("brazil",),
-    "fit": ("pulls", "correlation"),
-    "ranking": ("ranking",),
-    "scan": ("scan",),
-    "yields": ("yields",),
-    "significance": (),
-}
-PLOT_FORMATS: tuple[str, ...] = ("png", "svg")
-PLOT_MEDIA_TYPES: dict[str, str] = {"png": "image/png", "svg": "image/svg+xml"}
-
-#: the renderer's options by type, as the server reads them from a query string (a plot
-#: option not named here is read as JSON, else kept as text, and left to the server to judge);
-#: a copy of the server's ``pyhf_gpu_server.service.plotting.OPTION_TYPES`` (the client does not
-#: import the server): ``tests/test_client_plots.py`` checks that the two are equal
-_PLOT_OPTION_TYPES: dict[str, tuple[str, ...]] = {
-    "int": ("top", "max_channels", "columns"),
-    "float": ("threshold", "level", "dpi", "test_poi", "ymax"),
-    "bool": ("log_y", "show_points", "annotate"),
-    "str": (
-        "label",
-        "rlabel",
-        "title",
-        "xlabel",
-        "ylabel",
-        "poi_label",
-        "stage",
-        "patch",
-        "poi",
-        "measurement",
-    ),
-    "strs": ("channels", "parameters", "labels"),
-    "ints": ("axes",),
-    "floats": ("figsize", "slice"),
-}
-_OPTION_TYPE = {name: kind for kind, names in _PLOT_OPTION_TYPES.items() for name in names}
 _WHAT = {
     "int": "an integer",
     "float": "a number",
@@ -921,7 +883,7 @@ def plot_option(text: str) -> tuple[str, Any]:
     name = key.strip().replace("-", "_")
     if not sep or not name:
         raise ValueError(f"a plot option is KEY=VALUE, not {text!r}")
-    kind = _OPTION_TYPE.get(name)
+    kind = OPTION_TYPE.get(name)
     value = raw.strip()
     pieces = [v.strip() for v in value.split(",") if v.strip()]
     try:

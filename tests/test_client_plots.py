@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import struct
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -132,15 +133,25 @@ def test_python_client_plot_of_a_job(server, patch):
         assert png[:8] == PNG_SIGNATURE
 
 
-def test_the_plot_options_table_is_the_servers():
-    """The client's types of the plot options (``protocol._PLOT_OPTION_TYPES``: it cannot
-    import the server) are the server's one declaration (``plotting.OPTION_TYPES``), and every
-    renderer option is declared there or as JSON only: one fact, one place."""
-    from pyhf_gpu_client import protocol
+def test_the_plot_tables_are_declared_once():
+    """The plot kinds per operation, the formats and media types and the options' types are
+    ``pyhf_gpu_client.plot_tables``' (the lower layer); the server uses those very objects, no
+    other source file restates them, and every renderer option is declared there or as JSON
+    only: one fact, one place."""
+    from pyhf_gpu_client import plot_tables, protocol
     from pyhf_gpu_server import plots
     from pyhf_gpu_server.service import plotting
 
-    assert protocol._PLOT_OPTION_TYPES == plotting.OPTION_TYPES
+    assert plotting.OPTION_TYPES is plot_tables.PLOT_OPTION_TYPES
+    assert plotting.PLOTS is plot_tables.PLOT_KINDS is protocol.PLOT_KINDS
+    assert plotting.MEDIA_TYPES is plot_tables.PLOT_MEDIA_TYPES
+    assert plots.FORMATS is plot_tables.PLOT_FORMATS is protocol.PLOT_FORMATS
+    root = Path(plot_tables.__file__).resolve().parents[1]
+    restated = ['"top", "max_channels"', '"pulls", "correlation"', '"png": "image/png"']
+    for source in [*root.glob("server/**/*.py"), *root.glob("client/**/*.py")]:
+        if source.name != "plot_tables.py":
+            text = source.read_text()
+            assert not [r for r in restated if r in text], source
     renderer = {o for k in plots.KINDS.values() for o in k.options} | set(plots.COMMON_OPTIONS)
     assert renderer - set(plotting.QUERY_OPTIONS) - set(plotting.JSON_OPTIONS) == set()
     assert set(plotting.QUERY_OPTIONS) <= renderer

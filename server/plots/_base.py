@@ -27,6 +27,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.backends.backend_svg import FigureCanvasSVG
 from matplotlib.figure import Figure
 
+from pyhf_gpu_client.plot_tables import PLOT_FORMATS
+
 from . import _style
 
 __all__ = [
@@ -42,7 +44,7 @@ __all__ = [
 ]
 
 Format = Literal["svg", "png"]
-FORMATS: tuple[str, ...] = ("svg", "png")
+FORMATS: tuple[str, ...] = PLOT_FORMATS  # the one table (pyhf_gpu_client.plot_tables)
 DEFAULT_DPI = 150.0
 MAX_PIXELS = 40_000_000  # a PNG larger than this (e.g. 20 x 20 in at 300 dpi is 36 M) is refused
 #: options every kind takes (applied by :func:`figure` and :func:`render`)

@@ -25,6 +25,7 @@ import jsonpatch
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from pyhf_gpu_client.plot_tables import PLOT_KINDS, PLOT_MEDIA_TYPES, PLOT_OPTION_TYPES
 from pyhf_gpu_server import plots
 
 from .errors import NotFound, ServiceError, Unavailable, Unprocessable
@@ -32,49 +33,20 @@ from .errors import NotFound, ServiceError, Unavailable, Unprocessable
 log = logging.getLogger("pyhf_gpu_server.service.plots")
 
 #: the plot kinds that suit each operation's answer (``kinds_for`` narrows ``cls`` by request)
-PLOTS: dict[str, tuple[str, ...]] = {
-    "cls": ("brazil", "exclusion"),
-    "upper-limit": ("brazil",),
-    "fit": ("pulls", "correlation"),
-    "ranking": ("ranking",),
-    "scan": ("scan",),
-    "yields": ("yields",),
-    "significance": (),
-}
+PLOTS: dict[str, tuple[str, ...]] = PLOT_KINDS
 FORMATS: tuple[str, ...] = plots.FORMATS
 KIND_NAMES: tuple[str, ...] = tuple(sorted(plots.KINDS))
-MEDIA_TYPES = {"svg": "image/svg+xml", "png": "image/png"}
+MEDIA_TYPES: dict[str, str] = PLOT_MEDIA_TYPES
 #: what the operation's plots need of the request, said when a kind does not fit
 _NEEDS = {
     "brazil": "a list of test_poi",
     "exclusion": "a patchset",
 }
 
-#: The plot options a query string carries (``?top=20&label=ATLAS%20Internal``), by type:
-#: the one declaration of them. Lists are repeated parameters or one comma-separated value.
-#: The client mirrors this table as ``pyhf_gpu_client.protocol._PLOT_OPTION_TYPES`` (it cannot
-#: import the server) and ``tests/test_client_plots.py`` checks the two are equal, and that
-#: every renderer option is here or in :data:`JSON_OPTIONS`.
-OPTION_TYPES: dict[str, tuple[str, ...]] = {
-    "int": ("top", "max_channels", "columns"),
-    "float": ("threshold", "level", "dpi", "test_poi", "ymax"),
-    "bool": ("log_y", "show_points", "annotate"),
-    "str": (
-        "label",
-        "rlabel",
-        "title",
-        "xlabel",
-        "ylabel",
-        "poi_label",
-        "stage",
-        "patch",
-        "poi",
-        "measurement",
-    ),
-    "strs": ("channels", "parameters", "labels"),
-    "ints": ("axes",),
-    "floats": ("figsize", "slice"),
-}
+#: The plot options a query string carries, by type (``pyhf_gpu_client.plot_tables``, the one
+#: declaration); ``tests/test_client_plots.py`` checks that every renderer option is there or
+#: in :data:`JSON_OPTIONS`.
+OPTION_TYPES: dict[str, tuple[str, ...]] = PLOT_OPTION_TYPES
 #: renderer options only a JSON plot spec carries (objects), or that the service fills in
 JSON_OPTIONS: tuple[str, ...] = ("values", "patchset", "workspace", "upper_limit", "prefit")
 _INTS = OPTION_TYPES["int"]
