@@ -41,11 +41,12 @@ browser:
 serve: $(VENV)/.server-installed
 	$(VENV)/bin/pyhf-gpu-server --host $(HOST) --port $(PORT) --device $(DEVICE)
 
-# Two pytest processes, each taking whole test files (their module-scoped servers stay shared):
-# most tests wait on real servers and subprocesses, so two overlap their waits even where a
-# core is busy with something else. PYTEST_WORKERS=0 runs them in this process. Tests marked
-# one_process (schemathesis' route tests, which share one node id) run in pytest's own after.
-PYTEST_WORKERS ?= 2
+# Four pytest processes, each taking whole test files (their module-scoped servers stay
+# shared): most tests wait on real servers and subprocesses, so they overlap their waits, and
+# where another process keeps a core busy the suite keeps the larger share of the two cores.
+# PYTEST_WORKERS=0 runs them in this process. Tests marked one_process (schemathesis' route
+# tests, which share one node id) run in pytest's own after.
+PYTEST_WORKERS ?= 4
 
 test: $(VENV)/.test-installed browser
 	$(VENV)/bin/ruff check .

@@ -260,13 +260,14 @@ def test_ranking_matches_cabinetry(name, patch, labels, monkeypatch):
 @pytest.mark.slow
 def test_ranking_matches_cabinetry_on_stau(monkeypatch):
     """The 119-parameter stau workspace (a patch with its POI inside its bounds, 3.5 +- 3.6):
-    cabinetry's loop on two parameters (a MINUIT fit with HESSE takes ~8 s here)."""
+    cabinetry's loop on its largest impact (a MINUIT fit with HESSE takes ~8 s here; the
+    normfactor case is in test_ranking_matches_cabinetry_on_every_modifier_type)."""
     ours_model, model, data = published("atlas-susy-2018-04-stau", "sig_s1_x1")
     ours = ranking(ours_model)
     assert ours.converged.all()
     row = ours.to_json(0)
     assert row["labels"][0] == "TopSystHardCodeSR1"  # the largest post-fit impact
-    theirs = cabinetry_impacts(model, data, ours, ["TopSystHardCodeSR1", "mu_W"], monkeypatch)
+    theirs = cabinetry_impacts(model, data, ours, ["TopSystHardCodeSR1"], monkeypatch)
     compare("stau", model, data, ours, ours_model, theirs)
 
 
