@@ -1095,7 +1095,7 @@ def test_plot_of_a_job_request():
         with pytest.raises(pgc.ServerError, match="application/json, not the png image"):
             client.plot("j3", "pulls")
         sent = len(service.requests)
-        with pytest.raises(ValueError, match="png, svg"):
+        with pytest.raises(ValueError, match="svg, png"):
             client.plot("j1", "brazil", "pdf")
         with pytest.raises(ValueError, match="a value or a list"):
             client.plot("j1", "brazil", figsize={"w": 6})
@@ -1136,7 +1136,7 @@ def test_render_sends_the_operation_with_its_plot():
         with pytest.raises(pgc.ServerError, match="not the png image"):
             client.render("ranking", simple_workspace(), "ranking", parameters="lumi")
         assert body_of(service.requests[-1])["parameters"] == ["lumi"]
-        for bad, message in [({"kind": "x"}, "as arguments"), (None, "png, svg")]:
+        for bad, message in [({"kind": "x"}, "as arguments"), (None, "svg, png")]:
             with pytest.raises(ValueError, match=message):
                 client.render(
                     "cls", simple_workspace(), "brazil", "eps" if bad is None else "png", bad

@@ -21,8 +21,10 @@ pytestmark = pytest.mark.timeout(300)
 
 STAU = WORKSPACES_DIR / "atlas-susy-2018-04-stau"
 SMALL = {"workspace": simple_workspace((4.0, 8.0)), "test_poi": 1.0}
-# a wait the device thread's turn may take on a loaded 2-core machine (one slice is ~2 s)
-ONE_CHUNK_S = 10.0
+# a wait the device thread's turn may take on a loaded 2-core machine (one slice is ~2 s idle,
+# up to ~11 s seen with four test processes and a busy core); without slices a small request
+# waited for the whole job, minutes here
+ONE_CHUNK_S = 30.0
 
 
 def toy_job() -> dict:
