@@ -589,12 +589,10 @@ def stack_shape(layouts: Sequence[ElementLayout]) -> ModelShape:
     n_pars = sum(sizes.values())
     n_flat = n_pars - len(poisson) + sum(poisson.values())
     n_per_bin = layout_per_bin_count(list(layouts))
-    histosys = {
-        labels_of[i]
-        for layout in layouts
-        for labels_of in [[p.name for p in layout.parameters for _ in range(p.n_parameters)]]
-        for i in layout.histosys_params
-    }
+    histosys: set[str] = set()  # histosys parameters united by name, as the stack does
+    for layout in layouts:
+        names = [p.name for p in layout.parameters for _ in range(p.n_parameters)]
+        histosys.update(names[i] for i in layout.histosys_params)
     n_assembly = _layouts_assembly(layouts, len(histosys), common=len(layouts) == 1)
     return ModelShape(n_pars, layouts[0].n_main, len(poisson), n_flat, n_per_bin, n_assembly)
 
@@ -604,7 +602,7 @@ def model_shape(model: HistFactoryModel) -> ModelShape:
     n_flat = model.unconstrained.numel() + model.poisson_constrained.numel()
     n_per_bin = model.bin_parameters.n_per_bin
     main, n_main = model.main, model.n_main
-    common = assembly_numbers(
+    n_assembly = assembly_numbers(
         n_main,
         main.nominal.shape[-1],
         main.histosys_by_bin.shape[-1],
@@ -614,7 +612,7 @@ def model_shape(model: HistFactoryModel) -> ModelShape:
     )
     own = main.own_nominal.shape[-1]
     if own:
-        common += assembly_numbers(
+        n_assembly += assembly_numbers(
             n_main,
             own,
             main.own_histosys_coefficients.shape[1],
@@ -623,7 +621,7 @@ def model_shape(model: HistFactoryModel) -> ModelShape:
             main.own_multiplier_params.shape[-2],
             per_column_histosys=True,
         )
-    return ModelShape(model.n_pars, model.n_main, model.n_aux, n_flat, n_per_bin, common)
+    return ModelShape(model.n_pars, model.n_main, model.n_aux, n_flat, n_per_bin, n_assembly)
 
 
 class _Progress:
