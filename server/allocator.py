@@ -5,17 +5,14 @@ operation (``[rows, normsys entries]`` arrays, Jacobians). glibc serves allocati
 ``mmap`` threshold (128 KiB, adjusted upwards as such blocks are freed) with fresh ``mmap``
 pages and returns freed heap memory above its trim threshold to the system, so the engine
 keeps paying page faults for memory it just gave back. With the thresholds raised, freed
-blocks are reused instead. Measured on this repository's 2-core CPU (one thread): the stau
-derivatives of 468 rows 8.7-9.5 ms instead of 20-24 ms, the stau ranking 83-89 ms instead of
-103-121 ms, a 24-patch stau hypotest 76 instead of 88 ms; smaller models (sbottom, 3l) alike
-within noise. The price: up to :data:`TRIM_THRESHOLD` of freed memory stays with the process.
+blocks are reused instead, which shortens the fits whose temporaries are that large (the
+figures: BENCHMARKS.md, "Figures behind defaults"). The price: up to :data:`TRIM_THRESHOLD`
+of freed memory stays with the process.
 
 One arena (``M_ARENA_MAX`` 1): glibc gives each thread that meets contention its own arena,
 and ``malloc_trim`` does not shrink those arenas' tops, so what the server's threads freed
-stayed with the process (+430 MB after 24 parallel request bodies that inflate to 48 MiB each;
-with one arena and a trim after each large body, none). Measured with the server: the 3l
-24-patch command and the 2107-parameter analysis' ``cls`` as fast as with glibc's arenas, the
-latter's peak resident memory 0.93 GiB instead of 1.17.
+(large request bodies, inflated in parallel) stayed with the process. With one arena, and a
+trim after each large body, it goes back, at no measurable cost in speed (BENCHMARKS.md).
 
 The server (``pyhf-gpu-server``) and the Dask worker plugin apply it at start-up, as they set
 the garbage collector's thresholds and BLAS's threads (:mod:`pyhf_gpu_server.blas`); a library

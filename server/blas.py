@@ -2,10 +2,10 @@
 
 The engine's CPU fits run on torch's own thread pool, one thread per core. numpy and scipy
 each bring an OpenBLAS with a pool of their own, and after a product large enough to be
-threaded its workers spin-wait (about 0.1 s) on those same cores. One such product while
-stacking a model, right before its engine call, made the 218-point sbottom-B hypotests
-60-100 ms slower (BENCHMARKS.md, "BLAS threads"). The host-side numpy work (translating,
-stacking, plotting) is small enough for one thread.
+threaded its workers spin-wait on those same cores for a while. One such product while
+stacking a model, right before its engine call, slowed that engine call (BENCHMARKS.md,
+"Figures behind defaults"). The host-side numpy work (translating, stacking, plotting) is
+small enough for one thread.
 
 The server (``pyhf-gpu-server``) and the Dask worker plugin apply it at start-up, with the
 allocator's thresholds (:mod:`pyhf_gpu_server.allocator`); a library user may call

@@ -64,8 +64,8 @@ __all__ = [
     "solve_costs",
 ]
 
-# Rows per block for the CPU: a block's intermediates stay in cache. Measured on the shared
-# workspaces: per row, blocks of 256 run 2-2.5x faster than 2400 rows at once.
+# Rows per block for the CPU: a block's intermediates stay in cache, so per row a block runs
+# faster than thousands of rows at once (BENCHMARKS.md, "Figures behind defaults").
 CPU_BLOCK_ROWS = 256
 
 
@@ -551,10 +551,10 @@ def choose_solver(
     n_main: int, n_pars: int, n_per_bin: int, n_flat: int, memory: int, solver: Solver = "auto"
 ) -> str:
     """The solver a model's steps use: ``solver`` unless ``"auto"``; then low-rank when its
-    rank ``N + 2 memory + F`` is at most half the parameter count (measured on the shared
-    workspaces, CPU, 24-patch hypotests and toys: 1.3-2.5x faster than dense at ranks from 20
-    of 60 parameters to 42 of 115), else block when the model has per-bin parameters and
-    :func:`solve_costs` puts it at under half the dense cost, else dense.
+    rank ``N + 2 memory + F`` is at most half the parameter count (its ``O(P r^2)`` solve then
+    beats the dense ``O(P^3)`` one; BENCHMARKS.md, "Figures behind defaults"), else block
+    when the model has per-bin parameters and :func:`solve_costs` puts it at under half the
+    dense cost, else dense.
 
     >>> choose_solver(5, 124, 5, 3, 8)  # a published SUSY likelihood: few bins
     'low-rank'

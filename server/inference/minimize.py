@@ -21,9 +21,10 @@ fixed-parameter mask) is advanced in one loop. Every iteration:
    step, and keeps it if it lowers the objective (Levenberg-Marquardt), else raises the
    damping: one derivative evaluation per iteration. (``trials="grid"`` instead evaluates
    the objective at every candidate and a few step lengths, keeps the best, and takes its
-   derivatives afterwards: fewer iterations, each dearer; measured slower on the CPU, but
-   for the last few rows of a call, whose iterations cost their dispatch: ``tail_rows``, and
-   for every row still running after ``tail_after_all`` iterations;
+   derivatives afterwards: fewer iterations, each dearer, so slower where an iteration costs
+   its arithmetic; used for the last few rows of a call, whose iterations cost their
+   dispatch: ``tail_rows``, and for every row still running after ``tail_after_all``
+   iterations;
    from ``exact_newton_after`` iterations on, the grid also tries, at its full length, the
    Newton step of the exact curvature where the objective gives the second-order term and
    that curvature is positive definite.)
@@ -131,8 +132,9 @@ class MinimizeOptions:
         trials: ``"damped"``: one trial point per iteration, the damped step, with its
             derivatives (they are the next iteration's when it is accepted); ``"grid"``: the
             objective at every candidate (pure Newton and ``damping_factors``) times every
-            ``step_lengths``, the best one kept. Measured on the shared workspaces (CPU,
-            toys): ``"damped"`` needs ~15% more iterations at ~half the cost each.
+            ``step_lengths``, the best one kept. ``"damped"`` takes a few more iterations,
+            each with one objective evaluation instead of a grid of them: the cheaper fit
+            (BENCHMARKS.md, "Figures behind defaults").
         damping_factors: ``"grid"`` only: the damped candidates, as multiples of ``lambda``.
         step_lengths: ``"grid"`` only: fractions of each candidate step that are tried too (a
             line search on a grid; values only, no extra factorisation).
@@ -155,7 +157,8 @@ class MinimizeOptions:
             costs its operations' dispatch, not their arithmetic, so ten trial points cost
             about what one does, and the slow fits that set the length of a call
             (conditional fits of excluded signals, down a curved valley where the damped
-            step falls short) need fewer iterations (BENCHMARKS.md). ``0``: never.
+            step falls short) need fewer iterations (BENCHMARKS.md, "Figures behind
+            defaults"). ``0``: never.
         tail_after: iterations before the tail may start: a fit that converges sooner (most
             do) never pays for the grid's extra trial points and factorisations.
         tail_after_all: iterations after which the tail starts however many rows still run
@@ -270,8 +273,8 @@ def decrement_tolerance(f: Tensor, tol: float, scale: Tensor | float = 0.0) -> T
     ``rounding_scale``: a deviance of order 1000 summed from Poisson terms of counts ~10^6, as
     shapesys with Poisson scales of 10^4-10^6 make, carries rounding errors of ~10^-8, and no
     step can show a smaller decrease). Either side of 0: a decrement below minus this is an uphill step,
-    which a positive definite curvature cannot give, so no certificate (a solve that lost its
-    digits gave one where a bin's rate was ~0, BENCHMARKS.md).
+    which a positive definite curvature cannot give, so no certificate (a solve that has lost
+    its digits, as where a bin's rate is ~0, can give one).
 
     >>> f = torch.tensor([1881.0, 2.0], dtype=torch.float64)
     >>> decrement_tolerance(f, 1e-10, torch.tensor([5.7e7, 40.0], dtype=torch.float64))
