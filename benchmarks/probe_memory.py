@@ -3,7 +3,7 @@ time: small bodies whose models would take gigabytes, and patchsets whose patche
 their own modifiers. Prints a markdown table (docs/OPERATORS.md): per probe, the status, the
 seconds to the answer and the server's peak resident memory (``/proc``, every 0.1 s), each on
 a fresh server with its defaults, except the toy probe: 100000 toys on one POI of a generated
-427-parameter, 300-bin analysis, with ``--max-fit-memory-mb 1024``, its client gone after 90 s
+550-parameter, 300-bin analysis, with ``--max-fit-memory-mb 1024``, its client gone after 90 s
 (the peak shows whether the fits' memory stays within that bound plus the model's).
 
     .venv/bin/python benchmarks/probe_memory.py [--timeout-s 300]
@@ -80,11 +80,11 @@ def probes() -> list[tuple[str, str, bytes, tuple[str, ...], float | None]]:
         ),
     ]
     probes = [(name, route, body, (), None) for name, route, body in bodies]
-    analysis = analysis_workspace(channels=12, bins=25, systematics=120, injected=1.0)
+    analysis = analysis_workspace(channels=12, bins=25, systematics=243, injected=1.0)
     toys = {"workspace": analysis, "test_poi": 1.0, "calctype": "toybased", "ntoys": 100_000}
     probes.append(
         (
-            "100000 toys, 427-parameter analysis, --max-fit-memory-mb 1024",
+            "100000 toys, 550-parameter analysis, --max-fit-memory-mb 1024",
             "/cls",
             toys,
             TOY_SERVER_ARGS,

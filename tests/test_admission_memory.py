@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from pyhf_gpu_server.engine import HistFactoryModel
 from pyhf_gpu_server.inference import FitOptions, MinimizeOptions, hypotest
-from pyhf_gpu_server.service.admission import BYTES_PER_NUMBER, block_bytes_per_row
+from pyhf_gpu_server.service.admission import BYTES_PER_NUMBER, block_bytes_per_row, toy_bytes
 from pyhf_gpu_server.service.dispatch import model_shape
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -60,6 +60,14 @@ def analysis_model() -> HistFactoryModel:
     return HistFactoryModel.from_workspace(ws, dtype=torch.float64)
 
 
+@pytest.fixture(scope="module")
+def small_analysis_model() -> HistFactoryModel:
+    """A smaller generated analysis: 4 regions x 10 bins, 10 shared systematics (57
+    parameters)."""
+    ws = analysis_workspace(channels=4, bins=10, systematics=10, injected=1.0)
+    return HistFactoryModel.from_workspace(ws, dtype=torch.float64)
+
+
 def test_a_block_row_is_admitted_with_what_its_jacobian_assembly_allocates(analysis_model):
     model, rows = analysis_model, 64
     shape = model_shape(model)
@@ -87,3 +95,19 @@ def test_toy_fits_hold_at_most_their_admitted_bytes_per_row(analysis_model):
         hypotest(model, 1.0, calctype="toybased", ntoys=rows, seed=1, options=options)
     held = counter.peak / rows
     assert 0.6 * admitted <= held <= admitted, (held, admitted)
+
+
+def test_drawn_toys_hold_at_most_their_admitted_bytes(small_analysis_model):
+    """What a toy-based call holds per toy outside its minimiser calls (the growth of the
+    peak from 20 to 60 toys, fit rows fixed at 16 a call), within what admission counts
+    (``toy_bytes``), so that a call's toys and fits together keep to the fit-memory bound."""
+    model = small_analysis_model
+    options = FitOptions(max_rows=16, minimize=MinimizeOptions(max_iter=1))
+    peaks = []
+    for ntoys in (20, 60):
+        with PeakTensorBytes() as counter:
+            hypotest(model, 1.0, calctype="toybased", ntoys=ntoys, seed=1, options=options)
+        peaks.append(counter.peak)
+    per_toy = (peaks[1] - peaks[0]) / (2 * 40)  # signal and background toys
+    admitted = toy_bytes(model_shape(model))
+    assert 0.6 * admitted <= per_toy <= admitted, (per_toy, admitted)

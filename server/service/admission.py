@@ -28,7 +28,7 @@ Example:
     >>> small = ModelShape(n_pars=60, n_main=40, n_aux=23, n_flat=2)
     >>> fit = limits.fit_plan(small)
     >>> fit.solver, fit.bytes_per_row, limits.rows_per_call(fit)
-    ('auto', 348480, 12324)
+    ('auto', 348480, 8627)
     >>> wide = ModelShape(n_pars=6001, n_main=6000, n_aux=6000, n_flat=1)
     >>> limits.rows_per_call(limits.fit_plan(wide))  # 3.8 GiB a row
     1
@@ -182,6 +182,33 @@ def assembly_numbers(
     return max(histosys, 5 * normsys_entries, 3 * multiplier_depth * columns) + 10 * columns
 
 
+#: The share of ``--max-fit-memory-mb`` left to the allocator: a minimiser call's temporaries,
+#: freed, leave holes in the heap (glibc's, on the CPU; CUDA's cache likewise) that the next
+#: call's differently sized ones do not all reuse, so resident memory grows past what the
+#: fits hold at once (~1.1x that, plus ~50 MiB, for toy fits of a 550-parameter analysis).
+#: Engine calls fit their rows within the rest.
+HEAP_SHARE = 0.3
+#: The share of ``--max-fit-memory-mb`` that the toys drawn in one engine call may hold (at
+#: least one row's); its fits are admitted within the rest.
+TOY_SHARE = 0.25
+
+
+def toy_bytes(shape: ModelShape) -> int:
+    """Bytes one toy holds in an engine call outside the minimiser, from its draw to its test
+    statistic: its pseudo-data and the fits' copies of it (``2 (N + A)``), and per fit, free
+    and conditional, its start, bounds, best fit and results (``9 P``). A toy-based engine
+    call holds them for all its toys at once, besides the ``max_rows`` fit rows its minimiser
+    calls hold. The tensor bytes counted per toy (``tests/test_admission_memory.py``) lie
+    within 0.75 and 1 of it on the generated analyses.
+
+    Example (the 550-parameter, 300-bin analysis of ``generate_large``: 845 data, 53 kB)::
+
+        >>> toy_bytes(ModelShape(550, 300, 545, 8))
+        53120
+    """
+    return BYTES_PER_NUMBER * (2 * shape.n_data + 9 * shape.n_pars)
+
+
 def dense_bytes_per_row(shape: ModelShape) -> int:
     """``10 P^2`` (curvature, factor, secant, temporaries) + ``2 N P`` (Jacobian, and the trial
     point's) + the Jacobian's assembly."""
@@ -282,9 +309,32 @@ class FitLimits:
             "fewer test_poi values, patches or toys, or several requests"
         )
 
+    @property
+    def call_bytes(self) -> int:
+        """What one engine call's fits (and drawn toys) are admitted within: ``max_fit_bytes``
+        less :data:`HEAP_SHARE` of it, left to the allocator."""
+        return int((1.0 - HEAP_SHARE) * self.max_fit_bytes)
+
     def rows_per_call(self, fit: FitPlan) -> int:
-        """How many rows one minimiser call may fit at once within ``max_fit_bytes``."""
-        return max(1, self.max_fit_bytes // fit.bytes_per_row)
+        """How many rows one minimiser call may fit at once within :attr:`call_bytes`."""
+        return max(1, self.call_bytes // fit.bytes_per_row)
+
+    def toy_call(self, fit: FitPlan, shape: ModelShape, toys_per_row: int) -> tuple[int, int]:
+        """For rows that draw ``toys_per_row`` toys each: how many such rows one engine call
+        takes (their toys within :data:`TOY_SHARE` of :attr:`call_bytes`, at least one row),
+        and how many fit rows one of its minimiser calls fits within what is left.
+
+        Example (a 1 GiB bound, 717 MiB of it for the call, 100 toys a row of 53 kB each,
+        fit rows of 3.2 MB):
+
+            >>> limits = FitLimits(5000, 50000, 2**30)
+            >>> limits.toy_call(FitPlan("auto", 3_200_000), ModelShape(550, 300, 545, 8), 100)
+            (35, 176)
+        """
+        per_row = toys_per_row * toy_bytes(shape)
+        rows = max(1, int(TOY_SHARE * self.call_bytes) // per_row)
+        left = self.call_bytes - rows * per_row
+        return rows, max(1, left // fit.bytes_per_row)
 
 
 class FitMemory:
@@ -314,9 +364,10 @@ class FitMemory:
         self._lock = threading.Lock()
 
     @contextmanager
-    def holding(self, rows: float, fit: FitPlan, max_rows: int) -> Iterator[None]:
-        """Count ``rows`` fit rows (at most ``max_rows`` at once) while the block runs."""
-        nbytes = int(min(rows, max_rows) * fit.bytes_per_row)
+    def holding(self, rows: float, fit: FitPlan, max_rows: int, besides: int = 0) -> Iterator[None]:
+        """Count ``rows`` fit rows (at most ``max_rows`` at once), and ``besides`` bytes held
+        outside the minimiser (drawn toys), while the block runs."""
+        nbytes = int(min(rows, max_rows) * fit.bytes_per_row) + besides
         with self._lock:
             self.current += nbytes
             self.peak = max(self.peak, self.current)

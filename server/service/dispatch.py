@@ -29,6 +29,7 @@ from pyhf_gpu_server.engine.stacking import partition, split_reason
 from pyhf_gpu_server.engine.translate import ignored_observations
 from pyhf_gpu_server.inference.minimize import MinimizeOptions
 from pyhf_gpu_server.inference.mle import FitOptions
+from pyhf_gpu_server.inference.toys import TOY_BLOCK
 
 from .admission import (
     FitLimits,
@@ -37,6 +38,7 @@ from .admission import (
     ModelShape,
     assembly_numbers,
     likelihood_refusal,
+    toy_bytes,
 )
 from .elements import Element, ElementStore
 from .errors import ServiceError, Unprocessable, translate
@@ -99,6 +101,9 @@ class EngineCall:
     max_rows: int  # rows one minimiser call may fit (--max-fit-memory-mb)
     fit_plan: FitPlan  # the solver its fits use and what a row holds
     row_cost: float  # about how many fits a row runs (Plan.row_cost)
+    # toy-based: rows one operation run takes, and the bytes each row's drawn toys hold
+    toy_rows: int | None = None
+    toy_row_bytes: int = 0
 
     def engine_rows(
         self, model: HistFactoryModel, rows: Sequence[Row], stop: Callable[[], bool] | None
@@ -140,13 +145,22 @@ class EngineCall:
         ones are traced in the mode they run in): no autograd or version-counter bookkeeping
         on its ~1,000 operations an iteration (BENCHMARKS.md). The derivatives the fits use are
         closed-form or ``torch.func`` transforms, which run in it; every tensor the service
-        keeps of a warm model is made here or at build time, so none meets autograd later."""
-        with (
-            memory.holding(len(rows) * self.row_cost, self.fit_plan, self.max_rows),
-            torch.inference_mode(),
-        ):
-            engine_rows = self.engine_rows(model, rows, stop)
-            return operation_named(self.operation).run(model, engine_rows, self.options)
+        keeps of a warm model is made here or at build time, so none meets autograd later.
+
+        A toy-based call runs its rows ``toy_rows`` at a time, one after the other: a run
+        holds every toy it draws at once, besides its fits (``FitLimits.toy_call``)."""
+        size = self.toy_rows or max(len(rows), 1)
+        results: list[RowResult] = []
+        for start in range(0, len(rows), size):
+            group = rows[start : start + size]
+            toys = len(group) * self.toy_row_bytes
+            with (
+                memory.holding(len(group) * self.row_cost, self.fit_plan, self.max_rows, toys),
+                torch.inference_mode(),
+            ):
+                engine_rows = self.engine_rows(model, group, stop)
+                results += operation_named(self.operation).run(model, engine_rows, self.options)
+        return results
 
 
 @dataclass(frozen=True)
@@ -527,10 +541,23 @@ class Dispatcher:
             shape = model_shape(cached.model)
         max_rows = FitOptions().max_rows  # also bounds the time of one iteration (stop checks)
         fit_plan = FitPlan("auto", 0) if self.limits is None else self.limits.fit_plan(shape)
+        toy_rows, toy_row_bytes = None, 0
         if self.limits is not None:
             max_rows = min(max_rows, self.limits.rows_per_call(fit_plan))
+            toys = 2 * min(context.operation.toys(context.options), TOY_BLOCK)  # signal, bkg
+            if toys:
+                toy_rows, fit_rows = self.limits.toy_call(fit_plan, shape, toys)
+                toy_row_bytes = toys * toy_bytes(shape)
+                max_rows = min(max_rows, fit_rows)
         call = EngineCall(
-            context.operation.name, context.options, digests, max_rows, fit_plan, context.row_cost
+            context.operation.name,
+            context.options,
+            digests,
+            max_rows,
+            fit_plan,
+            context.row_cost,
+            toy_rows,
+            toy_row_bytes,
         )
         return BatchContext(call, recipe, cached, self.fit_memory)
 

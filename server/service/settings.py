@@ -196,8 +196,9 @@ class Settings:
     max_fit_memory_mb: float = field(
         default=4096.0,
         metadata={
-            "help": "memory (MiB) the fits of one engine call may hold: rows are split to fit, "
-            "a model one row of which needs more is refused (422)"
+            "help": "memory (MiB) the fits of one engine call may add to resident memory (70 percent "
+            "for their rows and drawn toys, the rest left to the allocator): rows are split to "
+            "fit, a model one row of which needs more is refused (422)"
         },
     )
     max_model_memory_mb: float = field(
