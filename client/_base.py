@@ -372,6 +372,51 @@ class ClientBase:
         return p.operation_flow("yields", workspace, body, self.config, self.state)
 
     @_api
+    def likelihood(
+        self,
+        workspace: JSONSource,
+        test_poi: float | Sequence[float] = 1.0,
+        *,
+        data: str | Sequence[float] = "observed",
+        asimov: str | None = None,
+        free_fit: bool = True,
+        poi_bounds: tuple[float, float] | None = None,
+        describe: bool = False,
+        parameters: Sequence[float] | None = None,
+        measurement: str | None = None,
+        patches: Sequence[Any] | None = None,
+        patchset: JSONSource | None = None,
+        patch_names: Sequence[str] | None = None,
+        **options: Any,
+    ) -> p.Flow[Result]:
+        """Profile ``-2 log L`` with the POI fixed at ``test_poi`` and the free minimum
+        (``POST /likelihood``), on ``data`` (``"observed"``, ``"apriori"`` or a dataset) and,
+        with ``asimov`` (``"q"``, ``"qtilde"``, ``"q0"``), on its Asimov data: what a
+        likelihood front end such as spey asks (:mod:`pyhf_gpu_client.spey`).
+
+        Returns a :class:`LikelihoodResult` (a list for a sequence of ``test_poi``;
+        ``{patch_name: ...}`` with a ``patchset``). ``poi_bounds`` bound the POI in the free
+        fits; ``describe`` adds the model's parameters; ``parameters`` the expected data and
+        ``-2 log L`` at that point.
+        """
+        body = p.build_options(
+            "likelihood",
+            test_poi=test_poi,
+            data=data if isinstance(data, str) else [float(v) for v in data],
+            asimov=asimov,
+            free_fit=None if free_fit else False,
+            poi_bounds=None if poi_bounds is None else [float(v) for v in poi_bounds],
+            describe=describe or None,
+            parameters=None if parameters is None else [float(v) for v in parameters],
+            measurement=measurement,
+            patches=patches,
+            patchset=patchset,
+            patch_names=patch_names,
+            **options,
+        )
+        return p.operation_flow("likelihood", workspace, body, self.config, self.state)
+
+    @_api
     def run_patchset(
         self,
         workspace: JSONSource,

@@ -26,6 +26,7 @@ PLOT_KINDS: dict[str, tuple[str, ...]] = {
     "scan": ("scan",),
     "yields": ("yields",),
     "significance": (),
+    "likelihood": (),
 }
 
 #: the image formats, and the media type each is served as

@@ -24,6 +24,7 @@ __all__ = [
     "Flag",
     "GoodnessOfFit",
     "Job",
+    "LikelihoodResult",
     "PoiEstimate",
     "RankingResult",
     "Result",
@@ -48,6 +49,7 @@ OPERATIONS: dict[str, str] = {
     "ranking": "/ranking",
     "scan": "/scan",
     "yields": "/yields",
+    "likelihood": "/likelihood",
 }
 
 _META_KEYS = ("meta",)
@@ -329,6 +331,40 @@ class SignificanceResult:
         """The server's keys (``p0_obs``, ``p0_exp``, ``z_obs``, ``z_exp``, ...), without ``meta``."""
         p0o, p0e, zo, ze = self.keys
         return {**self.extra, p0o: self.p0_obs, p0e: self.p0_exp, zo: self.z_obs, ze: self.z_exp}
+
+
+@dataclass
+class LikelihoodResult(_Record):
+    """Fits at one tested POI value (``POST /likelihood``): ``data`` and, with ``asimov``,
+    ``asimov`` each ``{"fixed": fit, "free": fit}`` where a fit is ``{"twice_nll",
+    "parameters", "converged"}`` (the free fit only when asked for); ``model`` (``describe``)
+    and ``at_parameters`` (``parameters``) as the server sends them."""
+
+    test_poi: float
+    data: dict[str, Any]
+    asimov: dict[str, Any] | None = None
+    model: dict[str, Any] | None = None
+    at_parameters: dict[str, Any] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def matches(cls, data: Mapping[str, Any]) -> bool:
+        """One row's answer (not a patchset's ``{patch: ...}``)."""
+        return "test_poi" in data and isinstance(data.get("data"), Mapping) and "meta" in data
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> LikelihoodResult:
+        known = ("test_poi", "data", "asimov", "model", "at_parameters")
+        return cls(
+            test_poi=_float(data["test_poi"]),
+            data=dict(data["data"]),
+            asimov=data.get("asimov"),
+            model=data.get("model"),
+            at_parameters=data.get("at_parameters"),
+            meta=dict(data.get("meta") or {}),
+            extra=_extra(data, known),
+        )
 
 
 @dataclass
@@ -736,6 +772,7 @@ Single = (
     | ScanResult
     | Scan2DResult
     | YieldsResult
+    | LikelihoodResult
 )
 #: what every operation returns: one result, a list (a ``test_poi`` scan) or ``{patch: ...}``
 Result = Single | list[Any] | dict[str, Any]
@@ -749,6 +786,7 @@ _CLASSES: dict[str, tuple[type, ...]] = {
     "ranking": (RankingResult,),
     "scan": (Scan2DResult, ScanResult),
     "yields": (YieldsResult,),
+    "likelihood": (LikelihoodResult,),
 }
 
 

@@ -2,7 +2,7 @@
 
 Example:
     >>> sorted(OPERATIONS)
-    ['cls', 'fit', 'ranking', 'scan', 'significance', 'upper-limit', 'yields']
+    ['cls', 'fit', 'likelihood', 'ranking', 'scan', 'significance', 'upper-limit', 'yields']
     >>> OPERATIONS["cls"].request_model.__name__, OPERATIONS["cls"].pois_field
     ('ClsRequest', 'test_poi')
 """
@@ -19,6 +19,7 @@ from ..schemas import JobViewBase, _Declared
 from .base import EngineRows, Operation, RowResult, RowStatus
 from .cls import Cls
 from .fit import Fit
+from .likelihood import Likelihood
 from .ranking import Ranking
 from .scan import Scan
 from .significance import Significance
@@ -37,7 +38,17 @@ __all__ = [
 ]
 
 OPERATIONS: dict[str, Operation] = {
-    op.name: op for op in (Cls(), Fit(), UpperLimit(), Significance(), Ranking(), Scan(), Yields())
+    op.name: op
+    for op in (
+        Cls(),
+        Fit(),
+        UpperLimit(),
+        Significance(),
+        Ranking(),
+        Scan(),
+        Yields(),
+        Likelihood(),
+    )
 }
 
 
