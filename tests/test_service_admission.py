@@ -383,7 +383,7 @@ def test_a_hundred_thousand_toys_stay_within_the_fit_bound_plus_the_model(tmp_pa
     """#37: ``ntoys=100000`` on one POI of a generated 550-parameter, 300-bin analysis, on a
     server with ``--max-fit-memory-mb 512``. The request is admitted and runs slice by slice,
     each engine call's drawn toys counted besides its fit rows (it held ~2x the bound before).
-    While it runs (the client gives up after 20 s) the server's resident memory, read from
+    While it runs (the client gives up after 12 s) the server's resident memory, read from
     /proc every 0.1 s, stays within the bound above what it holds with the model warm (an
     asymptotic ``cls`` on the same workspace first); once the client has gone, the fits stop
     within a few seconds."""
@@ -401,7 +401,7 @@ def test_a_hundred_thousand_toys_stay_within_the_fit_bound_plus_the_model(tmp_pa
         watcher.start()
         body = {"workspace": workspace, "test_poi": 1.0, "calctype": "toybased"}
         try:
-            with server.client(timeout_s=20) as client, pytest.raises(httpx.TimeoutException):
+            with server.client(timeout_s=12) as client, pytest.raises(httpx.TimeoutException):
                 client.post("/cls", json={**body, "ntoys": 100_000})
         finally:
             stop.set()
