@@ -168,12 +168,22 @@ def test_token_from_a_file_stays_off_the_command_line(server: ServerProcess) -> 
 
 @pytest.fixture
 def restored_logging() -> Iterator[None]:
-    """Put the root and pyhf loggers back as they were after the test."""
-    root, pyhf_logger = logging.getLogger(), logging.getLogger("pyhf")
-    saved = (root.handlers[:], root.level, pyhf_logger.level)
+    """pyhf's loggers as a fresh server process has them (levels unset: tests run before in
+    this process may have set some, as spey-pyhf sets ``pyhf.pdf`` to CRITICAL), and the root
+    and pyhf loggers put back as they were after the test."""
+    root = logging.getLogger()
+    pyhf_loggers = [
+        logger
+        for name, logger in logging.Logger.manager.loggerDict.items()
+        if (name == "pyhf" or name.startswith("pyhf.")) and isinstance(logger, logging.Logger)
+    ]
+    saved = (root.handlers[:], root.level, [logger.level for logger in pyhf_loggers])
+    for logger in pyhf_loggers:
+        logger.setLevel(logging.NOTSET)
     yield
     root.handlers[:], root.level = saved[0], saved[1]
-    pyhf_logger.setLevel(saved[2])
+    for logger, level in zip(pyhf_loggers, saved[2], strict=True):
+        logger.setLevel(level)
 
 
 @pytest.mark.parametrize(("level", "pyhf_lines_expected"), [("info", False), ("debug", True)])
