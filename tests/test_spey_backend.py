@@ -217,6 +217,22 @@ def test_shared_workspace_cls_agree_with_spey_pyhf(client: Client) -> None:
         )
 
 
+def test_shared_workspace_upper_limits_agree_with_spey_pyhf(client: Client) -> None:
+    """spey's ``poi_upper_limit`` (its own root search over our likelihoods) on the published
+    sbottom-B point, for each expectation type, as spey-pyhf's (1e-4 relative)."""
+    background, patch = shared()
+    ours, theirs = models(background, patch, client)
+    for expected in EXPECTATIONS:
+        assert_close(
+            as_list(ours.poi_upper_limit(expected=expected)),
+            as_list(theirs.poi_upper_limit(expected=expected)),
+            True,
+            lambda e=expected: as_list(
+                theirs.poi_upper_limit(expected=e, optimiser_arguments={"tol": 1e-10})
+            ),
+        )
+
+
 def test_batched_helper_answers_many_patches_in_one_request(client: Client, server) -> None:
     background, patch = hand_built()
     scaled = copy.deepcopy(patch)
