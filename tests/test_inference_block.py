@@ -117,6 +117,14 @@ def test_the_block_hessian_and_covariance_equal_the_dense_ones(name):
     torch.testing.assert_close(
         block.dense(), dense, rtol=1e-11, atol=1e-11 * dense.abs().amax().item()
     )
+    # the rows computed a block of one at a time join into the same blocks (this raised a
+    # TypeError while a split's per-bin blocks were joined as tensors)
+    split = TwiceNLL(model, data, element, "hessian", block_rows=1).block_hessian(x, rows)
+    for part in ("shared", "cross", "per_bin"):
+        whole = getattr(block, part)
+        torch.testing.assert_close(
+            getattr(split, part), whole, rtol=1e-12, atol=1e-12 * whole.abs().amax().item()
+        )
     fixed = model.fixed.index_select(0, element).clone()
     structure = model.bin_parameters
     fixed[0, int(structure.shared[-1])] = True

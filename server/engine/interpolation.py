@@ -251,7 +251,9 @@ def normsys_log_factor_and_slope(
     code: str, alpha: torch.Tensor, coefficients: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`normsys_log_factor` and ``d log|factor| / d alpha``, sharing the polynomial."""
-    return _normsys(code, alpha, coefficients.unbind(0), with_slope=True)
+    log_abs, negative, slope = _normsys(code, alpha, coefficients.unbind(0), with_slope=True)
+    assert slope is not None
+    return log_abs, negative, slope
 
 
 def _normsys(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, overload
 
 import torch
 
@@ -85,6 +85,9 @@ class _Block(NamedTuple):
 
 
 class _RateFactors(NamedTuple):
+    """A block's rate factors; ``multiplier_values`` and the slopes (``with_slopes``) are
+    None only where the block has no modifier of their kind."""
+
     base: torch.Tensor  # [B, Q] nominal + histosys shift
     normsys: torch.Tensor  # [B, Q] product of normsys factors
     multipliers: torch.Tensor  # [B, Q] product of plain multipliers
@@ -180,6 +183,7 @@ def _normsys_entries(values: torch.Tensor, block: _Block) -> torch.Tensor:
 def _histosys_shift(block: _Block, basis: torch.Tensor) -> torch.Tensor:
     """``[B, Q]``: every column's histosys shift for the basis values ``[B, K * J]``."""
     if block.histosys_by_bin is None:  # own: per row
+        assert block.histosys_coefficients is not None
         return (basis.unsqueeze(1) @ block.histosys_coefficients).squeeze(1)
     n_main, n_variants, width = block.histosys_by_bin.shape
     shift = block.histosys_by_bin.reshape(n_main * n_variants, width) @ basis.mT  # [N U, B]
@@ -282,6 +286,28 @@ class RatesCurvature(NamedTuple):
     per_bin: torch.Tensor  # [B, N, G, G] per bin, among its slots
 
 
+@overload
+def expected_main_jacobian(
+    pars: torch.Tensor,
+    element: torch.Tensor,
+    main: MainTensors,
+    histosys_code: str,
+    normsys_code: str,
+    columns: None = None,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def expected_main_jacobian(
+    pars: torch.Tensor,
+    element: torch.Tensor,
+    main: MainTensors,
+    histosys_code: str,
+    normsys_code: str,
+    columns: JacobianColumns,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
 def expected_main_jacobian(
     pars: torch.Tensor,
     element: torch.Tensor,
@@ -289,7 +315,7 @@ def expected_main_jacobian(
     histosys_code: str,
     normsys_code: str,
     columns: JacobianColumns | None = None,
-) -> tuple[torch.Tensor, ...]:
+) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Expected main data ``[B, N]`` and its Jacobian ``[B, N, P]``, in closed form.
 
     One forward pass per modifier kind, no autograd: the fit loop runs on any device, and
@@ -307,7 +333,7 @@ def expected_main_jacobian(
     expected = torch.zeros(rows, n_main, dtype=pars.dtype, device=pars.device)
     jacobian = torch.zeros(rows, n_main * width, dtype=pars.dtype, device=pars.device)
     bin_jacobian = None
-    if per_bin is not None:
+    if columns is not None:
         bin_jacobian = pars.new_zeros(rows, columns.n_per_bin + 1)
     for block in _blocks(element, main):
         n_columns = block.nominal.shape[1]
@@ -319,6 +345,7 @@ def expected_main_jacobian(
         weight = block.weight if block.weight is not None else torch.ones_like(rates)
         column_bin = main.bins.repeat(n_columns // n_main)  # [Q]
         if block.histosys_params.shape[0]:
+            assert factors.histosys_slope is not None
             scale = factors.normsys * factors.multipliers * weight
             per_bin_shift = _histosys_per_bin(block, scale, factors.histosys_slope, n_main)
             target = main.bins.unsqueeze(1) * width + _remap(
@@ -326,12 +353,14 @@ def expected_main_jacobian(
             ).unsqueeze(0)
             jacobian.index_add_(1, target.flatten(), per_bin_shift.reshape(rows, -1))
         if block.normsys_column.shape[-1]:
+            assert factors.normsys_slope is not None
             weighted = _take(rates * weight, block.normsys_column)
             target = column_bin.index_select(0, block.normsys_column.reshape(-1)).reshape_as(
                 block.normsys_column
             ) * width + _remap(shared, block.normsys_param)
             _add_at_(jacobian, target, factors.normsys_slope * weighted)
         if block.multiplier_params.shape[-2]:
+            assert factors.multiplier_values is not None
             others = _others(factors.multiplier_values)
             scale = (factors.base * factors.normsys * weight).unsqueeze(1)
             values = (others * scale).reshape(rows, -1)
@@ -341,7 +370,7 @@ def expected_main_jacobian(
             if bin_jacobian is not None:
                 _add_at_(bin_jacobian, _remap(per_bin, params).flatten(-2), values)
     jacobian = jacobian.reshape(rows, n_main, width).narrow(2, 0, width - 1)
-    if bin_jacobian is None:
+    if bin_jacobian is None or columns is None:
         return expected, jacobian
     return expected, jacobian, bin_jacobian.narrow(1, 0, columns.n_per_bin)
 
@@ -378,6 +407,7 @@ def expected_main_gradient(
         if block.histosys_params.shape[0]:
             scale = factors.normsys * factors.multipliers * r_column
             if block.histosys_by_bin is None:  # own: [B, K J, Q]
+                assert block.histosys_coefficients is not None
                 contracted = (block.histosys_coefficients @ scale.unsqueeze(-1)).squeeze(-1)
             else:  # common: [N, U, K J]
                 N, U, width = block.histosys_by_bin.shape
@@ -385,13 +415,16 @@ def expected_main_gradient(
                 contracted = by_bin @ block.histosys_by_bin.reshape(N * U, width)
             n_params = block.histosys_params.shape[0]
             slope = factors.histosys_slope  # [B, K, J]
+            assert slope is not None
             per_param = (contracted.reshape(rows, -1, n_params) * slope).sum(1)
             gradient = gradient.index_add(1, block.histosys_params, per_param)
         if block.normsys_column.shape[-1]:
             weighted = _take(rates * r_column, block.normsys_column)
+            assert factors.normsys_slope is not None
             gradient = _add_at(gradient, block.normsys_param, factors.normsys_slope * weighted)
         if block.multiplier_params.shape[-2]:
             scale = (factors.base * factors.normsys * r_column).unsqueeze(1)
+            assert factors.multiplier_values is not None
             values = (_others(factors.multiplier_values) * scale).reshape(rows, -1)
             gradient = _add_at(gradient, block.multiplier_params.flatten(-2), values)
     return expected, gradient.narrow(1, 0, n_pars)
@@ -457,6 +490,7 @@ def main_rates_curvature(
         if block.normsys_column.shape[-1]:
             alpha = _normsys_alpha(pars, block)
             target = block.normsys_column * width + _remap(shared, block.normsys_param)
+            assert factors.normsys_slope is not None
             slope = _add_at(slope, target, factors.normsys_slope)
             second = normsys_log_curvature(normsys_code, alpha, block.normsys_coefficients)
             second = _normsys_entries(second, block)
@@ -468,6 +502,7 @@ def main_rates_curvature(
         per_bin_t = None  # block form: t of the per-bin parameters by slot [B, Q, G + 1]
         if block.multiplier_params.shape[-2]:
             values = factors.multiplier_values  # [B, M, Q]
+            assert values is not None
             column = torch.arange(n_columns, device=pars.device)
             params = block.multiplier_params  # [M, Q] or [B, M, Q]
             others = (factors.normsys.unsqueeze(1) * _others(values)).reshape(rows, -1)
@@ -515,6 +550,7 @@ def main_rates_curvature(
             n_params = alpha.shape[1]
             if block.histosys_by_bin is None:  # own: [B, K, J, Q]
                 coefficients = block.histosys_coefficients
+                assert coefficients is not None
                 coefficients = coefficients.reshape(rows, -1, n_params, n_columns)
                 pattern = "bkj,bkjq->bqj"
             else:  # common: [N, U, K, J]
@@ -587,6 +623,7 @@ def _histosys_per_bin(
         scaled = scaled.reshape(n_main, rows, -1, n_params)  # [N, B, K, J]
         return (scaled * slope.unsqueeze(0)).sum(dim=2).transpose(0, 1)  # [B, N, J]
     # own: per row
+    assert block.histosys_coefficients is not None
     coefficients = block.histosys_coefficients.reshape(rows, -1, n_variants, n_main)
     scaled = (coefficients * scale.unsqueeze(1)).sum(dim=2)  # [B, K * J, N]
     scaled = scaled.reshape(rows, -1, n_params, n_main)  # [B, K, J, N]

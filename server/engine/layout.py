@@ -170,7 +170,10 @@ def _bin_offsets_of_per_bin_modifiers(config, spec) -> dict[str, dict[str, int]]
 
 
 def _aux_layout(config) -> tuple[np.ndarray, ...]:
-    params, is_poisson, sigmas, scales = [], [], [], []
+    params: list[int] = []
+    is_poisson: list[bool] = []
+    sigmas: list[float] = []
+    scales: list[float] = []
     for name in config.auxdata_order:
         parset = config.param_set(name)
         start = config.par_slice(name).start

@@ -27,7 +27,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, overload
 
 import numpy as np
 import pyhf
@@ -61,7 +61,21 @@ from .stacking import StackLayout
 from .translate import WorkspaceTranslator
 
 if TYPE_CHECKING:
-    from .compiled import KernelCache
+    from .compiled import KernelCache, MainKernel
+
+    class _Stack(Protocol):
+        """What ``HistFactoryModel.stack`` is: on the class, the classmethod that stacks
+        models; on an instance, the instance attribute that shadows it, the model's
+        :class:`StackLayout`."""
+
+        @overload
+        def __get__(
+            self, obj: None, owner: type[HistFactoryModel]
+        ) -> Callable[[Sequence[HistFactoryModel]], HistFactoryModel]: ...
+        @overload
+        def __get__(self, obj: HistFactoryModel, owner: type[HistFactoryModel]) -> StackLayout: ...
+        def __set__(self, obj: HistFactoryModel, value: StackLayout) -> None: ...
+
 
 DeviceLike = str | torch.device
 
@@ -115,7 +129,7 @@ class HistFactoryModel:
         self.n_main = stack.n_main
         self.n_aux = stack.n_aux
         self.n_variants = stack.n_variants
-        self._expected_main = expected_main
+        self._expected_main: MainKernel = expected_main
         self._build_tensors()
 
     # ------------------------------------------------------------------ construction
@@ -165,13 +179,19 @@ class HistFactoryModel:
         return cls([translator.element(operations[n], n) for n in names], device, dtype)
 
     @classmethod
-    def stack(cls, models: Sequence[HistFactoryModel]) -> HistFactoryModel:
+    def _stack_models(cls, models: Sequence[HistFactoryModel]) -> HistFactoryModel:
         """Stack models (stackable elements, one device and dtype) into one batched model."""
         devices = {(m.device, m.dtype) for m in models}
         if len(devices) != 1:
             raise IncompatibleModelsError("models on different devices or dtypes cannot be stacked")
         device, dtype = devices.pop()
         return cls([e for m in models for e in m.elements], device, dtype)
+
+    # HistFactoryModel.stack(models) stacks models; an instance's stack is its StackLayout
+    if TYPE_CHECKING:
+        stack: _Stack
+    else:
+        stack = _stack_models
 
     def to(
         self, device: DeviceLike | None = None, dtype: torch.dtype | None = None
@@ -471,7 +491,10 @@ class HistFactoryModel:
         :meth:`expected_main_jacobian`, the minimiser's derivative call (this instance's
         attribute from now on, in place of the eager method)."""
         self._expected_main = kernels.expected_main(self)
-        self.expected_main_jacobian = self._compiled_jacobian(kernels.expected_main_jacobian(self))
+        # an instance attribute in place of the method (mypy: a method cannot be reassigned)
+        self.expected_main_jacobian = self._compiled_jacobian(  # type: ignore[method-assign]
+            kernels.expected_main_jacobian(self)
+        )
 
     def _compiled_jacobian(self, kernel: Any) -> Any:
         """:meth:`expected_main_jacobian` evaluated by ``kernel`` (the same signature)."""

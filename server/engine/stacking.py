@@ -262,11 +262,11 @@ class StackLayout:
         self.aux_present = np.zeros((self.n_elements, n_aux), dtype=bool)
         # absent slots observe their parameter's start value: a zero pull, a harmless datum
         aux_observed = self.init[:, self.aux_param].copy()
-        for e, (element, slots) in enumerate(zip(self.elements, self.aux_slots, strict=True)):
-            self.aux_sigma[e, slots] = element.aux_sigma
-            self.aux_scale[e, slots] = element.aux_scale
-            self.aux_present[e, slots] = True
-            aux_observed[e, slots] = element.observed[self.n_main :]
+        for e, (element, own) in enumerate(zip(self.elements, self.aux_slots, strict=True)):
+            self.aux_sigma[e, own] = element.aux_sigma
+            self.aux_scale[e, own] = element.aux_scale
+            self.aux_present[e, own] = True
+            aux_observed[e, own] = element.observed[self.n_main :]
         main_observed = np.stack([e.observed[: self.n_main] for e in self.elements])
         self.observed = np.concatenate([main_observed, aux_observed], axis=1)
 
@@ -335,7 +335,9 @@ class StackLayout:
             shifting[u, self.histosys_params] = histosys.any(axis=(0, 2))
             slopes = histosys_slopes_at_nominal(first.histosys_code, histosys)
             sloped[u, self.histosys_params] = slopes.any(axis=1)
-        entries = (np.repeat(np.arange(n_variants), [len(v["normsys_param"]) for v in variants]),)
+        entries: tuple[np.ndarray, ...] = (
+            np.repeat(np.arange(n_variants), [len(v["normsys_param"]) for v in variants]),
+        )
         if len(entries[0]):
             entries += (np.concatenate([v["normsys_param"] for v in variants]),)
             log_hi, log_lo = np.concatenate(

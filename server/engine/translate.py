@@ -564,9 +564,12 @@ class _Assembly:
         return paramsets
 
     def _requirement(self, mtype: str, mname: str, reading: SampleReading | None) -> dict:
+        # shapefactor and shapesys names come with the first sample where they appear
         if mtype == "shapefactor":
+            assert reading is not None
             return REQUIRED_PARSET[mtype](reading.data, None)
         if mtype == "shapesys":
+            assert reading is not None
             return reading.shapesys[mname]
         if mtype == "staterror":
             return self._staterror_requirement(mname)
@@ -959,7 +962,10 @@ def _sample_histosys(
 def _aux_layout(paramsets: list[Paramset], par_start: dict[str, int]) -> dict[str, np.ndarray]:
     """The constrained parameters of each auxiliary datum, their Normal widths (1 for Poisson)
     and Poisson factors (1 for Normal), in pyhf's ``auxdata_order``."""
-    params, is_poisson, sigmas, scales = [], [], [], []
+    params: list[int] = []
+    is_poisson: list[bool] = []
+    sigmas: list[float] = []
+    scales: list[float] = []
     for p in paramsets:
         if p.constraint is None:
             continue
@@ -968,7 +974,11 @@ def _aux_layout(paramsets: list[Paramset], par_start: dict[str, int]) -> dict[st
         poisson = p.constraint == "poisson"
         is_poisson.extend([poisson] * n)
         sigmas.extend([1.0] * n if poisson or p.sigmas is None else p.sigmas)
-        scales.extend(p.factors if poisson else [1.0] * n)
+        if poisson:  # a Poisson constraint's parameter set has its factors
+            assert p.factors is not None
+            scales.extend(p.factors)
+        else:
+            scales.extend([1.0] * n)
     return {
         "aux_param": np.asarray(params, dtype=np.int64),
         "aux_is_poisson": np.asarray(is_poisson, dtype=bool),

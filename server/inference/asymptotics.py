@@ -157,6 +157,8 @@ class AsymptoticCalculator:
         the minima found before on the same dataset at the nearest tested POI value; NaN
         rows (the default start) for the data, the Asimov fit's minimum for the Asimov data,
         where there is none."""
+        # after the first call: its fits are remembered, the Asimov fit done
+        assert self.conditional_minima is not None and self.asimov_fit is not None
         mus, datasets, data_minima, asimov_minima = self.conditional_minima
         distance = (tested.unsqueeze(1) - mus.unsqueeze(0)).abs()
         distance = torch.where(index.unsqueeze(1) == datasets, distance, torch.inf)
@@ -169,7 +171,13 @@ class AsymptoticCalculator:
     def _remember(self, tested: Tensor, index: Tensor, data: FitResults, asimov: FitResults):
         new = (tested, index, data.bestfit, asimov.bestfit)
         if self.conditional_minima is not None:
-            new = tuple(torch.cat(pair) for pair in zip(self.conditional_minima, new, strict=True))
+            mus, datasets, data_minima, asimov_minima = self.conditional_minima
+            new = (
+                torch.cat([mus, tested]),
+                torch.cat([datasets, index]),
+                torch.cat([data_minima, data.bestfit]),
+                torch.cat([asimov_minima, asimov.bestfit]),
+            )
         self.conditional_minima = new
 
     def teststatistic(self, mu: Tensor, index: Tensor) -> AsymptoticStats:
@@ -221,6 +229,7 @@ class AsymptoticCalculator:
                 )
                 fixed_asimov = fixed_asimov.lower_of(again, starts.agree_twice_nll)
         else:
+            assert self.asimov_data is not None  # made by the first call
             data_start, asimov_start = self._warm_starts(tested, index)
             fixed_data, fixed_asimov = fit_requests(
                 model,
@@ -231,6 +240,9 @@ class AsymptoticCalculator:
                 self.spec,
             )
         self._remember(tested, index, fixed_data, fixed_asimov)
+        assert self.free_data is not None and self.free_asimov is not None
+        assert self.asimov_fit is not None
+        assert model.poi_index is not None  # hypotests need a POI
         free_data, free_asimov = self.free_data.select(index), self.free_asimov.select(index)
         q = stat.of_fits(tested, fixed_data, free_data, model.poi_index)
         q_asimov = stat.of_fits(tested, fixed_asimov, free_asimov, model.poi_index)

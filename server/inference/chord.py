@@ -248,7 +248,10 @@ class _WorkingSet:
         """Only the members at ``index``."""
         for name in ("fits", "point", "f", "g", "active", "outward"):
             setattr(self, name, getattr(self, name).index_select(0, index))
-        self.pairs = [tuple(t.index_select(0, index) for t in pair) for pair in self.pairs]
+        self.pairs = [
+            (a.index_select(0, index), b.index_select(0, index), c.index_select(0, index))
+            for a, b, c in self.pairs
+        ]
 
     def counts(self, row: Tensor, rows: int) -> list[int]:
         """How many members belong to each of ``rows`` rows (a host look)."""

@@ -162,7 +162,9 @@ class DenseCurvature:
         """Take the curvature of ``new`` on the accepted rows (``step``, ``y``: their change
         of parameters and gradient), updating ``S``."""
         a2 = accept.view(-1, 1, 1)
-        if self.S is not None:
+        if self.S is not None:  # learnt S: J and r kept, and the objective gives them
+            assert self.J is not None and self.r is not None
+            assert new.J is not None and new.r is not None
             y_sharp = torch.einsum("rnp,rn->rp", new.J - self.J, new.r)
             Ss = torch.einsum("rpq,rq->rp", self.S, step)
             tau, a, _ = _secant_pair(Ss, step, y, y_sharp, accept)
@@ -174,7 +176,8 @@ class DenseCurvature:
         self.H = torch.where(a2, _dense(new), self.H)
 
     def select(self, keep: Tensor) -> DenseCurvature:
-        return DenseCurvature(*(None if v is None else v[keep] for v in _values(self)))
+        optional = (None if v is None else v[keep] for v in (self.S, self.J, self.r))
+        return DenseCurvature(self.H[keep], *optional)
 
     exact_step = True  # the exact curvature's Newton step may be tried (see minimize)
 
@@ -221,6 +224,11 @@ class _SecantMemory:
     c: Tensor | None = field(default=None, kw_only=True)
     slot: int = field(default=0, kw_only=True)
 
+    def _pairs(self) -> tuple[Tensor, Tensor, Tensor]:
+        """``(pairs_a, pairs_y, c)``, set since ``__post_init__``."""
+        assert self.pairs_a is not None and self.pairs_y is not None and self.c is not None
+        return self.pairs_a, self.pairs_y, self.c
+
     def _init_pairs(self, d: Tensor, r: Tensor | None) -> None:
         if r is None:
             self.memory = 0
@@ -233,33 +241,36 @@ class _SecantMemory:
     def _secant_columns(self) -> tuple[Tensor, Tensor]:
         """``S = U U^T - V V^T``: ``U, V [R, m, P]``, from each pair scaled to equal norms
         (``a y^T + y a^T = (b a)(y / b)^T + ...``) so that neither column cancels."""
-        a, y = self.pairs_a, self.pairs_y
+        a, y, c = self._pairs()
         a_norm, y_norm = a.norm(dim=-1, keepdim=True), y.norm(dim=-1, keepdim=True)
         ratio = torch.where(a_norm > 0, y_norm / a_norm.clamp(min=1e-300), 1.0)
         beta = ratio.sqrt()
         a, y = a * beta, y / beta
-        weight = (0.5 * self.c).sqrt().unsqueeze(-1)
+        weight = (0.5 * c).sqrt().unsqueeze(-1)
         return (a + y) * weight, (a - y) * weight
 
     def _secant_times(self, x: Tensor) -> Tensor:
         """``S x`` ``[R, P]`` for ``x [R, P]``."""
+        pairs_a, pairs_y, c = self._pairs()
         x = x.unsqueeze(-1)
-        ya = (self.pairs_y @ x).squeeze(-1) * self.c  # [R, m]
-        ay = (self.pairs_a @ x).squeeze(-1) * self.c
-        return (ya.unsqueeze(1) @ self.pairs_a + ay.unsqueeze(1) @ self.pairs_y).squeeze(1)
+        ya = (pairs_y @ x).squeeze(-1) * c  # [R, m]
+        ay = (pairs_a @ x).squeeze(-1) * c
+        return (ya.unsqueeze(1) @ pairs_a + ay.unsqueeze(1) @ pairs_y).squeeze(1)
 
     def _secant_diagonal(self) -> Tensor:
         """``diag S`` ``[R, P]``."""
-        return 2.0 * (self.c.unsqueeze(1) @ (self.pairs_a * self.pairs_y)).squeeze(1)
+        pairs_a, pairs_y, c = self._pairs()
+        return 2.0 * (c.unsqueeze(1) @ (pairs_a * pairs_y)).squeeze(1)
 
     def _learn(self, y_sharp: Tensor, accept: Tensor, step: Tensor, y: Tensor) -> None:
         """The NL2SOL update from an accepted ``step``: the newest pair replaces the oldest."""
         tau, a, valid = _secant_pair(self._secant_times(step), step, y, y_sharp, accept)
+        pairs_a, pairs_y, c = self._pairs()
         slot = torch.arange(self.memory, device=step.device) == self.slot
         write = valid.view(-1, 1, 1) & slot.view(1, -1, 1)  # [R, m, 1]
-        self.pairs_a = torch.where(write, a.unsqueeze(1), self.pairs_a)
-        self.pairs_y = torch.where(write, y.unsqueeze(1), self.pairs_y)
-        self.c = torch.where(write.squeeze(-1), torch.ones_like(self.c), self.c * tau.unsqueeze(-1))
+        self.pairs_a = torch.where(write, a.unsqueeze(1), pairs_a)
+        self.pairs_y = torch.where(write, y.unsqueeze(1), pairs_y)
+        self.c = torch.where(write.squeeze(-1), torch.ones_like(c), c * tau.unsqueeze(-1))
         self.slot = (self.slot + 1) % self.memory
 
     def _map_rows(self, take):
@@ -367,7 +378,9 @@ class LowRankCurvature(_SecantMemory):
     def adopt(self, new: Derivatives, accept: Tensor, step: Tensor, y: Tensor) -> None:
         """As :meth:`DenseCurvature.adopt`; the newest secant pair replaces the oldest."""
         a1, a2 = accept.unsqueeze(-1), accept.view(-1, 1, 1)
-        if self.memory:
+        assert new.J is not None and new.weight is not None and new.diagonal is not None
+        if self.memory:  # a secant term: r kept, and the objective gives it
+            assert new.r is not None and self.r is not None
             self._learn((new.r.unsqueeze(1) @ (new.J - self.J)).squeeze(1), accept, step, y)
             self.r = torch.where(a1, new.r, self.r)
         self.J = torch.where(a2, new.J, self.J)
@@ -500,7 +513,10 @@ class BlockCurvature(_SecantMemory):
     def adopt(self, new: Derivatives, accept: Tensor, step: Tensor, y: Tensor) -> None:
         """As :meth:`DenseCurvature.adopt`; the newest secant pair replaces the oldest."""
         a1, a2 = accept.unsqueeze(-1), accept.view(-1, 1, 1)
-        if self.memory:
+        assert new.J is not None and new.bin_jacobian is not None
+        assert new.weight is not None and new.diagonal is not None
+        if self.memory:  # a secant term: r kept, and the objective gives it
+            assert new.r is not None and self.r is not None
             shared = (new.r.unsqueeze(1) @ (new.J - self.J)).squeeze(1)
             per_bin = new.r.index_select(1, self.blocks.bins) * (new.bin_jacobian - self.jb)
             self._learn(self._join(shared, per_bin), accept, step, y)
@@ -523,6 +539,7 @@ def _dense(d: Derivatives) -> Tensor:
     """``H [R, P, P]`` of derivatives, building it from the low-rank pieces if need be."""
     if d.H is not None:
         return d.H
+    assert d.diagonal is not None and d.weight is not None and d.J is not None
     return torch.diag_embed(d.diagonal) + torch.einsum("rn,rnp,rnq->rpq", d.weight, d.J, d.J)
 
 
@@ -585,9 +602,13 @@ def curvature_of(
     """
     secant = secant and d.J is not None and d.r is not None
     if d.blocks is not None:
+        assert d.diagonal is not None and d.J is not None
+        assert d.bin_jacobian is not None and d.weight is not None
         r = d.r if secant else None
         return BlockCurvature(d.diagonal, d.J, d.bin_jacobian, d.weight, r, d.blocks, memory=memory)
-    if d.H is None and solver != "dense":
+    if d.H is None and solver != "dense":  # the low-rank pieces are given
+        assert d.J is not None and d.flat is not None
+        assert d.diagonal is not None and d.weight is not None
         N, P = d.J.shape[1:]
         pick = choose_solver(N, P, 0, d.flat.shape[0], memory * secant, solver)
         if pick == "low-rank":

@@ -259,6 +259,6 @@ def join_toy_parts(parts: list[HypotestResults]) -> HypotestResults:
     first = parts[0]
     if any(part.toys is None or len(part) != 1 for part in parts):
         raise InferenceError("only one-row toy-based results are joined")
-    stats = join_toy_stats([part.toys for part in parts])
+    stats = join_toy_stats([part.toys for part in parts if part.toys is not None])  # all
     observed, expected = toy_pvalues(stats), expected_toy_pvalues(stats)
     return _results(first.poi, first.element, first.test_stat, stats, observed, expected)

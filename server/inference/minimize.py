@@ -59,7 +59,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Literal, Protocol
+from typing import Literal, Protocol, TypeGuard
 
 import torch
 from torch import Tensor
@@ -114,6 +114,10 @@ class SecondOrderObjective(BatchedObjective, Protocol):
     def second_order(self, x: Tensor, rows: Tensor, r: Tensor) -> Tensor:
         """``sum_i r_i Hess(lambda_i)`` ``[R, P, P]`` at ``x [R, P]`` for residuals ``r``."""
         ...
+
+
+def _has_second_order(objective: BatchedObjective) -> TypeGuard[SecondOrderObjective]:
+    return hasattr(objective, "second_order")
 
 
 @dataclass(frozen=True)
@@ -325,7 +329,7 @@ def _iterate(
     unit = None  # the grid's steps tried at their full length only: the exact Newton step
     grid = options.trials == "grid"
     exact = exact and s.curvature.exact_step and s.curvature.r is not None
-    if grid and exact and hasattr(objective, "second_order"):
+    if grid and exact and _has_second_order(objective):
         unit = _exact_newton_step(objective, s, movable)
         # where the model's curvature gives no certificate (not positive definite at lambda
         # = 0), the exact one does: a row at its minimum would only raise its damping until
@@ -369,7 +373,9 @@ def _exact_newton_step(
     """The Newton step ``[1, R, P]`` of the exact curvature (the objective's Gauss-Newton
     matrix plus its second-order term) on the movable parameters, and where it is usable
     ``[1, R]``: positive definite and finite."""
-    second_order = objective.second_order(s.x, s.rows, s.curvature.r)
+    r = s.curvature.r
+    assert r is not None  # tried only where the curvature keeps the residuals
+    second_order = objective.second_order(s.x, s.rows, r)
     exact = DenseCurvature(s.curvature.gauss_newton() + second_order)
     return exact.steps(s.g, movable, torch.zeros_like(s.lam).unsqueeze(0))
 

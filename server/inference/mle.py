@@ -264,6 +264,7 @@ def _settle_kinks(
     side; converged only where the parameters still pinned sit at a minimum of their kink.
     One settling per ``on_kink`` value (``K`` of them): ``[B * K]`` rows, row-major."""
     starts = options.starts
+    assert starts is not None  # kinks are settled only with start options
     K = len(starts.on_kink)
     data, element, bounds, fixed, x = (
         t.repeat_interleave(K, 0) for t in (data, element, bounds, fixed, x)
@@ -456,8 +457,8 @@ def fit_requests(
         options=spec.options,
         poi_floor=spec.poi_floor,
     )
-    out, start = [], 0
+    out, offset = [], 0
     for size in sizes:
-        out.append(merged.select(slice(start, start + size)))
-        start += size
+        out.append(merged.select(slice(offset, offset + size)))
+        offset += size
     return out

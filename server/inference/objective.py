@@ -33,7 +33,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import Tensor
@@ -41,6 +41,9 @@ from torch import Tensor
 from .covariance import BlockHessian, covariance
 from .curvature import CPU_BLOCK_ROWS, Derivatives, Solver, choose_solver
 from .errors import InferenceError
+
+if TYPE_CHECKING:
+    from ..engine.sparsity import BinBlocks
 
 __all__ = ["CURVATURES", "Curvature", "TwiceNLL"]
 
@@ -89,7 +92,7 @@ class TwiceNLL:
             block_rows = CPU_BLOCK_ROWS if model.device.type == "cpu" else None
         self.block_rows = block_rows
         self._rounding_scale: Tensor | None = None
-        self.blocks = None
+        self.blocks: BinBlocks | None = None
         if curvature != "hessian":
             structure = model.bin_parameters
             pick = choose_solver(
@@ -145,8 +148,8 @@ class TwiceNLL:
         parts = [compute(xb, rb) for xb, rb in self._blocks(x, rows)]
         if len(parts) == 1:
             return parts[0]
-        return Derivatives(
-            *(
+        return Derivatives._make(
+            (
                 None
                 if field[0] is None
                 else field[0]
@@ -174,7 +177,9 @@ class TwiceNLL:
 
     def hessian(self, x: Tensor, rows: Tensor) -> Tensor:
         """The exact Hessian ``[R, P, P]`` of ``-2 log L``."""
-        return self._exact(x, rows)[2]
+        H = self._exact(x, rows).H
+        assert H is not None  # exact derivatives carry the dense Hessian
+        return H
 
     def covariance(self, x: Tensor, rows: Tensor, fixed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Uncertainties ``[R, P]``, correlations and covariance ``[R, P, P]`` at minima ``x``
@@ -193,7 +198,10 @@ class TwiceNLL:
         if len(parts) == 1:
             return parts[0]
         return BlockHessian(
-            *(torch.cat(field) for field in zip(*parts, strict=True)), parts[0].blocks
+            torch.cat([part.shared for part in parts]),
+            torch.cat([part.cross for part in parts]),
+            torch.cat([part.per_bin for part in parts]),
+            parts[0].blocks,
         )
 
     def _block_exact(self, x: Tensor, rows: Tensor) -> BlockHessian:
@@ -254,9 +262,9 @@ class TwiceNLL:
             )
         weight = 2.0 / rates if self.curvature == "fisher" else 2.0 * ratio / rates
         f = self.model.deviance(x, data, element, rates)
-        residual = residual if self.curvature == "gauss-newton" else None  # secant terms
+        secant = residual if self.curvature == "gauss-newton" else None  # secant terms
         return Derivatives(
-            f, g, None, J, residual, weight, diagonal, self.flat, bin_jacobian, self.blocks
+            f, g, None, J, secant, weight, diagonal, self.flat, bin_jacobian, self.blocks
         )
 
     def _block_gradient(
@@ -266,6 +274,7 @@ class TwiceNLL:
         shared parameters' Jacobian ``[R, N, K]`` and the per-bin ones' ``[R, M]``, ``n /
         lambda``, ``r`` and the constraint terms' curvature."""
         model, blocks = self.model, self.blocks
+        assert blocks is not None  # the curvature's block form
         rates, J, bin_jacobian = model.expected_main_block_jacobian(x, element)
         ratio, residual = self._residual(data, rates)
         g = torch.zeros_like(x)

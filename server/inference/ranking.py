@@ -304,14 +304,17 @@ def ranking(
     # has a constraint term) and the post-fit pair; structure known on the host
     columns = _ranked_columns(model, elements, selected)
     constrained = _has_prefit(model, elements)
-    fit_row, fit_col, fit_kind, fits_per_row = [], [], [], []
+    fit_row: list[int] = []
+    fit_col: list[int] = []
+    fit_kind: list[int] = []
+    fits_per_row: list[int] = []
     for b, (cols, has) in enumerate(zip(columns, constrained, strict=True)):
         before = len(fit_row)
-        for c in cols:
-            for kind in (0, 1, 2, 3) if c in has else (2, 3):
+        for col in cols:
+            for which in (0, 1, 2, 3) if col in has else (2, 3):
                 fit_row.append(b)
-                fit_col.append(c)
-                fit_kind.append(kind)
+                fit_col.append(col)
+                fit_kind.append(which)
         fits_per_row.append(len(fit_row) - before)
     impacts = torch.full((B * P * 4,), torch.nan, dtype=model.dtype, device=model.device)
     fits_ok = torch.ones(B * P, dtype=torch.long, device=model.device)

@@ -62,6 +62,12 @@ class FittedRows:
     """What every batched fit result answers from its ``bestfit [B, ...]`` and its per-row
     ``converged``, ``starts`` and ``starts_agreed``: its rows and their :class:`FitStatus`."""
 
+    # what the subclasses (dataclasses) hold
+    bestfit: Tensor
+    converged: Tensor
+    starts: Tensor
+    starts_agreed: Tensor
+
     def __len__(self) -> int:
         return self.bestfit.shape[0]
 

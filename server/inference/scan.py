@@ -235,12 +235,13 @@ def _profile(
             model, rows, element_rows, init=init, bounds=box, fixed=fixed, options=options
         )
         unc, corr = hessian_uncertainties(model, rows, element_rows, free.bestfit, fixed, options)
-    row_axes = [
-        as_float(model, v).reshape(1, -1).expand(B, -1)
-        if v is not None
-        else _automatic_axis(free.bestfit, unc, box, c, n)
-        for v, c, n in zip(axes, columns, steps, strict=True)
-    ]
+    row_axes = []
+    for v, c, n in zip(axes, columns, steps, strict=True):
+        if v is not None:
+            row_axes.append(as_float(model, v).reshape(1, -1).expand(B, -1))
+        else:
+            assert free is not None  # an automatic axis: the free fit ran above
+            row_axes.append(_automatic_axis(free.bestfit, unc, box, c, n))
     grid = _row_grid(row_axes)  # [B, G, k]
     G = grid.shape[1]
     index = torch.tensor(columns, dtype=torch.long, device=model.device)

@@ -177,7 +177,10 @@ def expected_empirical_pvalues(signal: Tensor, background: Tensor) -> tuple[Tens
     clsb = _fraction_at_or_above(sig_sorted, background)
     clb = _fraction_at_or_above(bkg_sorted, background)
     q = torch.tensor(PERCENTILES, dtype=signal.dtype, device=signal.device) / 100
-    return tuple(torch.quantile(v, q, dim=-1).T.contiguous() for v in (clsb, clb, clsb / clb))
+    clsb_q, clb_q, cls_q = (
+        torch.quantile(v, q, dim=-1).T.contiguous() for v in (clsb, clb, clsb / clb)
+    )
+    return clsb_q, clb_q, cls_q
 
 
 @dataclass
@@ -304,6 +307,7 @@ class ToyCalculator:
             ],
             self.spec,
         )
+        assert model.poi_index is not None  # hypotests need a POI
         observed = stat.of_fits(tested, fixed_obs, free_obs, model.poi_index)
         observed_fits = {
             "signal_fit": signal_fit.status,
@@ -345,7 +349,8 @@ class ToyCalculator:
         rows = signal_pars.shape[0]
         drawn = []
         for r, toy_slice in enumerate(slices):
-            signal, background = [], []
+            signal: list[Tensor] = []
+            background: list[Tensor] = []
             for block, count in toy_slice.blocks():
                 generator = torch.Generator(device=model.device)
                 generator.manual_seed(toy_seed(self.seed, toy_slice.key, block))

@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from .asymptotics import N_SIGMA
+from .asymptotics import N_SIGMA, AsymptoticCalculator
 from .errors import InferenceError
-from .hypotest import CalculatorSpec, make_calculator, prepare_rows, run_calculator
+from .hypotest import CalcType, CalculatorSpec, make_calculator, prepare_rows, run_calculator
 from .mle import FitOptions
 from .results import HypotestResults, UpperLimitResults
 from .rows import as_float
@@ -246,6 +246,8 @@ def toms748_like_scan(
     # condition, exactly, per curve (the first probe is the bound):
     beyond = values[:, 0] > level
     status = first.status.grouped(R)
+    assert isinstance(calc, AsymptoticCalculator)  # the root search is asymptotic
+    assert calc.free_data is not None  # fitted by the first call
     points = _asymptotic_guesses(first, mus, calc.free_data.bestfit[:, model.poi_index], level)
     for _ in range(max_iter):
         res = run_calculator(calc, points.flatten(), rows.repeat_interleave(6))
@@ -283,7 +285,7 @@ def upper_limit(
     scan=None,
     level: float = 0.05,
     test_stat: str = "qtilde",
-    calctype: str = "asymptotics",
+    calctype: CalcType = "asymptotics",
     rtol: float = 1e-4,
     ntoys: int = 2000,
     seed: int | None = None,
