@@ -23,10 +23,11 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import click
 
+from . import tables
 from ._base import ClientBase
 from ._stdlib import StdlibClient
 from .exceptions import (
@@ -51,7 +52,23 @@ from .protocol import (
     plot_option,
 )
 from .results import Job, YieldsResult, doubtful, patch_errors, result_to_json
+from .tables import (
+    BRAZIL,
+    CLS,
+    CORRELATION,
+    EXCLUSION,
+    FIT,
+    PULLS,
+    RANKING,
+    SCAN,
+    SIGNIFICANCE,
+    UPPER_LIMIT,
+    YIELDS,
+)
 from .workspace import observation_notices
+
+if TYPE_CHECKING:
+    from ._client import Client
 
 __all__ = [
     "format_yields_csv",
@@ -68,11 +85,15 @@ _META = "pyhf_gpu_client"
 
 
 class CommandFailed(click.ClickException):
-    """A failure reported as ``Error: <message>`` on stderr with a chosen exit code."""
+    """A failure reported as ``Error: <message>`` on stderr, exit 1."""
 
-    def __init__(self, message: str, exit_code: int = EXIT_FAILED) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
+    exit_code = EXIT_FAILED
+
+
+class Unreachable(CommandFailed):
+    """The server could not be reached or timed out: exit 3."""
+
+    exit_code = EXIT_UNREACHABLE
 
 
 @contextmanager
@@ -87,7 +108,7 @@ def _errors() -> Iterator[None]:
             f"the server answered {exc.status}: {format_detail(exc.detail)}"
         ) from None
     except TransportError as exc:
-        raise CommandFailed(str(exc), EXIT_UNREACHABLE) from None
+        raise Unreachable(str(exc)) from None
     except JobError as exc:
         raise CommandFailed(str(exc)) from None
     except PyhfGpuError as exc:
@@ -143,7 +164,7 @@ def connection_options(f: Callable[..., Any]) -> Callable[..., Any]:
     return f
 
 
-def _client(ctx: click.Context) -> ClientBase:
+def _client(ctx: click.Context) -> StdlibClient | Client:
     """A client from the connection options (environment variables fill the rest): over
     ``http.client`` for a plain ``http://`` server (:class:`~._stdlib.StdlibClient`: no httpx
     to import), else httpx's :class:`~pyhf_gpu_client.Client` (TLS, proxies)."""
@@ -494,20 +515,20 @@ def _scan_axis(kwargs: dict[str, Any], suffix: str = "") -> dict[str, Any]:
 def _operation_kwargs(operation: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     """All client keyword arguments for ``operation`` from the parsed CLI options."""
     out = _common(kwargs)
-    if operation in ("cls", "significance"):
+    if operation in (CLS, SIGNIFICANCE):
         out.update(calctype=kwargs["calctype"], ntoys=kwargs.get("ntoys"), seed=kwargs.get("seed"))
-    if operation == "cls":
+    if operation == CLS:
         out.update(test_poi=parse_test_poi(kwargs["test_poi"]), test_stat=kwargs["test_stat"])
-    elif operation == "fit":
+    elif operation == FIT:
         out["goodness_of_fit"] = True if kwargs.get("goodness_of_fit") else None
-    elif operation == "upper-limit":
+    elif operation == UPPER_LIMIT:
         out["level"] = kwargs.get("level")
         if kwargs.get("scan"):
             scan = parse_test_poi(kwargs["scan"], "--scan")
             out["scan"] = scan if isinstance(scan, list) else [scan]
-    elif operation == "ranking":
+    elif operation == RANKING:
         out.update(parameters=list(kwargs["parameter"]) or None, top=kwargs.get("top"))
-    elif operation == "scan":
+    elif operation == SCAN:
         out.update(_scan_axis(kwargs), **_scan_axis(kwargs, "_y"))
     return out
 
@@ -546,15 +567,13 @@ def _output(result: Any, kwargs: dict[str, Any]) -> None:
         raise CommandFailed(f"{count} on the results (the warnings above)")
 
 
-_METHODS = {
-    "cls": "cls",
-    "fit": "fit",
-    "upper-limit": "upper_limit",
-    "significance": "significance",
-    "ranking": "ranking",
-    "scan": "scan",
-    "yields": "yields",
-}
+#: the operations run by a command of the same name (and ``jobs submit``): the client's
+#: method of each is named as it is, ``_`` for ``-``
+_COMMANDS = (CLS, FIT, UPPER_LIMIT, SIGNIFICANCE, RANKING, SCAN, YIELDS)
+
+
+def _method(operation: str) -> str:
+    return operation.replace("-", "_")
 
 
 def _run_blocking(operation: str) -> Callable[..., None]:
@@ -567,19 +586,21 @@ def _run_blocking(operation: str) -> Callable[..., None]:
                 _run_with_plot(ctx, operation, kwargs, call_kwargs, plot)
                 return
             with _client(ctx) as client:
-                result = getattr(client, _METHODS[operation])(kwargs["workspace"], **call_kwargs)
+                result = getattr(client, _method(operation))(kwargs["workspace"], **call_kwargs)
             _output(result, kwargs)
 
     return command
 
 
-def parse_plot_options(values: Sequence[str], option: str = "--option") -> dict[str, Any]:
-    """``KEY=VALUE`` options of the renderer, typed (``top=5`` an int, ``channels=SR,CR`` a
-    list; see :func:`pyhf_gpu_client.protocol.plot_option`)."""
+def parse_plot_options(
+    values: Sequence[str], option: str = "--option", kind: str | None = None
+) -> dict[str, Any]:
+    """``KEY=VALUE`` options of the renderer (of plot ``kind``), typed (``top=5`` an int,
+    ``channels=SR,CR`` a list; see :func:`pyhf_gpu_client.protocol.plot_option`)."""
     out: dict[str, Any] = {}
     for text in values:
         try:
-            key, value = plot_option(text)
+            key, value = plot_option(text, kind)
         except ValueError as exc:
             raise click.BadParameter(str(exc), param_hint=f"'{option}'") from None
         out[key] = value
@@ -612,19 +633,18 @@ def _job_plot(
             "--test-poi 0:2:11) or --patchset (an exclusion plot)"
         )
     if kind not in fitting:
-        why = _NEEDS.get(kind, "") if operation == "cls" else ""
+        need = tables.PLOT_NEEDS.get(operation, {}).get(kind)
+        why = f" ({_article(kind)} {kind} plot needs {need['flag']})" if need else ""
         raise click.UsageError(
             f"--plot-kind {kind} does not fit {operation}{why}; the kinds that do: "
             f"{', '.join(fitting) or 'none'}"
         )
-    return kind, fmt, parse_plot_options(kwargs.get("plot_option") or (), "--plot-option")
+    options = parse_plot_options(kwargs.get("plot_option") or (), "--plot-option", kind)
+    return kind, fmt, options
 
 
-#: why a cls plot kind does not fit
-_NEEDS = {
-    "brazil": " (a brazil plot needs several --test-poi values)",
-    "exclusion": " (an exclusion plot needs --patchset)",
-}
+def _article(word: str) -> str:
+    return "an" if word[:1] in tuple("aeiou") else "a"
 
 
 def _write_plot(path: str, data: bytes) -> None:
@@ -685,16 +705,16 @@ def _wait(client: ClientBase, job_id: str, timeout: float | None) -> Job:
 
 
 _HELP = {
-    "cls": "Compute CLs value(s) for a given pyhf workspace (as `pyhf cls`).",
-    "fit": "Perform a maximum likelihood fit for a given pyhf workspace (as `pyhf fit`).",
-    "upper-limit": "Observed and expected upper limits on the POI (upper_limit_obs, upper_limit_exp, level).",
-    "significance": "Discovery p-value and significance (p0, Z), observed and expected.",
-    "ranking": "Impacts of the nuisance parameters on the POI, pre- and post-fit, with pulls "
+    CLS: "Compute CLs value(s) for a given pyhf workspace (as `pyhf cls`).",
+    FIT: "Perform a maximum likelihood fit for a given pyhf workspace (as `pyhf fit`).",
+    UPPER_LIMIT: "Observed and expected upper limits on the POI (upper_limit_obs, upper_limit_exp, level).",
+    SIGNIFICANCE: "Discovery p-value and significance (p0, Z), observed and expected.",
+    RANKING: "Impacts of the nuisance parameters on the POI, pre- and post-fit, with pulls "
     "and constraints (as cabinetry's ranking); largest impact first.",
-    "scan": "Profile-likelihood scan (-2 delta ln L) of a parameter over a grid, or of two "
+    SCAN: "Profile-likelihood scan (-2 delta ln L) of a parameter over a grid, or of two "
     "(--parameter-y ...) over a 2D grid (as cabinetry's scan; without --values or --range, "
     "its default grid: each patch's best fit +- 3 uncertainties).",
-    "yields": "Pre- and post-fit yields per channel, sample and bin with uncertainties, and "
+    YIELDS: "Pre- and post-fit yields per channel, sample and bin with uncertainties, and "
     "the data (as cabinetry's yield tables).",
 }
 
@@ -775,10 +795,9 @@ def _ranking_options(f: Callable[..., Any]) -> Callable[..., Any]:
 
 def _job_plot_options(f: Callable[..., Any], operation: str) -> Callable[..., Any]:
     """--plot FILE, --plot-kind, --plot-option: run as a job, then write its plot."""
-    implied = {
-        "cls": "exclusion with --patchset, brazil with several --test-poi",
-        "fit": "pulls",
-    }.get(operation, PLOT_KINDS[operation][0])
+    kinds = sorted(PLOT_KINDS[operation], key=lambda k: tables.PLOTS[k]["draws"] != "patchset")
+    needs = tables.PLOT_NEEDS.get(operation, {})
+    implied = ", ".join(f"{k} with {needs[k]['flag']}" for k in kinds) if needs else kinds[0]
     decorators = [
         click.option(
             "--plot",
@@ -790,7 +809,7 @@ def _job_plot_options(f: Callable[..., Any], operation: str) -> Callable[..., An
         ),
         click.option(
             "--plot-kind",
-            type=click.Choice(sorted({k for kinds in PLOT_KINDS.values() for k in kinds})),
+            type=click.Choice(sorted(tables.PLOTS)),
             default=None,
             help="The plot kind of --plot, when not the one implied.",
         ),
@@ -810,7 +829,7 @@ def _job_plot_options(f: Callable[..., Any], operation: str) -> Callable[..., An
 def make_command(operation: str, submit: bool = False) -> click.Command:
     """Build the ``operation`` command: blocking (top level) or queued (``jobs submit``)."""
     callback = _run_submit(operation) if submit else _run_blocking(operation)
-    if operation == "fit":
+    if operation == FIT:
         callback = click.option(
             "--uncertainties",
             is_flag=True,
@@ -822,24 +841,24 @@ def make_command(operation: str, submit: bool = False) -> click.Command:
             default=False,
             is_flag=True,
         )(callback)
-    if operation == "cls":
+    if operation == CLS:
         callback = _cls_options(callback)
-    if operation == "significance":
+    if operation == SIGNIFICANCE:
         callback = _calculator_options(callback)
-    if operation == "upper-limit":
+    if operation == UPPER_LIMIT:
         callback = _upper_limit_options(callback)
-    if operation == "fit":
+    if operation == FIT:
         callback = click.option(
             "--goodness-of-fit",
             is_flag=True,
             help="Add the saturated-model goodness of fit: goodness_of_fit {p_value, "
             "delta_twice_nll, ndof} (as cabinetry's).",
         )(callback)
-    if operation == "ranking":
+    if operation == RANKING:
         callback = _ranking_options(callback)
-    if operation == "scan":
+    if operation == SCAN:
         callback = _scan_axis_options(_scan_axis_options(callback, "-y"))
-    if operation == "yields":
+    if operation == YIELDS:
         callback = click.option(
             "--format",
             type=click.Choice(["json", "table", "csv"]),
@@ -848,7 +867,7 @@ def make_command(operation: str, submit: bool = False) -> click.Command:
             help="json: the server's JSON; table: aligned tables per fit and channel "
             "(value ± stdev); csv: one row per fit, channel, sample and bin.",
         )(callback)
-    if operation in ("cls", "fit"):
+    if operation in (CLS, FIT):
         callback = _compat_options(callback)
     if not submit and PLOT_KINDS.get(operation):
         callback = _job_plot_options(callback, operation)
@@ -875,7 +894,7 @@ def make_command(operation: str, submit: bool = False) -> click.Command:
     return click.command(name=operation, help=help_text)(callback)
 
 
-for _operation in _METHODS:
+for _operation in _COMMANDS:
     main.add_command(make_command(_operation))
 
 
@@ -889,7 +908,7 @@ def submit() -> None:
     """Queue an operation: `jobs submit cls WORKSPACE [options]`; prints the job id."""
 
 
-for _operation in _METHODS:
+for _operation in _COMMANDS:
     submit.add_command(make_command(_operation, submit=True))
 
 
@@ -957,36 +976,32 @@ def jobs_list(status: str | None) -> None:
 
 # ---------------------------------------------------------------------------------- plot
 
-#: plot kind -> the operation it draws (``brazil`` without --test-poi: ``upper-limit``)
-PLOT_OPERATIONS: dict[str, str] = {
-    "brazil": "cls",
-    "exclusion": "cls",
-    "pulls": "fit",
-    "correlation": "fit",
-    "ranking": "ranking",
-    "scan": "scan",
-    "yields": "yields",
-}
+#: plot kind -> the operation it draws, the first that offers it (``brazil`` without
+#: --test-poi: ``upper-limit``)
+PLOT_OPERATIONS: dict[str, str] = {}
+for _operation, _kinds in PLOT_KINDS.items():
+    for _kind in _kinds:
+        PLOT_OPERATIONS.setdefault(_kind, _operation)
 
 _PLOT_HELP = {
-    "brazil": "CLs observed and expected (±1σ, ±2σ bands) versus the POI: `cls` over several "
+    BRAZIL: "CLs observed and expected (±1σ, ±2σ bands) versus the POI: `cls` over several "
     "--test-poi values, or without --test-poi the upper limit's scan (--level, --scan).",
-    "exclusion": "CLs = 0.05 contours over the signal points of --patchset (their metadata "
+    EXCLUSION: "CLs = 0.05 contours over the signal points of --patchset (their metadata "
     "values): `cls` of every patch (or the --patch-name ones).",
-    "pulls": "Pulls (θ̂ − θ₀)/Δθ of the constrained parameters: a `fit`.",
-    "correlation": "The correlation matrix of a `fit` (weakly correlated parameters left out).",
-    "ranking": "Impacts on the POI, pre- and post-fit, and pulls: `ranking`.",
-    "scan": "-2Δln L of a `scan` with 1σ/2σ lines, or 68%/95% CL contours of a 2D scan.",
-    "yields": "Stacked post-fit yields per channel, the data and data / model: `yields` "
+    PULLS: "Pulls (θ̂ − θ₀)/Δθ of the constrained parameters: a `fit`.",
+    CORRELATION: "The correlation matrix of a `fit` (weakly correlated parameters left out).",
+    RANKING: "Impacts on the POI, pre- and post-fit, and pulls: `ranking`.",
+    SCAN: "-2Δln L of a `scan` with 1σ/2σ lines, or 68%/95% CL contours of a 2D scan.",
+    YIELDS: "Stacked post-fit yields per channel, the data and data / model: `yields` "
     "(--option stage=prefit for the pre-fit ones).",
 }
 
 
 def _plot_operation(kind: str, kwargs: dict[str, Any]) -> str:
     """The operation a ``plot KIND`` command runs (usage errors for options that do not fit)."""
-    if kind == "exclusion" and not kwargs.get("patchset"):
+    if kind == EXCLUSION and not kwargs.get("patchset"):
         raise click.UsageError("an exclusion plot needs --patchset")
-    if kind != "brazil":
+    if kind != BRAZIL:
         return PLOT_OPERATIONS[kind]
     if kwargs.get("test_poi"):
         if kwargs.get("scan"):
@@ -998,13 +1013,13 @@ def _plot_operation(kind: str, kwargs: dict[str, Any]) -> str:
                 "a brazil plot needs several --test-poi values (e.g. 0:2:11), or none: the "
                 "upper limit's scan"
             )
-        return "cls"
+        return CLS
     toys = kwargs.get("ntoys") is not None or kwargs.get("seed") is not None
     if toys or kwargs.get("calctype") != "asymptotics" or kwargs.get("test_stat") != "qtilde":
         raise click.UsageError(
             "--test-stat, --calctype, --ntoys and --seed apply to a CLs scan: give --test-poi"
         )
-    return "upper-limit"
+    return UPPER_LIMIT
 
 
 def make_plot_command(kind: str) -> click.Command:
@@ -1015,14 +1030,14 @@ def make_plot_command(kind: str) -> click.Command:
         ctx = click.get_current_context()
         output = kwargs["output"]
         fmt = _file_format(output, "--output")
-        options = parse_plot_options(kwargs.get("option") or ())
-        for name in ("title", "label", "rlabel", "dpi"):
+        options = parse_plot_options(kwargs.get("option") or (), kind=kind)
+        for name in tables.PLOT_COMMON_OPTIONS:  # those with a flag of their own
             if kwargs.get(name) is not None:
                 options[name] = kwargs[name]
         operation = _plot_operation(kind, kwargs)
         with _errors():
             call_kwargs = _operation_kwargs(operation, kwargs)
-            if operation == "cls" and kwargs.get("level") is not None:
+            if operation == CLS and kwargs.get("level") is not None:
                 options.setdefault("level", kwargs["level"])  # the brazil line, not a cls option
             with _client(ctx) as client:
                 data = client.render(
@@ -1031,7 +1046,7 @@ def make_plot_command(kind: str) -> click.Command:
             _write_plot(output, data)
 
     callback: Callable[..., Any] = command
-    if kind == "brazil":
+    if kind == BRAZIL:
         callback = _upper_limit_options(
             callback,
             "CLs level: of the upper limit, or the line drawn with --test-poi [default 0.05].",
@@ -1042,11 +1057,11 @@ def make_plot_command(kind: str) -> click.Command:
             test_poi_help="POI values of a CLs scan: repeat it, a comma list or start:stop:num "
             "[default: the upper limit's scan].",
         )
-    elif kind == "exclusion":
+    elif kind == EXCLUSION:
         callback = _cls_options(callback)
-    elif kind == "ranking":
+    elif kind == RANKING:
         callback = _ranking_options(callback)
-    elif kind == "scan":
+    elif kind == SCAN:
         callback = _scan_axis_options(_scan_axis_options(callback, "-y"))
     decorators = [
         click.option(

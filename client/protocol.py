@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
 from urllib.parse import quote
 
+from . import tables
 from .exceptions import (
     AuthenticationError,
     BadRequestError,
@@ -48,8 +49,8 @@ from .exceptions import (
     WorkspaceError,
     format_detail,
 )
-from .plot_tables import OPTION_TYPE, PLOT_FORMATS, PLOT_KINDS, PLOT_MEDIA_TYPES
 from .results import OPERATIONS, Job, Result, flagged, parse_result
+from .tables import PLOT_FORMATS, PLOT_KINDS, PLOT_MEDIA_TYPES
 from .workspace import (
     JSONFile,
     JSONSource,
@@ -622,8 +623,8 @@ def ranking_options(options: Mapping[str, Any]) -> dict[str, Any]:
 
 #: operations whose client keywords are not the server's fields as they are
 OPTION_BUILDERS: dict[str, Callable[[Mapping[str, Any]], dict[str, Any]]] = {
-    "scan": scan_options,
-    "ranking": ranking_options,
+    tables.SCAN: scan_options,
+    tables.RANKING: ranking_options,
 }
 
 
@@ -815,40 +816,23 @@ def get_text_flow(path: str, config: ClientConfig) -> Flow[str]:
 
 # ---------------------------------------------------------------------------------- plots
 
-_WHAT = {
-    "int": "an integer",
-    "float": "a number",
-    "bool": "true or false",
-    "ints": "integers (a comma list)",
-    "floats": "numbers (a comma list)",
-}
-_TRUE = frozenset({"1", "true", "yes", "on"})
-_FALSE = frozenset({"0", "false", "no", "off"})
-
 
 def plot_kinds_for(operation: str, options: Mapping[str, Any]) -> tuple[str, ...]:
     """The plot kinds of ``operation``'s answer to a request with ``options`` (its envelope
     fields or the client's keywords): ``cls`` draws ``brazil`` for a list of ``test_poi`` and
-    ``exclusion`` for a patchset; the other operations their :data:`PLOT_KINDS`.
+    ``exclusion`` for a patchset; the other operations their :data:`PLOT_KINDS`
+    (``tables.PLOT_NEEDS``).
 
     >>> plot_kinds_for("cls", {"test_poi": [0.5, 1.0]}), plot_kinds_for("cls", {"test_poi": 1})
     (('brazil',), ())
     """
-    kinds = PLOT_KINDS.get(operation, ())
-    if operation != "cls":
-        return kinds
-    listed = isinstance(options.get("test_poi"), (list, tuple))
-    patchset = options.get("patchset") is not None
-    return tuple(k for k in kinds if (k == "brazil" and listed) or (k == "exclusion" and patchset))
+    return tables.plot_kinds_for(operation, options)
 
 
 def default_plot_kind(operation: str, options: Mapping[str, Any]) -> str | None:
     """The plot a request implies: ``exclusion`` for a patchset CLs, ``brazil`` for a CLs scan,
     ``pulls`` for a fit, the operation's only kind otherwise; None when none fits."""
-    kinds = plot_kinds_for(operation, options)
-    if "exclusion" in kinds:
-        return "exclusion"
-    return kinds[0] if kinds else None
+    return tables.default_plot_kind(operation, options)
 
 
 def plot_format(path: Any) -> str:
@@ -870,8 +854,9 @@ def check_plot_format(fmt: str) -> str:
     return value
 
 
-def plot_option(text: str) -> tuple[str, Any]:
-    """``KEY=VALUE`` -> ``(key, typed value)`` for a plot option (``-`` in KEY read as ``_``).
+def plot_option(text: str, kind: str | None = None) -> tuple[str, Any]:
+    """``KEY=VALUE`` -> ``(key, typed value)`` for a plot option (``-`` in KEY read as ``_``)
+    of plot ``kind`` (where kinds type an option differently: ``test_poi``).
 
     The renderer's options get its types (``top=5`` an int, ``log_y=true`` a bool,
     ``channels=SR,CR`` a list, ``figsize=6,4`` numbers); other keys a JSON value, else the text.
@@ -883,28 +868,14 @@ def plot_option(text: str) -> tuple[str, Any]:
     name = key.strip().replace("-", "_")
     if not sep or not name:
         raise ValueError(f"a plot option is KEY=VALUE, not {text!r}")
-    kind = OPTION_TYPE.get(name)
+    of = tables.option_type(name, kind)
     value = raw.strip()
-    pieces = [v.strip() for v in value.split(",") if v.strip()]
-    try:
-        if kind == "int":
-            return name, int(value)
-        if kind == "float":
-            return name, float(value)
-        if kind == "bool":
-            if value.lower() not in _TRUE | _FALSE:
-                raise ValueError(value)
-            return name, value.lower() in _TRUE
-        if kind == "str":
-            return name, value
-        if kind == "strs":
-            return name, pieces
-        if kind == "ints":
-            return name, [int(v) for v in pieces]
-        if kind == "floats":
-            return name, [float(v) for v in pieces]
-    except ValueError:
-        raise ValueError(f"plot option {name!r} must be {_WHAT[kind]}, not {value!r}") from None
+    if of is not None and of != "json":
+        try:
+            return name, tables.read_option(of, [value])
+        except ValueError:
+            what = tables.TYPE_WORDS[of] + (" (a comma list)" if of.endswith("s") else "")
+            raise ValueError(f"plot option {name!r} must be {what}, not {value!r}") from None
     try:
         return name, json.loads(value)
     except ValueError:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import struct
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -131,30 +130,3 @@ def test_python_client_plot_of_a_job(server, patch):
         assert info.value.status == 422 and "exclusion" in info.value.message
         png = client.render("fit", BKG, "pulls", plot_options={"dpi": 40}, patches=[patch])
         assert png[:8] == PNG_SIGNATURE
-
-
-def test_the_plot_tables_are_declared_once():
-    """The plot kinds per operation, the formats and media types and the options' types are
-    ``pyhf_gpu_client.plot_tables``' (the lower layer); the server uses those very objects, no
-    other source file restates them, and every renderer option is declared there or as JSON
-    only: one fact, one place."""
-    from pyhf_gpu_client import plot_tables, protocol
-    from pyhf_gpu_server import plots
-    from pyhf_gpu_server.service import plotting
-
-    assert plotting.OPTION_TYPES is plot_tables.PLOT_OPTION_TYPES
-    assert plotting.PLOTS is plot_tables.PLOT_KINDS is protocol.PLOT_KINDS
-    assert plotting.MEDIA_TYPES is plot_tables.PLOT_MEDIA_TYPES
-    assert plots.FORMATS is plot_tables.PLOT_FORMATS is protocol.PLOT_FORMATS
-    root = Path(plot_tables.__file__).resolve().parents[1]
-    restated = ['"top", "max_channels"', '"pulls", "correlation"', '"png": "image/png"']
-    for source in [*root.glob("server/**/*.py"), *root.glob("client/**/*.py")]:
-        if source.name != "plot_tables.py":
-            text = source.read_text()
-            assert not [r for r in restated if r in text], source
-    renderer = {o for k in plots.KINDS.values() for o in k.options} | set(plots.COMMON_OPTIONS)
-    assert renderer - set(plotting.QUERY_OPTIONS) - set(plotting.JSON_OPTIONS) == set()
-    assert set(plotting.QUERY_OPTIONS) <= renderer
-    assert not set(plotting.QUERY_OPTIONS) & set(plotting.JSON_OPTIONS)
-    assert protocol.plot_option("slice=60") == ("slice", [60.0])
-    assert plotting.query_options({"slice": ["60"]}) == {"slice": [60.0]}

@@ -23,19 +23,27 @@ Kinds (:data:`KINDS`; options in each function's docstring):
 
 from __future__ import annotations
 
-from . import fit, limits, scan, yields  # noqa: F401  (each registers its kinds)
-from ._base import (
-    COMMON_OPTIONS,
-    FORMATS,
-    KINDS,
-    Kind,
-    PlotAbandonedError,
-    PlotBusyError,
-    PlotInputError,
-    figure,
-    kinds,
-    render,
-)
+from typing import Any
+
+from .errors import PlotAbandonedError, PlotBusyError, PlotInputError, PlotsNotInstalledError
+
+#: what drawing needs, imported on first use (matplotlib and mplhep: the ``plots`` extra), so
+#: that a server installed without them starts, answers, and refuses plots with one message
+_DRAWING = ("COMMON_OPTIONS", "FORMATS", "KINDS", "Kind", "figure", "kinds", "render")
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _DRAWING:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        from . import _base, fit, limits, scan, yields  # noqa: F401  (each registers its kinds)
+    except ImportError as exc:
+        raise PlotsNotInstalledError(
+            f"plots need matplotlib and mplhep ({exc.name} is not installed): "
+            "pip install 'pyhf-gpu[plots]'"
+        ) from None
+    return getattr(_base, name)
+
 
 __all__ = [
     "COMMON_OPTIONS",
@@ -45,6 +53,7 @@ __all__ = [
     "PlotAbandonedError",
     "PlotBusyError",
     "PlotInputError",
+    "PlotsNotInstalledError",
     "figure",
     "kinds",
     "render",

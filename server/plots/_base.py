@@ -27,9 +27,10 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.backends.backend_svg import FigureCanvasSVG
 from matplotlib.figure import Figure
 
-from pyhf_gpu_client.plot_tables import PLOT_FORMATS
+from pyhf_gpu_client import tables
 
 from . import _style
+from .errors import PlotAbandonedError, PlotBusyError, PlotInputError
 
 __all__ = [
     "FORMATS",
@@ -44,36 +45,18 @@ __all__ = [
 ]
 
 Format = Literal["svg", "png"]
-FORMATS: tuple[str, ...] = PLOT_FORMATS  # the one table (pyhf_gpu_client.plot_tables)
-DEFAULT_DPI = 150.0
+FORMATS: tuple[str, ...] = tables.PLOT_FORMATS  # the one table (pyhf_gpu_client.tables)
+DEFAULT_DPI = float(tables.PLOT_COMMON_OPTIONS["dpi"][1])
 MAX_PIXELS = 40_000_000  # a PNG larger than this (e.g. 20 x 20 in at 300 dpi is 36 M) is refused
-#: options every kind takes (applied by :func:`figure` and :func:`render`)
+#: options every kind takes (applied by :func:`figure` and :func:`render`): what each does
 COMMON_OPTIONS: dict[str, str] = {
-    "dpi": "PNG resolution in dots per inch (default 150; SVG is resolution-free)",
-    "figsize": "[width, height] in inches, replacing the kind's own size",
-    "title": "a title above the figure",
-    "label": 'experiment label above the main axes on the left, e.g. "ATLAS Internal"',
-    "rlabel": 'label above the main axes on the right, e.g. "13 TeV, 139 fb⁻¹"',
+    name: what for name, (_, _, what) in tables.PLOT_COMMON_OPTIONS.items()
 }
 
 # matplotlib's state is process-wide: one figure is drawn at a time
 _LOCK = threading.RLock()
 #: How long a render waits for the ones before it, at most (then :class:`PlotBusyError`).
 RENDER_WAIT_S = 30.0
-
-
-class PlotInputError(ValueError):
-    """A result that does not fit its plot kind, or an unknown kind, format or option."""
-
-
-class PlotBusyError(RuntimeError):
-    """Other figures were being drawn for :data:`RENDER_WAIT_S`: this one gave up waiting
-    (every wait has a bound; a client that went away is not waited for past it)."""
-
-
-class PlotAbandonedError(RuntimeError):
-    """Nobody waits for the figure any more (its client went away): not drawn, or not
-    written, and the drawing lock given to the next render."""
 
 
 #: How often a render waiting for the drawing lock asks whether it is still wanted.
@@ -117,15 +100,16 @@ class Kind:
 KINDS: dict[str, Kind] = {}
 
 
-def register(
-    name: str, description: str
-) -> Callable[[Callable[..., Figure]], Callable[..., Figure]]:
-    """Register ``draw(result, **options) -> Figure`` as the plot kind ``name``."""
+def register(name: str) -> Callable[[Callable[..., Figure]], Callable[..., Figure]]:
+    """Register ``draw(result, **options) -> Figure`` as the plot kind ``name``, one of
+    ``pyhf_gpu_client.tables.PLOTS`` (its description is there)."""
 
     def decorate(draw: Callable[..., Figure]) -> Callable[..., Figure]:
         if name in KINDS:
             raise RuntimeError(f"plot kind {name!r} is registered twice")
-        KINDS[name] = Kind(name, draw, description)
+        if name not in tables.PLOTS:
+            raise RuntimeError(f"plot kind {name!r} is not in pyhf_gpu_client.tables.PLOTS")
+        KINDS[name] = Kind(name, draw, tables.PLOTS[name]["description"])
         return draw
 
     return decorate

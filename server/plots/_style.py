@@ -16,13 +16,13 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 import numpy as np
 from matplotlib import font_manager
 from matplotlib.axes import Axes
 from matplotlib.axis import Axis
-from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.backends.backend_agg import FigureCanvasAgg, RendererAgg
 from matplotlib.collections import Collection, PathCollection
 from matplotlib.figure import Figure
 from matplotlib.font_manager import FontProperties
@@ -161,7 +161,17 @@ NOTHING_PENDING = Pending()
 PENDING: ContextVar[Pending] = ContextVar("PENDING", default=NOTHING_PENDING)
 
 
-def new_figure(width: float, height: float, *, layout: str | None = "constrained") -> Figure:
+def renderer_of(fig: Figure) -> RendererAgg:
+    """The renderer of a figure on its own Agg canvas (:func:`new_figure`'s)."""
+    return cast(FigureCanvasAgg, fig.canvas).get_renderer()
+
+
+def new_figure(
+    width: float,
+    height: float,
+    *,
+    layout: Literal["constrained", "compressed", "tight"] | None = "constrained",
+) -> Figure:
     """A white figure with its own Agg canvas (``pyplot`` keeps no reference to it), of the
     size asked for (``figsize``, :data:`PENDING`) or else ``width`` x ``height`` inches."""
     size = PENDING.get().figsize or (width, height)
@@ -265,7 +275,7 @@ def hides_data(ax: Axes, box: Bbox, renderer: Any, ignore: Sequence[Any] = ()) -
                 return True
         elif isinstance(artist, Collection):
             offsets = artist.get_offsets()
-            if isinstance(artist, PathCollection) and len(offsets):  # markers (scatter)
+            if isinstance(artist, PathCollection) and np.shape(offsets)[0]:  # markers (scatter)
                 points = artist.get_offset_transform().transform(offsets)
                 radius = np.sqrt(np.max(artist.get_sizes(), initial=36.0)) / 2 * renderer.dpi / 72
                 if box.padded(radius).count_contains(points):
@@ -302,10 +312,10 @@ def place_legend(
     ``outside="right"`` beside them (the layout makes room), ``"top"`` at the first
     candidate, in headroom made above the data up to ``data_top`` (:func:`room_above`)."""
     leg = legend(ax, *args, loc=candidates[0], **kwargs)
-    fig = ax.figure
+    fig = cast(Figure, ax.figure)
     with as_finished(ax):
         fig.draw_without_rendering()  # the layout: where the axes are
-        renderer = fig.canvas.get_renderer()
+        renderer = renderer_of(fig)
         margin = 4 * renderer.dpi / 72
         for loc in candidates:
             leg.set_loc(loc)

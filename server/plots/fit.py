@@ -211,10 +211,7 @@ def _rows_figure(
     return _style.new_figure(width, height), size
 
 
-@register(
-    "pulls",
-    "pulls (θ̂ − θ₀)/Δθ of the constrained parameters of a fit answer, with ±1σ/±2σ bands",
-)
+@register("pulls")
 def pulls(
     result: Any,
     *,
@@ -254,7 +251,7 @@ def pulls(
     rows: list[tuple[str, float, float]] = []
     unknown = free = fixed = 0
     for i, label in enumerate(fit.labels):
-        name, index, size = fit.sets[i]
+        name, index, set_size = fit.sets[i]
         if not selected[i] or name == poi or label == poi:
             continue
         if fit.uncertainty[i] == 0.0 or (constraints is not None and name in constraints.fixed):
@@ -271,7 +268,7 @@ def pulls(
             else:
                 constraint = widths[index] if index < len(widths) else "unknown"
         else:
-            constraint = guessed_constraint(name, size)
+            constraint = guessed_constraint(name, set_size)
         if constraint is None:
             free += 1
             continue
@@ -333,11 +330,7 @@ def pulls(
 _RANKING_FIELDS = ("prefit_up", "prefit_down", "postfit_up", "postfit_down")
 
 
-@register(
-    "ranking",
-    "the parameters with the largest impacts on the POI (pre-fit hatched, post-fit filled) "
-    "with their pulls, as cabinetry's ranking plot",
-)
+@register("ranking")
 def ranking(result: Any, *, top: int | None = 20, poi_label: str = "μ") -> Figure:
     """Impacts of cabinetry-like ranking JSON ``{labels, bestfit, uncertainty, prefit_up,
     prefit_down, postfit_up, postfit_down}`` (optional ``init`` and ``prefit_uncertainty``
@@ -466,7 +459,7 @@ def ranking(result: Any, *, top: int | None = 20, poi_label: str = "μ") -> Figu
     _style.note(fig, notes)
     with _style.as_finished(ax_pulls):
         fig.draw_without_rendering()
-        _style.room_above(ax_pulls, [leg], fig.canvas.get_renderer(), n - 0.5, gap=0.01)
+        _style.room_above(ax_pulls, [leg], _style.renderer_of(fig), n - 0.5, gap=0.01)
     return fig
 
 
@@ -476,10 +469,7 @@ MAX_CORRELATION_TOP = 200  # n^2 cells
 MAX_ANNOTATED = 60  # n^2 texts
 
 
-@register(
-    "correlation",
-    "the correlation matrix of a fit answer, without parameters correlated less than a threshold",
-)
+@register("correlation")
 def correlation(
     result: Any,
     *,

@@ -129,11 +129,7 @@ def _upper_limit_parts(kind: str, result: Mapping[str, Any]) -> tuple[float, lis
     return obs, exp, curve
 
 
-@register(
-    "brazil",
-    "observed and expected CLs with 1σ/2σ bands versus the POI, the CLs level and the "
-    "upper limits (from a CLs list answer, or an upper-limit answer)",
-)
+@register("brazil")
 def brazil(
     result: Any,
     *,
@@ -482,11 +478,7 @@ def _slice(
     return _Slice(mask, caption)
 
 
-@register(
-    "exclusion",
-    "observed and expected CLs = level contours (1σ band) over a plane of the signal "
-    "parameters from a patchset CLs answer (one slice of the others), or CLs versus one",
-)
+@register("exclusion")
 def exclusion(
     result: Any,
     *,
@@ -713,7 +705,7 @@ def _exclusion_2d(
                 tri, band, levels=[band.min() - 1.0, 0.0], colors=[_style.BAND_2SIGMA], zorder=1
             ).set_gid("expected-band")
             handles.append(Patch(color=_style.BAND_2SIGMA, label="Expected ±1σ"))
-        for values, style, gid, text in (
+        contours: list[tuple[Any, dict[str, Any], str, str]] = [
             (
                 log_exp[2],
                 {"colors": "#1f3b99", "linestyles": "--", "linewidths": 2.5},
@@ -726,7 +718,8 @@ def _exclusion_2d(
                 "observed-contour",
                 "Observed",
             ),
-        ):
+        ]
+        for values, style, gid, text in contours:
             if values.min() < log_level < values.max():
                 ax.tricontour(tri, values, levels=[log_level], zorder=3, **style).set_gid(gid)
             else:

@@ -21,11 +21,7 @@ TWO_D_LEVELS = ((2.30, "68% CL"), (5.99, "95% CL"))
 Y_LABEL = r"$-2\,\Delta\ln L$"
 
 
-@register(
-    "scan",
-    "a likelihood scan: -2ΔlnL versus a parameter with 1σ/2σ lines, or over two parameters "
-    "with 68%/95% CL contours",
-)
+@register("scan")
 def scan(
     result: Any, *, xlabel: str | None = None, ylabel: str | None = None, ymax: float | None = None
 ) -> Figure:
@@ -125,7 +121,7 @@ def _scan_2d(
     filled.set_gid("scan-filled")
     colorbar = fig.colorbar(filled, ax=ax, pad=0.02)
     colorbar.set_label(Y_LABEL, loc="top", **_style.text_kw())
-    colorbar.set_ticks(np.arange(0, cap + 0.1, 2))
+    colorbar.set_ticks(np.arange(0, cap + 0.1, 2).tolist())
     _style.style_axes(colorbar.ax, minor_x=False, minor_y=False, top=False)
     colorbar.ax.tick_params(which="both", direction="out", left=False, right=True)
     handles = []

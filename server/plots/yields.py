@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from matplotlib.artist import Artist
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
@@ -119,11 +120,7 @@ def _channel(kind: str, name: str, entry: Any) -> Channel:
     return Channel(str(name), edges, bin_labels, samples, total, stdev, data)
 
 
-@register(
-    "yields",
-    "stacked sample yields per channel with their uncertainty, the data and a data / model "
-    "ratio (pre- or post-fit), several channels as a grid",
-)
+@register("yields")
 def yields(
     result: Any,
     *,
@@ -172,7 +169,7 @@ def yields(
     stage_text = {"postfit": "Post-fit", "prefit": "Pre-fit"}.get(stage or "")
     fig = _grid(parsed, nrows, ncols, colors, log_y, stage_text if n == 1 else None)
     if n > 1:
-        handles = [
+        handles: list[Artist] = [
             Patch(facecolor=colors[s], edgecolor="black", lw=0.5, label=s) for s in sample_names
         ]
         handles.append(
@@ -222,7 +219,9 @@ def _side_by_side(channels: list[Channel]) -> Channel:
         [c.name for c in channels],
         samples,
         np.concatenate([c.total for c in channels]),
-        None if any(v is None for v in stdevs) else np.concatenate(stdevs),
+        None
+        if any(v is None for v in stdevs)
+        else np.concatenate([v for v in stdevs if v is not None]),
         None
         if all(d is None for d in data)
         else np.array([np.nan if d is None else d[0] for d in data]),
@@ -296,7 +295,7 @@ def _grid(
                 )
             )
         panels.append((ax, drawn))
-    renderer = fig.canvas.get_renderer()
+    renderer = _style.renderer_of(fig)
     for ax, (data_top, boxes) in panels:  # the name and legend above the bars and points
         _style.room_above(ax, boxes, renderer, data_top)
     return fig
@@ -393,14 +392,14 @@ def _draw_channel(
             label="Data",
         )
     band = channel.total_stdev if channel.total_stdev is not None else 0.0
-    tops = [total + band]
-    positive = [total[total > 0]]
+    top_parts = [total + band]
+    positive_parts = [total[total > 0]]
     if channel.data is not None:
-        tops.append(channel.data + poisson_interval(channel.data)[1])
-        positive.append(channel.data[channel.data > 0])
-    tops = np.concatenate(tops)
+        top_parts.append(channel.data + poisson_interval(channel.data)[1])
+        positive_parts.append(channel.data[channel.data > 0])
+    tops = np.concatenate(top_parts)
     tops = tops[np.isfinite(tops)]
-    positive = np.concatenate(positive)
+    positive = np.concatenate(positive_parts)
     data_top = max(float(tops.max()) if len(tops) else 1.0, 1e-9)
     if log_y is None:
         log_y = len(positive) > 0 and positive.max() / positive.min() > 100

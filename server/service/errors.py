@@ -104,6 +104,12 @@ class QueueFull(ServiceError):
         super().__init__(detail, headers={"Retry-After": str(retry_after_s)})
 
 
+class NotImplementedHere(ServiceError):
+    """501: this server was installed without what the request needs (an extra)."""
+
+    status_code = 501
+
+
 class Unavailable(ServiceError):
     """The device could not serve the request (503, with Retry-After)."""
 

@@ -25,40 +25,33 @@ import jsonpatch
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from pyhf_gpu_client.plot_tables import PLOT_KINDS, PLOT_MEDIA_TYPES, PLOT_OPTION_TYPES
+from pyhf_gpu_client import tables
 from pyhf_gpu_server import plots
+from pyhf_gpu_server.plots.errors import PlotBusyError, PlotInputError, PlotsNotInstalledError
 
-from .errors import NotFound, ServiceError, Unavailable, Unprocessable
+from .errors import NotFound, NotImplementedHere, ServiceError, Unavailable, Unprocessable
 
 log = logging.getLogger("pyhf_gpu_server.service.plots")
 
-#: the plot kinds that suit each operation's answer (``kinds_for`` narrows ``cls`` by request)
-PLOTS: dict[str, tuple[str, ...]] = PLOT_KINDS
-FORMATS: tuple[str, ...] = plots.FORMATS
-KIND_NAMES: tuple[str, ...] = tuple(sorted(plots.KINDS))
-MEDIA_TYPES: dict[str, str] = PLOT_MEDIA_TYPES
-#: what the operation's plots need of the request, said when a kind does not fit
-_NEEDS = {
-    "brazil": "a list of test_poi",
-    "exclusion": "a patchset",
-}
-
-#: The plot options a query string carries, by type (``pyhf_gpu_client.plot_tables``, the one
-#: declaration); ``tests/test_client_plots.py`` checks that every renderer option is there or
-#: in :data:`JSON_OPTIONS`.
-OPTION_TYPES: dict[str, tuple[str, ...]] = PLOT_OPTION_TYPES
+#: the plot kinds that suit each operation's answer (``kinds_for`` narrows them by request);
+#: these and the rest are ``pyhf_gpu_client.tables``' (declared once)
+PLOTS: dict[str, tuple[str, ...]] = tables.PLOT_KINDS
+FORMATS: tuple[str, ...] = tables.PLOT_FORMATS
+KIND_NAMES: tuple[str, ...] = tuple(sorted(tables.PLOTS))
+MEDIA_TYPES: dict[str, str] = tables.PLOT_MEDIA_TYPES
+#: the plot options a query string carries
+QUERY_OPTIONS: tuple[str, ...] = tables.QUERY_OPTIONS
 #: renderer options only a JSON plot spec carries (objects), or that the service fills in
-JSON_OPTIONS: tuple[str, ...] = ("values", "patchset", "workspace", "upper_limit", "prefit")
-_INTS = OPTION_TYPES["int"]
-_FLOATS = OPTION_TYPES["float"]
-_BOOLS = OPTION_TYPES["bool"]
-_STRINGS = OPTION_TYPES["str"]
-_STRING_LISTS = OPTION_TYPES["strs"]
-_INT_LISTS = OPTION_TYPES["ints"]
-_FLOAT_LISTS = OPTION_TYPES["floats"]
-QUERY_OPTIONS: tuple[str, ...] = tuple(name for names in OPTION_TYPES.values() for name in names)
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
+JSON_OPTIONS: tuple[str, ...] = tuple(
+    dict.fromkeys(
+        name
+        for plot in tables.PLOTS.values()
+        for name, (kind, _) in plot["options"].items()
+        if kind == "json"
+    )
+)
+#: the options given as texts (checked to be texts when a JSON plot spec gives them)
+_STRINGS = tuple(name for name in QUERY_OPTIONS if tables.option_type(name) == "str")
 
 
 @dataclass(frozen=True)
@@ -100,17 +93,10 @@ class JobPlots(BaseModel):
 
 # ----------------------------------------------------------------------------- which kinds
 def kinds_for(operation: str, request: Mapping[str, Any]) -> tuple[str, ...]:
-    """The plot kinds that fit an ``operation``'s answer to ``request`` (its envelope).
-
-    A ``cls`` answer draws ``brazil`` for a list of ``test_poi`` (per patch for a patchset)
-    and ``exclusion`` for a patchset; every other operation its kinds of :data:`PLOTS`.
-    """
-    kinds = PLOTS.get(operation, ())
-    if operation != "cls":
-        return kinds
-    listed = isinstance(request.get("test_poi"), list)
-    named = request.get("patchset") is not None
-    return tuple(k for k in kinds if (k == "brazil" and listed) or (k == "exclusion" and named))
+    """The plot kinds that fit an ``operation``'s answer to ``request`` (its envelope): those
+    of :data:`PLOTS` whose ``tables.PLOT_NEEDS`` it meets (``cls``: ``brazil`` for a list of
+    ``test_poi``, ``exclusion`` for a patchset)."""
+    return tables.plot_kinds_for(operation, request)
 
 
 def links(job_id: str, operation: str, request: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -118,8 +104,8 @@ def links(job_id: str, operation: str, request: Mapping[str, Any]) -> list[dict[
     return [
         {
             "kind": kind,
-            "description": plots.KINDS[kind].description,
-            "options": plots.KINDS[kind].options,
+            "description": tables.PLOTS[kind]["description"],
+            "options": list(tables.PLOTS[kind]["options"]),
             **{fmt: f"/jobs/{job_id}/plots/{kind}.{fmt}" for fmt in FORMATS},
         }
         for kind in kinds_for(operation, request)
@@ -128,8 +114,8 @@ def links(job_id: str, operation: str, request: Mapping[str, Any]) -> list[dict[
 
 def check_kind(kind: str, unknown: type[ServiceError] = NotFound) -> None:
     """``unknown`` (404 on the job route, 422 in a request) unless ``kind`` is a plot kind."""
-    if kind not in plots.KINDS:
-        raise unknown(f"unknown plot kind {kind!r}; the kinds: {', '.join(sorted(plots.KINDS))}")
+    if kind not in tables.PLOTS:
+        raise unknown(f"unknown plot kind {kind!r}; the kinds: {', '.join(KIND_NAMES)}")
 
 
 def check_format(fmt: str, unknown: type[ServiceError] = NotFound) -> None:
@@ -146,8 +132,9 @@ def check_fits(kind: str, operation: str, request: Mapping[str, Any]) -> None:
     if not PLOTS.get(operation):
         raise Unprocessable(f"no plot kind fits a {operation} answer")
     why = ""
-    if kind in PLOTS[operation] and kind in _NEEDS:
-        why = f" (a {kind} plot needs {_NEEDS[kind]})"
+    need = tables.PLOT_NEEDS.get(operation, {}).get(kind)
+    if need is not None:
+        why = f" (a {kind} plot needs {need['says']})"
     these = ", ".join(fitting) if fitting else "none"
     raise Unprocessable(
         f"a {kind} plot does not fit this {operation} answer{why}; the kinds that do: {these}"
@@ -155,51 +142,29 @@ def check_fits(kind: str, operation: str, request: Mapping[str, Any]) -> None:
 
 
 # -------------------------------------------------------------------------------- options
-def _parse(name: str, values: list[str]) -> Any:
-    """One query option's typed value (422 naming it when malformed)."""
-    last = values[-1]
-    listed = values if len(values) > 1 else [v.strip() for v in last.split(",") if v.strip()]
+def _parse(name: str, values: list[str], kind: str | None) -> Any:
+    """One query option's typed value (of plot ``kind``; 422 naming it when malformed)."""
+    of = tables.option_type(name, kind) or "str"
     try:
-        if name in _INTS:
-            return int(last)
-        if name in _FLOATS:
-            return float(last)
-        if name in _BOOLS:
-            if last.lower() not in _TRUE | _FALSE:
-                raise ValueError(last)
-            return last.lower() in _TRUE
-        if name in _STRINGS:
-            return last
-        if name in _STRING_LISTS:
-            return listed
-        if name in _INT_LISTS:
-            return [int(v) for v in listed]
-        return [float(v) for v in listed]
+        return tables.read_option(of, values)
     except ValueError:
-        kind = next(
-            what
-            for what, names in (
-                ("an integer", _INTS),
-                ("a number", _FLOATS),
-                ("true or false", _BOOLS),
-                ("integers", _INT_LISTS),
-                ("numbers", _FLOAT_LISTS),
-            )
-            if name in names
-        )
-        raise Unprocessable(f"plot option {name!r} must be {kind}, not {last[:40]!r}") from None
+        raise Unprocessable(
+            f"plot option {name!r} must be {tables.TYPE_WORDS[of]}, not {values[-1][:40]!r}"
+        ) from None
 
 
-def query_options(query: Mapping[str, list[str]], prefix: str = "") -> dict[str, Any]:
-    """The renderer's options from query parameters (named ``prefix + option``; ``-`` or
-    ``_``); 422 for an unknown one, naming those accepted."""
+def query_options(
+    query: Mapping[str, list[str]], prefix: str = "", kind: str | None = None
+) -> dict[str, Any]:
+    """The renderer's options of plot ``kind`` from query parameters (named ``prefix +
+    option``; ``-`` or ``_``); 422 for an unknown one, naming those accepted."""
     options = {}
     for raw, values in query.items():
         name = raw.replace("-", "_").removeprefix(prefix)
         if name not in QUERY_OPTIONS:
             accepted = ", ".join(prefix + o for o in QUERY_OPTIONS)
             raise Unprocessable(f"unknown plot option {raw!r}; accepted: {accepted}")
-        options[name] = _parse(name, values)
+        options[name] = _parse(name, values, kind)
     return options
 
 
@@ -218,7 +183,7 @@ def from_envelope(document: Any) -> tuple[Any, PlotRequest | None]:
     if not isinstance(spec, dict) or not isinstance(spec.get("kind"), str):
         raise Unprocessable(
             '\'plot\' must be a kind name or an object {"kind": ..., "format": "svg" | '
-            f'"png", ...options}}; the kinds: {", ".join(sorted(plots.KINDS))}'
+            f'"png", ...options}}; the kinds: {", ".join(KIND_NAMES)}'
         )
     options = dict(spec)
     kind = options.pop("kind")
@@ -247,7 +212,7 @@ def from_query(query: Mapping[str, list[str]]) -> tuple[dict[str, list[str]], Pl
         raise Unprocessable(f"plot options {sorted(mine)} need 'plot' (the kind)")
     check_kind(kind, Unprocessable)
     check_format(fmt, Unprocessable)
-    return rest, PlotRequest(kind, fmt, query_options(spec, "plot_"))
+    return rest, PlotRequest(kind, fmt, query_options(spec, "plot_", kind))
 
 
 # ------------------------------------------------------------------------ renderer inputs
@@ -353,6 +318,50 @@ def _scan(result: Mapping[str, Any]) -> Mapping[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class _Drawn:
+    """What a plot's inputs are drawn from: the request, its (adapted) result, the patch
+    drawn of a patchset's answer, the workspace store."""
+
+    request: Mapping[str, Any]
+    result: Any
+    patch: str | None
+    lookup: WorkspaceLookup
+
+
+def _tested_value(drawn: _Drawn) -> float | None:
+    """The POI value of an exclusion plot: 1.0 when it was tested, else the first tested."""
+    tested = drawn.request.get("test_poi")
+    if not isinstance(tested, list):
+        return None
+    return 1.0 if 1.0 in tested else tested[0]
+
+
+def _result_poi_name(drawn: _Drawn) -> str | None:
+    poi = drawn.result.get("poi")
+    return poi["name"] if isinstance(poi, Mapping) and poi.get("name") else None
+
+
+#: the sources ``tables.PLOTS[kind]["inputs"]`` names (``request:<field>``: the request's field)
+_SOURCES: dict[str, Callable[[_Drawn], Any]] = {
+    "tested_value": _tested_value,
+    "poi_name": lambda d: _poi_name(
+        _workspace(d.request, d.lookup, None), d.request.get("measurement")
+    ),
+    "fitted_workspace": lambda d: _workspace(d.request, d.lookup, d.patch),
+    "result_poi_name": _result_poi_name,
+}
+#: how the service reads an answer for a kind (``tables.PLOTS[kind]["adapt"]``)
+_ADAPTERS: dict[str, Callable[[Any], Any]] = {"pull_centres": _ranking, "scan_axes": _scan}
+
+
+def _source(name: str, drawn: _Drawn) -> Any:
+    where, _, field_name = name.partition(":")
+    if where == "request":
+        return drawn.request.get(field_name)
+    return _SOURCES[name](drawn)
+
+
 def inputs(
     plot: PlotRequest,
     operation: str,
@@ -361,42 +370,23 @@ def inputs(
     lookup: WorkspaceLookup,
 ) -> tuple[Any, dict[str, Any]]:
     """The renderer's ``(result, options)`` for ``plot`` of ``operation``'s ``result`` to
-    ``request``: one patch of a patchset answer (the ``patch`` option, default the first
-    tested), the patchset's metadata for ``exclusion``, the ``test_poi`` list for
-    ``brazil``, the (patched) workspace for ``pulls``, the POI's name as axis label. The
-    caller's options win over these."""
+    ``request``, as ``tables.PLOTS[kind]`` says: one patch of a patchset answer (the
+    ``patch`` option, default the first tested) unless the kind draws the whole patchset,
+    the answer adapted, and the kind's ``inputs`` (the patchset for ``exclusion``, the
+    ``test_poi`` list for ``brazil``, the (patched) workspace for ``pulls``, the POI's name
+    as axis label, ...) where they have a value. The caller's options win over these."""
     options = dict(plot.options)
-    kind = plot.kind
-    named = request.get("patchset") is not None
+    table = tables.PLOTS[plot.kind]
     patch = None
-    if named and kind != "exclusion":
-        patch, result = _one_patch(result, options.pop("patch", None))
-    wanted: dict[str, Any] = {}
-    if kind == "exclusion":
-        wanted["patchset"] = request["patchset"]
-        tested = request.get("test_poi")
-        if isinstance(tested, list):
-            wanted["test_poi"] = 1.0 if 1.0 in tested else tested[0]
-    elif kind == "brazil":
-        if operation == "cls":
-            wanted["test_poi"] = request.get("test_poi")
-        poi = _poi_name(_workspace(request, lookup, None), request.get("measurement"))
-        if poi:
-            wanted["xlabel"] = poi
-    elif kind == "pulls":
-        workspace = _workspace(request, lookup, patch)
-        if workspace is not None:
-            wanted["workspace"] = workspace
-            wanted["measurement"] = request.get("measurement")
-    elif kind == "ranking":
-        result = _ranking(result)
-        poi = result.get("poi")
-        if isinstance(poi, Mapping) and poi.get("name"):
-            wanted["poi_label"] = poi["name"]
-    elif kind == "scan":
-        result = _scan(result)
-    for key, value in wanted.items():
-        options.setdefault(key, value)
+    if request.get("patchset") is not None and table["draws"] == "patch":
+        patch, result = _one_patch(result, options.pop(tables.PLOT_PATCH_OPTION, None))
+    if table["adapt"] is not None:
+        result = _ADAPTERS[table["adapt"]](result)
+    drawn = _Drawn(request, result, patch, lookup)
+    for key, source in table["inputs"].items():
+        value = _source(source, drawn)
+        if value is not None:
+            options.setdefault(key, value)
     return result, options
 
 
@@ -418,9 +408,11 @@ def render(
     drawn, options = inputs(plot, operation, request, result, lookup)
     try:
         return plots.render(plot.kind, drawn, plot.fmt, abandoned=abandoned, **options)
-    except plots.PlotInputError as exc:
+    except PlotsNotInstalledError as exc:
+        raise NotImplementedHere(str(exc)) from None
+    except PlotInputError as exc:
         raise Unprocessable(str(exc)) from None
-    except plots.PlotBusyError as exc:
+    except PlotBusyError as exc:
         raise Unavailable(str(exc), 5) from None
     except Exception as exc:  # an option value the renderer does not check; logged in full
         log.warning("plot not drawn", exc_info=True, extra={"kind": plot.kind})

@@ -20,7 +20,7 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 
-from pyhf_gpu_server import plots
+from pyhf_gpu_server.plots.errors import PlotAbandonedError
 
 from .. import plotting
 from ..dependencies import StateDep
@@ -133,7 +133,7 @@ async def image_unless_gone(
         data = await run_in_threadpool(
             plotting.render, plot, operation, envelope, result, lookup, gone.is_set
         )
-    except plots.PlotAbandonedError:
+    except PlotAbandonedError:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     finally:
         watcher.cancel()
@@ -180,7 +180,7 @@ def _responses(operation: Operation) -> dict[int | str, dict[str, Any]]:
     """The error answers, and the images a ``plot`` answers instead of the JSON."""
     if not plotting.PLOTS[operation.name]:
         return _ERRORS
-    images = {media: {} for media in plotting.MEDIA_TYPES.values()}
+    images: dict[str, dict[str, Any]] = {media: {} for media in plotting.MEDIA_TYPES.values()}
     return {200: {"content": images}, **_ERRORS}
 
 

@@ -174,7 +174,9 @@ async def job_plots(job_id: str, state: StateDep, caller: CallerDep) -> dict[str
     }
 
 
-_IMAGES = {"content": {media: {} for media in plotting.MEDIA_TYPES.values()}}
+_IMAGES: dict[str, dict[str, dict[str, Any]]] = {
+    "content": {media: {} for media in plotting.MEDIA_TYPES.values()}
+}
 
 
 @router.get(
@@ -216,7 +218,7 @@ async def job_plot(
             else f"job {job_id!r} {status}; it has no result to plot"
         )
     query = {key: request.query_params.getlist(key) for key in request.query_params}
-    plot = plotting.PlotRequest(kind, fmt, plotting.query_options(query))
+    plot = plotting.PlotRequest(kind, fmt, plotting.query_options(query, kind=kind))
     lookup = plotting.store_lookup(state.workspaces)
     return await image_unless_gone(
         request, plot, operation, stored, view["result"], lookup, f"{job_id}-{kind}"

@@ -159,6 +159,21 @@
     $("recent-workspaces").replaceChildren(...options);
   }
 
+  // -------------------------------------------------------------------------------- tables
+  // The operations, their plot kinds and the plot options as the server declares them
+  // (GET /tables, pyhf_gpu_client.tables): read once, not copied here.
+  let tablesRead = null;
+  function serverTables() {
+    tablesRead = tablesRead || json("/tables").catch((error) => {
+      tablesRead = null; // asked again next time
+      throw error;
+    });
+    return tablesRead;
+  }
+
+  // a plot of the chosen patch of a patchset's answer, not of all its patches
+  const drawsOnePatch = (kind) => ((shown.tables.plots[kind] || {}).draws === "patch");
+
   // ------------------------------------------------------------------------------- new job
   function showOperationOptions() {
     const operation = $("operation").value;
@@ -248,7 +263,7 @@
   }
 
   // ------------------------------------------------------------------------------ one job
-  let shown = null; // the job on the page: {id, view, plots, patch}
+  let shown = null; // the job on the page: {id, view, plots, patch, tables}
 
   function showProgress(view) {
     const { done, total } = view.progress;
@@ -304,7 +319,7 @@
   }
 
   async function showJob(id) {
-    shown = { id, view: null, plots: [], patch: null };
+    shown = { id, view: null, plots: [], patch: null, tables: null };
     $("job").hidden = false;
     $("job-heading").textContent = `Job ${id}`;
     $("report-link").href = `/jobs/${encodeURIComponent(id)}/report`;
@@ -329,7 +344,10 @@
       }
       if (view.status !== "succeeded") return;
       showDoubtful(view);
-      shown.plots = (await json(`/jobs/${encodeURIComponent(id)}/plots`)).plots;
+      [shown.plots, shown.tables] = await Promise.all([
+        json(`/jobs/${encodeURIComponent(id)}/plots`).then((answer) => answer.plots),
+        serverTables(),
+      ]);
       choosePatch(view);
       await Promise.all([showPlots(), Promise.resolve(showTable())]);
     } catch (error) {
@@ -383,7 +401,7 @@
   const isError = (entry) => entry && typeof entry === "object" && !Array.isArray(entry) && "error" in entry && Object.keys(entry).length === 1;
 
   function choosePatch(view) {
-    const perPatch = shown.plots.some((p) => p.kind !== "exclusion") || !["cls", "upper-limit", "significance"].includes(view.operation);
+    const perPatch = shown.plots.some((p) => drawsOnePatch(p.kind)) || !(RESULT_TABLES[view.operation] || {}).everyPatch;
     if (!isNamed(view) || !perPatch) return;
     const names = Object.keys(view.result).filter((name) => !isError(view.result[name]));
     if (!names.length) return;
@@ -397,7 +415,7 @@
     box.replaceChildren();
     $("plots-heading").hidden = shown.plots.length === 0;
     const loads = shown.plots.map(async (plot) => {
-      const perPatch = shown.patch !== null && plot.kind !== "exclusion";
+      const perPatch = shown.patch !== null && drawsOnePatch(plot.kind);
       const query = new URLSearchParams({ dpi: String(PLOT_DPI) });
       if (perPatch) query.set("patch", shown.patch);
       const what = perPatch ? `${plot.kind} plot of ${shown.patch}` : `${plot.kind} plot`;
@@ -465,69 +483,72 @@
     return [one(entry, name === null ? number(entry.meta.test_poi) : name)];
   }
 
-  function showTable() {
-    const view = shown.view;
-    const result = view.result;
-    const named = isNamed(view);
-    const entries = named ? Object.entries(result) : [[null, result]];
-    const pick = () => (named ? result[shown.patch] : result);
-    switch (view.operation) {
-      case "cls": {
-        const head = [named ? "Patch" : "POI value", "CLs observed", "CLs expected (median)", "Expected ±1σ", "Excluded at 95% CL"];
-        table(head, entries.flatMap(([name, entry]) => (isError(entry) ? [errorRow(name, entry, 5)] : clsRows(name, entry))));
-        break;
-      }
-      case "upper-limit":
-        table(
-          ["Patch", "Observed limit", "Expected limit (median)", "Expected −1σ", "Expected +1σ"],
-          entries.map(([name, r]) => (isError(r) ? errorRow(name, r, 5)
-            : [mark(name || "–", r), number(r.upper_limit_obs), number(r.upper_limit_exp[2]), number(r.upper_limit_exp[1]), number(r.upper_limit_exp[3])])),
-        );
-        break;
-      case "significance":
-        table(
-          ["Patch", "p₀ observed", "Z observed", "p₀ expected", "Z expected"],
-          entries.map(([name, r]) => (isError(r) ? errorRow(name, r, 5)
-            : [mark(name || "–", r), number(r.p0_obs), number(r.z_obs), number(r.p0_exp), number(r.z_exp)])),
-        );
-        break;
-      case "fit": {
-        const r = pick();
+  // The results table of each operation's answer: `everyPatch` ones have a row for each
+  // patch of a patchset's answer (shown(entries): [[patch or null, entry], ...]), the others
+  // show the chosen patch's (shown(entry)).
+  const limitRow = (name, r) => [mark(name || "–", r), number(r.upper_limit_obs), number(r.upper_limit_exp[2]), number(r.upper_limit_exp[1]), number(r.upper_limit_exp[3])];
+  const significanceRow = (name, r) => [mark(name || "–", r), number(r.p0_obs), number(r.z_obs), number(r.p0_exp), number(r.z_exp)];
+  const RESULT_TABLES = {
+    cls: {
+      everyPatch: true,
+      shown: (entries, named) => table(
+        [named ? "Patch" : "POI value", "CLs observed", "CLs expected (median)", "Expected ±1σ", "Excluded at 95% CL"],
+        entries.flatMap(([name, entry]) => (isError(entry) ? [errorRow(name, entry, 5)] : clsRows(name, entry))),
+      ),
+    },
+    "upper-limit": {
+      everyPatch: true,
+      shown: (entries) => table(
+        ["Patch", "Observed limit", "Expected limit (median)", "Expected −1σ", "Expected +1σ"],
+        entries.map(([name, r]) => (isError(r) ? errorRow(name, r, 5) : limitRow(name, r))),
+      ),
+    },
+    significance: {
+      everyPatch: true,
+      shown: (entries) => table(
+        ["Patch", "p₀ observed", "Z observed", "p₀ expected", "Z expected"],
+        entries.map(([name, r]) => (isError(r) ? errorRow(name, r, 5) : significanceRow(name, r))),
+      ),
+    },
+    fit: {
+      shown: (r) => {
         const rows = [];
         for (const [parameter, values] of Object.entries(r.mle_parameters)) {
           values.forEach((v, i) => rows.push([values.length > 1 ? `${parameter}[${i}]` : parameter, number(v), number(r.uncertainties[parameter][i])]));
         }
         table(["Parameter", "Best fit", "Uncertainty"], rows);
-        break;
-      }
-      case "ranking": {
-        const r = pick();
-        table(
-          ["Parameter", "Pull", "Post-fit impact +", "Post-fit impact −", "Pre-fit impact +", "Pre-fit impact −"],
-          r.labels.map((label, i) => [label, number(r.pull[i]), number(r.postfit_up[i]), number(r.postfit_down[i]), number(r.prefit_up[i]), number(r.prefit_down[i])]),
-        );
-        break;
-      }
-      case "scan": {
-        const r = pick();
+      },
+    },
+    ranking: {
+      shown: (r) => table(
+        ["Parameter", "Pull", "Post-fit impact +", "Post-fit impact −", "Pre-fit impact +", "Pre-fit impact −"],
+        r.labels.map((label, i) => [label, number(r.pull[i]), number(r.postfit_up[i]), number(r.postfit_down[i]), number(r.prefit_up[i]), number(r.prefit_down[i])]),
+      ),
+    },
+    scan: {
+      shown: (r) => {
         if (r.names) {
           table(["Parameter", "Best fit", "Uncertainty"], r.names.map((n, i) => [n, number(r.bestfit[i]), number(r.uncertainty[i])]));
         } else {
           table([r.name, "−2 Δln L"], r.parameter_values.map((v, i) => [number(v), number(r.delta_nlls[i])]));
         }
-        break;
-      }
-      case "yields": {
-        const r = pick();
-        table(
-          ["Channel", "Pre-fit total", "Post-fit total", "Data"],
-          Object.keys(r.prefit).map((c) => [c, number(r.prefit[c].total.channel_yield), number(r.postfit[c].total.channel_yield), number(r.prefit[c].channel_data)]),
-        );
-        break;
-      }
-      default:
-        break;
-    }
+      },
+    },
+    yields: {
+      shown: (r) => table(
+        ["Channel", "Pre-fit total", "Post-fit total", "Data"],
+        Object.keys(r.prefit).map((c) => [c, number(r.prefit[c].total.channel_yield), number(r.postfit[c].total.channel_yield), number(r.prefit[c].channel_data)]),
+      ),
+    },
+  };
+
+  function showTable() {
+    const view = shown.view;
+    const kind = RESULT_TABLES[view.operation];
+    if (!kind) return;
+    const named = isNamed(view);
+    if (kind.everyPatch) kind.shown(named ? Object.entries(view.result) : [[null, view.result]], named);
+    else kind.shown(named ? view.result[shown.patch] : view.result);
   }
 
   async function patchChanged() {
