@@ -18,11 +18,11 @@ DEVICE ?= auto
 $(VENV)/.server-installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e ".[server]"
+	$(PY) -m pip install --quiet -e ".[all]"
 	touch $@
 
 $(VENV)/.test-installed: $(VENV)/.server-installed
-	$(PY) -m pip install --quiet -e ".[server,test]"
+	$(PY) -m pip install --quiet -e ".[all,test]"
 	touch $@
 
 # The web page's tests drive a real headless browser: Debian's chromium and chromium-driver,

@@ -9,7 +9,6 @@ variants to `docker compose config` where a Compose v2 is on PATH, and is skippe
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -407,14 +406,14 @@ def test_env_example_documents_every_setting(compose):
 def test_env_example_covers_every_server_setting():
     settings = pytest.importorskip("pyhf_gpu_server.service.settings")
     text = ENV_EXAMPLE.read_text()
-    for field in dataclasses.fields(settings.Settings):
-        name = settings.env_name(field.name)
+    for field in settings.Settings.model_fields:
+        name = settings.env_name(field)
         assert re.search(rf"^#?\s*{name}\b", text, re.M), f".env.example: {name} missing"
 
 
 def test_compose_waits_longer_than_the_server_s_graceful_shutdown(server):
     settings = pytest.importorskip("pyhf_gpu_server.service.settings")
-    fields = {f.name: f for f in dataclasses.fields(settings.Settings)}
+    fields = settings.Settings.model_fields
     if "graceful_timeout_s" not in fields:
         pytest.skip("the server has no graceful_timeout_s setting")
     match = re.fullmatch(r"(\d+)s", str(server["stop_grace_period"]))
@@ -601,7 +600,9 @@ def _run(args: list[str], timeout: float, **kwargs) -> subprocess.CompletedProce
 def test_the_image_install_gives_a_working_server_cli(tmp_path, instructions):
     """What `docker build` does, without Docker: the sources the Dockerfile COPYs, a torch that
     is already there (here the CPU build, in the image the CUDA one), then a regular install of
-    `.[server]` pinned to that torch, then the CMD's program."""
+    the package with the Dockerfile's extras pinned to that torch, then the CMD's program."""
+    extras = re.search(r'"\.\[([\w,]+)\]"', " ".join(args_of(instructions, "RUN")))
+    assert extras, "the Dockerfile installs no `.[extras]`"
     context = tmp_path / "context"
     context.mkdir()
     for args in args_of(instructions, "COPY"):
@@ -626,7 +627,7 @@ def test_the_image_install_gives_a_working_server_cli(tmp_path, instructions):
     constraint = tmp_path / "torch-constraint.txt"
     constraint.write_text(f"torch=={torch_version}\n")
     _run(
-        [*install, "--constraint", constraint, f"{context}[server]"],
+        [*install, "--constraint", constraint, f"{context}[{extras.group(1)}]"],
         timeout=600,
         env=env,
         cwd=tmp_path,

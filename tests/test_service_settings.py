@@ -15,41 +15,72 @@ from pyhf_gpu_server.service.errors import BadRequest, Unprocessable
 from pyhf_gpu_server.service.logs import JsonFormatter
 from pyhf_gpu_server.service.operations import OPERATIONS
 from pyhf_gpu_server.service.requests import envelope_from, parse_json
-from pyhf_gpu_server.service.settings import Settings, env_name, settings_from_args
+from pyhf_gpu_server.service.settings import (
+    LIMITS,
+    Settings,
+    build_parser,
+    env_name,
+    markdown_table,
+    settings_from_args,
+)
 
 
-def test_flags_environment_and_defaults() -> None:
+def test_flags_environment_and_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     env = {"PYHF_GPU_DEVICE": "cuda:1", "PYHF_GPU_MAX_BODY_MB": "8", "PYHF_GPU_API_TOKEN": "s3"}
-    settings = settings_from_args(["--port", "9000", "--max-body-mb", "16"], env)
+    for name, value in {**env, "PYHF_GPU_HOST": ""}.items():
+        monkeypatch.setenv(name, value)
+    settings = settings_from_args(["--port", "9000", "--max-body-mb", "16"])
     assert settings.port == 9000
     assert settings.max_body_mb == 16.0  # the flag wins over the environment
     assert settings.device == "cuda:1"
     assert settings.api_token == "s3"
+    assert settings.host == "127.0.0.1"  # an empty variable is the default
     assert settings.max_batch_delay_ms == 5.0
     assert "s3" not in repr(settings)
+    assert Settings().device == "auto"  # Settings(...) itself reads no variable
 
 
-def test_every_field_has_a_flag_and_a_variable() -> None:
-    import dataclasses
-
-    names = [f.name for f in dataclasses.fields(Settings)]
+def test_every_field_has_a_flag_and_a_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    names = list(Settings.model_fields)
     for name in ("device", "dtype", "data_dir", "max_body_mb", "max_batch_size", "api_token"):
         assert name in names
     assert env_name("data_dir") == "PYHF_GPU_DATA_DIR"
-    settings = settings_from_args([], {env_name(n): "7" for n in ("max_queue", "port")})
+    for name in ("max_queue", "port"):
+        monkeypatch.setenv(env_name(name), "7")
+    settings = settings_from_args([])
     assert settings.max_queue == 7 and settings.port == 7
-    assert isinstance(settings_from_args(["--data-dir", "/tmp/x"], {}).data_dir, Path)
+    assert isinstance(settings_from_args(["--data-dir", "/tmp/x"]).data_dir, Path)
+    assert settings.limits() == {name: getattr(settings, name) for name in LIMITS}
+    helped = build_parser().format_help()
+    for name, field in Settings.model_fields.items():
+        assert f"--{name.replace('_', '-')}" in helped and env_name(name) in helped
+        assert field.description, name
 
 
 @pytest.mark.parametrize(
     "argv",
-    [["--device", "tpu"], ["--dtype", "float16"], ["--max-batch-size", "0"], ["--port", "x"]],
+    [
+        ["--device", "tpu"],
+        ["--dtype", "float16"],
+        ["--max-batch-size", "0"],
+        ["--port", "x"],
+        ["--local-workers", "-2"],
+        ["--dask-scheduler", "nowhere"],
+        ["--log-level", "loud"],
+    ],
 )
 def test_bad_settings_exit_with_a_message(argv: list[str], capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as exited:
-        settings_from_args(argv, {})
+        settings_from_args(argv)
     assert exited.value.code == 2
-    assert "error" in capsys.readouterr().err
+    assert f"error: {argv[0]}" in capsys.readouterr().err
+
+
+def test_the_docs_table_is_the_settings_descriptions() -> None:
+    text = (Path(__file__).parents[1] / "docs" / "SERVICE.md").read_text()
+    assert markdown_table() in text, (
+        "docs/SERVICE.md: paste `python -m pyhf_gpu_server.service.settings` over its table"
+    )
 
 
 def test_auto_device() -> None:

@@ -110,10 +110,10 @@ def _build_routes(app: FastAPI) -> None:
 def _add_docs(app: FastAPI) -> None:
     """/openapi.json and /docs, open to all (see :data:`OPEN_PATHS`).
 
-    Swagger UI's files come from the ``fastapi-offline`` package (Swagger UI 5, which reads
-    OpenAPI 3.1), served under :data:`DOCS_ASSETS`: the page needs no CDN.
+    Swagger UI's files (Swagger UI 5, which reads OpenAPI 3.1) are shipped in the package's
+    ``static/swagger`` folder and served under :data:`DOCS_ASSETS`: the page needs no CDN.
     """
-    assets = resources.files("fastapi_offline").joinpath("static")
+    assets = resources.files("pyhf_gpu_server.service").joinpath("static", "swagger")
     app.mount(DOCS_ASSETS, StaticFiles(directory=str(assets)), name="docs-assets")
 
     @app.get("/openapi.json", include_in_schema=False)

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Annotated
 
@@ -122,7 +121,7 @@ def with_file_token(settings: Settings) -> Settings:
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"cannot read --api-token-file {path}: {exc}") from None
     token = parse_token_file(text, f"--api-token-file {path}")
-    return dataclasses.replace(settings, api_token=token, api_token_file=None)
+    return settings.model_copy(update={"api_token": token, "api_token_file": None})
 
 
 StateDep = Annotated[ServiceState, Depends(get_state)]
