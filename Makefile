@@ -50,12 +50,14 @@ PYTEST_WORKERS ?= 4
 
 test: $(VENV)/.test-installed browser
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m "not one_process"
 	$(PY) -m pytest -m one_process
 
 lint: $(VENV)/.test-installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 bench: $(VENV)/.test-installed
 	$(PY) benchmarks/bench_engine.py

@@ -119,7 +119,7 @@ def load_json(source: JSONSource, what: str = "workspace") -> Any:
     if isinstance(source, bytes):
         return _parse(source.decode("utf-8"), what, "<bytes>")
     if hasattr(source, "read"):
-        text = source.read()  # type: ignore[union-attr]
+        text = source.read()
         if isinstance(text, bytes):
             text = text.decode("utf-8")
         return _parse(text, what, getattr(source, "name", "<stream>"))
