@@ -16,7 +16,7 @@ import inspect
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from . import protocol as p
 from .exceptions import TransportError
@@ -38,7 +38,8 @@ class _api:
 
     def __init__(self, build: Callable[..., Any]) -> None:
         self.build = build
-        functools.update_wrapper(self, build)
+        # a descriptor, not a callable: update_wrapper copies __name__, __doc__... all the same
+        functools.update_wrapper(self, build)  # type: ignore[arg-type]
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
@@ -431,7 +432,8 @@ class ClientBase:
         Returns ``{patch_name: result}``.
         """
         body = p.build_options(operation, patchset=patchset, patch_names=patch_names, **options)
-        return p.operation_flow(operation, workspace, body, self.config, self.state)
+        flow = p.operation_flow(operation, workspace, body, self.config, self.state)
+        return cast("p.Flow[dict[str, Any]]", flow)  # a patchset's answer: {patch: result}
 
     @_api
     def submit(

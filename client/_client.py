@@ -18,11 +18,14 @@ __all__ = ["AsyncClient", "Client"]
 T = TypeVar("T")
 
 
-def _httpx_timeout(timeout: p.Timeout | None) -> httpx.Timeout:
-    if timeout is None:
+def _httpx_timeout(timeout: p.Timeout | float | None) -> httpx.Timeout:
+    """``ClientConfig.timeout`` for httpx (a :class:`~.protocol.Timeout` or None by then:
+    ``Timeout.of`` returns those as they are)."""
+    limits = p.Timeout.of(timeout)
+    if limits is None:
         return httpx.Timeout(None)
     return httpx.Timeout(
-        connect=timeout.connect, read=timeout.read, write=timeout.write, pool=timeout.pool
+        connect=limits.connect, read=limits.read, write=limits.write, pool=limits.pool
     )
 
 

@@ -73,7 +73,7 @@ class StdlibClient(ClientBase):
         """One request and its whole answer, on the kept connection or a new one (``fresh``);
         transport failures become the client's exceptions, but for a kept connection that
         turns out closed (raised as it is)."""
-        timeout = self.config.timeout
+        timeout = p.Timeout.of(self.config.timeout)  # one already (ClientConfig made it one)
         try:
             connection = self._connect(timeout)
         except TimeoutError as exc:

@@ -319,16 +319,40 @@ def _refuse_minuit(strategy: Any, maxiter: Any, tolerance: Any, custom_fit: bool
 
 
 @contextmanager
-def _connected(client: ClientBase | None) -> Iterator[ClientBase]:
-    """``client``, or a :class:`~pyhf_gpu_client.Client` of the usual settings
-    (``$PYHF_GPU_SERVER``, ``$PYHF_GPU_API_TOKEN``) closed afterwards."""
+def _asking(
+    model: ModelLike,
+    data: Sequence[float] | None,
+    client: ClientBase | None,
+    minuit: tuple[Any, Any, Any] | tuple[Any, Any, Any, bool],
+    *,
+    refuse: Mapping[str, tuple[Any, Any]] | None = None,
+    poi_name: str | None = None,
+    init_pars: Sequence[float] | None = None,
+    fix_pars: Sequence[bool] | None = None,
+    par_bounds: Sequence[Sequence[float]] | None = None,
+) -> Iterator[tuple[_Problem, ClientBase]]:
+    """What every public function does first, yielding ``(problem, client)``: refuse the
+    options the service does not have (``refuse``'s ``{name: (value, default)}``, then the
+    MINUIT settings ``minuit``, ``(strategy, maxiter, tolerance[, custom_fit])``), build the
+    :class:`_Problem`, and take ``client`` or a :class:`~pyhf_gpu_client.Client` of the usual
+    settings (``$PYHF_GPU_SERVER``, ``$PYHF_GPU_API_TOKEN``), closed afterwards."""
+    _refuse(**(refuse or {}))
+    _refuse_minuit(*minuit)
+    problem = _problem(
+        model,
+        data,
+        poi_name=poi_name,
+        init_pars=init_pars,
+        fix_pars=fix_pars,
+        par_bounds=par_bounds,
+    )
     if client is not None:
-        yield client
+        yield problem, client
         return
     from ._client import Client
 
     with Client() as own:
-        yield own
+        yield problem, own
 
 
 # ------------------------------------------------------------------------ answers by label
@@ -418,10 +442,16 @@ def fit(
         cabinetry's ``FitResults`` in the model's parameter order (``minos_uncertainty`` empty,
         ``goodness_of_fit`` -1 unless asked for).
     """
-    _refuse(minos=(minos, None))
-    _refuse_minuit(strategy, maxiter, tolerance, custom_fit)
-    problem = _problem(model, data, init_pars=init_pars, fix_pars=fix_pars, par_bounds=par_bounds)
-    with _connected(client) as service:
+    with _asking(
+        model,
+        data,
+        client,
+        (strategy, maxiter, tolerance, custom_fit),
+        refuse={"minos": (minos, None)},
+        init_pars=init_pars,
+        fix_pars=fix_pars,
+        par_bounds=par_bounds,
+    ) as (problem, service):
         answer = service.fit(problem.workspace, goodness_of_fit=goodness_of_fit, **problem.options)
     return _fit_results(problem, answer, goodness_of_fit)
 
@@ -455,16 +485,16 @@ def ranking(
     Returns:
         cabinetry's ``RankingResults``, parameters in the model's order without the POI.
     """
-    _refuse_minuit(strategy, maxiter, tolerance, custom_fit)
-    problem = _problem(
+    with _asking(
         model,
         data,
+        client,
+        (strategy, maxiter, tolerance, custom_fit),
         poi_name=poi_name,
         init_pars=init_pars,
         fix_pars=fix_pars,
         par_bounds=par_bounds,
-    )
-    with _connected(client) as service:
+    ) as (problem, service):
         answer = service.ranking(problem.workspace, **problem.options)
     if not isinstance(answer, RankingResult):
         raise ValueError(f"unexpected ranking answer: {answer!r:.200}")
@@ -479,7 +509,9 @@ def _ranking_results(problem: _Problem, answer: RankingResult) -> RankingResults
     parameters it did not rank (fixed ones) at their fixed value with zero impacts."""
     ranked = {label: i for i, label in enumerate(answer.labels)}
     columns = {name: np.zeros(len(problem.labels) - 1) for name in _IMPACT_FIELDS}
-    bestfit, uncertainty, labels = [], [], []
+    bestfit: list[float] = []
+    uncertainty: list[float] = []
+    labels: list[str] = []
     for k, label in enumerate(problem.labels):
         if k == problem.poi_index:
             continue
@@ -558,14 +590,20 @@ def scan(
     Returns:
         cabinetry's ``ScanResults``: ``-2 delta ln L`` against the free fit's minimum.
     """
-    _refuse_minuit(strategy, maxiter, tolerance, custom_fit)
     if n_steps < 2:
         raise ValueError(f"n_steps must be at least 2, not {n_steps}")
-    problem = _problem(model, data, init_pars=init_pars, fix_pars=fix_pars, par_bounds=par_bounds)
-    if par_name not in problem.labels:
-        raise ValueError(f"parameter {par_name} not found in model")
-    index = problem.labels.index(par_name)
-    with _connected(client) as service:
+    with _asking(
+        model,
+        data,
+        client,
+        (strategy, maxiter, tolerance, custom_fit),
+        init_pars=init_pars,
+        fix_pars=fix_pars,
+        par_bounds=par_bounds,
+    ) as (problem, service):
+        if par_name not in problem.labels:
+            raise ValueError(f"parameter {par_name} not found in model")
+        index = problem.labels.index(par_name)
         if par_range is None:
             best = _fit_results(problem, service.fit(problem.workspace, **problem.options), False)
             centre, width = best.bestfit[index], best.uncertainty[index]
@@ -625,23 +663,23 @@ def limit(
     Returns:
         cabinetry's ``LimitResults`` (the CLs points sorted by POI value).
     """
-    _refuse(maxsteps=(maxsteps, CABINETRY_MAXSTEPS))
-    _refuse_minuit(strategy, maxiter, tolerance)
     if not 0.0 < confidence_level < 1.0:
         raise ValueError(f"confidence_level must lie in (0, 1), not {confidence_level}")
     if poi_tolerance <= 0:
         raise ValueError(f"poi_tolerance must be positive, not {poi_tolerance}")
     if bracket is not None and (len(bracket) != 2 or bracket[0] == bracket[1]):
         raise ValueError(f"the two bracket values must not be the same: {bracket}")
-    problem = _problem(
+    with _asking(
         model,
         data,
+        client,
+        (strategy, maxiter, tolerance),
+        refuse={"maxsteps": (maxsteps, CABINETRY_MAXSTEPS)},
         poi_name=poi_name,
         init_pars=init_pars,
         fix_pars=fix_pars,
         par_bounds=par_bounds,
-    )
-    with _connected(client) as service:
+    ) as (problem, service):
         limits = service.upper_limit(
             problem.workspace, level=1.0 - confidence_level, **problem.options
         )
@@ -708,16 +746,16 @@ def significance(
     Returns:
         cabinetry's ``SignificanceResults``.
     """
-    _refuse_minuit(strategy, maxiter, tolerance)
-    problem = _problem(
+    with _asking(
         model,
         data,
+        client,
+        (strategy, maxiter, tolerance),
         poi_name=poi_name,
         init_pars=init_pars,
         fix_pars=fix_pars,
         par_bounds=par_bounds,
-    )
-    with _connected(client) as service:
+    ) as (problem, service):
         answer = service.significance(problem.workspace, **problem.options)
     return SignificanceResults(
         observed_p_value=float(answer.p0_obs),

@@ -13,7 +13,7 @@ import dataclasses
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 __all__ = [
     "BOUNDS_FLAGS",
@@ -457,9 +457,11 @@ class RankingResult(_Record):
         """A ranking of only the parameters at ``indices``, in that order."""
         chosen = list(indices)
         lists = {name: getattr(self, name) for name in ("labels", *self.NUMBERS, "fits_converged")}
-        return dataclasses.replace(
-            self, **{name: [values[i] for i in chosen] for name, values in lists.items()}
-        )
+        # str, float and bool lists, one per field: Any, as mypy checks each field's type
+        changes: dict[str, Any] = {
+            name: [values[i] for i in chosen] for name, values in lists.items()
+        }
+        return dataclasses.replace(self, **changes)
 
     def sorted(self, by: str = "postfit") -> RankingResult:
         """Largest ``by`` impact first (NaN impacts last; ties keep their order)."""
@@ -777,8 +779,19 @@ Single = (
 #: what every operation returns: one result, a list (a ``test_poi`` scan) or ``{patch: ...}``
 Result = Single | list[Any] | dict[str, Any]
 
+
+class _ResultClass(Protocol):
+    """What :func:`parse_result` asks of a result class: the key marking its answer (unless
+    it has ``matches``), and its parser."""
+
+    KEY: ClassVar[str]
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Any: ...
+
+
 #: the result classes of each operation, tried in order on one answer
-_CLASSES: dict[str, tuple[type, ...]] = {
+_CLASSES: dict[str, tuple[type[_ResultClass], ...]] = {
     "cls": (CLsResult,),
     "fit": (FitResult,),
     "upper-limit": (UpperLimitResult,),
@@ -790,7 +803,7 @@ _CLASSES: dict[str, tuple[type, ...]] = {
 }
 
 
-def _single_class(operation: str, data: Any) -> type | None:
+def _single_class(operation: str, data: Any) -> type[_ResultClass] | None:
     """The class of ``data`` when it is one result of ``operation`` (its ``matches``, else
     its ``KEY`` in the object); None for a list or a patchset's ``{patch: ...}``."""
     if not isinstance(data, Mapping):
@@ -901,7 +914,7 @@ def parse_result(operation: str, data: Any) -> Result:
         raise ValueError(f"unknown operation {operation!r}; one of {sorted(_CLASSES)}")
     single = _single_class(operation, data)
     if single is not None:
-        return single.from_json(data)  # type: ignore[attr-defined]
+        return single.from_json(data)
     if isinstance(data, list):
         return [parse_result(operation, item) for item in data]
     if isinstance(data, Mapping):

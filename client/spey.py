@@ -83,8 +83,12 @@ def _background(source: JSONSource | WorkspaceId) -> dict[str, Any] | WorkspaceI
     uploaded to the server (a :class:`WorkspaceId`, or a sha256 that names no file)."""
     if isinstance(source, WorkspaceId):
         return source
-    hexadecimal = isinstance(source, str) and set(source) <= set("0123456789abcdef")
-    if hexadecimal and len(source) == 64 and not os.path.exists(source):
+    if (
+        isinstance(source, str)
+        and set(source) <= set("0123456789abcdef")
+        and len(source) == 64
+        and not os.path.exists(source)
+    ):
         return WorkspaceId(source)
     return load_json(source)
 
@@ -184,8 +188,9 @@ class PyhfGpuBackend(BackendBase):
         )
         # (data, dataset: "data" or the Asimov test statistic, POI) -> (-2 log L, parameters)
         self._fixed: dict[tuple[Any, str, float], tuple[float, np.ndarray]] = {}
-        # (data, dataset, POI bounds) -> (-2 log L, parameters) of the free fit
-        self._free: dict[tuple[Any, str, tuple[float, float]], tuple[float, np.ndarray]] = {}
+        # (data, dataset, POI bounds) -> (-2 log L, parameters) of the free fit (bounds None:
+        # the model's, before it is known)
+        self._free: dict[tuple[Any, str, tuple[float, float] | None], tuple[float, np.ndarray]] = {}
         self._model: dict[str, Any] | None = None
         self._stat = "qtilde"  # the Asimov data spey asked for last: prefetched alongside
         self._ask("observed", [1.0], asimov="qtilde", bounds=self._bounds(False))
@@ -225,7 +230,7 @@ class PyhfGpuBackend(BackendBase):
             if answer.model is not None:
                 self._model = answer.model
             for dataset, fits in (("data", answer.data), (asimov, answer.asimov)):
-                if fits is None:
+                if dataset is None or fits is None:  # no Asimov data asked: none answered
                     continue
                 self._fixed[data, dataset, answer.test_poi] = _fit(fits["fixed"])
                 if fits.get("free") is not None:
@@ -241,7 +246,7 @@ class PyhfGpuBackend(BackendBase):
         """The fit with the POI at ``poi`` (asking, with the Asimov fit at the same POI)."""
         key = (data, dataset, float(poi))
         if key not in self._fixed:
-            asimov = self._stat if dataset == "data" else dataset
+            asimov: str | None = self._stat if dataset == "data" else dataset
             if isinstance(data, tuple):  # a given dataset (toys): no Asimov data with it
                 asimov = None
             bounds = self._bounds(_allows_negative(asimov or self._stat))
@@ -290,10 +295,9 @@ class PyhfGpuBackend(BackendBase):
     ) -> ModelConfig:
         """The model's parameters, POI bounds as spey-pyhf sets them: from
         ``max(minimum_poi, -10)`` (or 0 without negative signal) to ``poi_upper_bound``."""
-        model = self._model
-        if model is None:
+        if self._model is None:
             self._ask("observed", [1.0], "qtilde", (0.0, POI_UPPER_BOUND))
-            model = self._model
+        model = self._described
         poi = model["poi_index"]
         bounds = [tuple(b) for b in model["bounds"]]
         bounds[poi] = (
@@ -370,26 +374,32 @@ class PyhfGpuBackend(BackendBase):
         fit = self._free_fit(_data_kind(expected), self._stat, _allows_negative(self._stat))
         return self._estimate(fit, poi_indices)
 
+    @property
+    def _described(self) -> dict[str, Any]:
+        """The model as the server described it (``__init__``'s request asks for it)."""
+        assert self._model is not None, "the first request describes the model"
+        return self._model
+
     def _estimate(self, fit: tuple[float, np.ndarray], poi_indices: Any) -> tuple[Any, float]:
         twice_nll, pars = fit
         if poi_indices is None:
-            return float(pars[self._model["poi_index"]]), twice_nll / 2.0
-        names = self._model["par_names"]
+            return float(pars[self._described["poi_index"]]), twice_nll / 2.0
+        names = self._described["par_names"]
         picked = {
             k: float(pars[names.index(k) if isinstance(k, str) else int(k)]) for k in poi_indices
         }
         return picked, twice_nll / 2.0
 
-    def _at(self, pars: Sequence[float], data: Any) -> dict[str, Any]:
+    def _at(self, pars: Sequence[float] | np.ndarray, data: Any) -> dict[str, Any]:
         """The model at a parameter point: its expected data and ``-2 log L`` of ``data``."""
-        pars = [float(v) for v in np.asarray(pars, dtype=float).ravel()]
+        point = [float(v) for v in np.asarray(pars, dtype=float).ravel()]
         (answer,) = self.client.likelihood(
             self.background,
-            [pars[self._model["poi_index"]]],
+            [point[self._described["poi_index"]]],
             data=list(data) if isinstance(data, tuple) else data,
             free_fit=False,
             describe=True,
-            parameters=pars,
+            parameters=point,
             patches=[self.signal_patch],
             modifier_settings=MODIFIER_SETTINGS,
             measurement=self.measurement,
@@ -481,9 +491,8 @@ def exclusion_confidence_levels(
     """
     client = client if client is not None else shared_client(server, token)
     background = _background(background_only_model)
-    named = isinstance(signal_patches, Mapping)
-    names = list(signal_patches) if named else list(range(len(signal_patches)))
-    patches = [_operations(p) for p in (signal_patches.values() if named else signal_patches)]
+    given = signal_patches.values() if isinstance(signal_patches, Mapping) else signal_patches
+    patches = [_operations(p) for p in given]
     stat = "q" if allow_negative_signal else "qtilde"
     groups: dict[float, list[int]] = {}
     for i, patch in enumerate(patches):
@@ -510,7 +519,9 @@ def exclusion_confidence_levels(
         for j, i in enumerate(members):
             answers[i] = found[f"signal_{j}"]
     levels = [_confidence_levels(answers[i], poi_test, expected, stat) for i in range(len(patches))]
-    return dict(zip(names, levels, strict=True)) if named else levels
+    if isinstance(signal_patches, Mapping):
+        return dict(zip(signal_patches, levels, strict=True))
+    return levels
 
 
 def _confidence_levels(

@@ -53,9 +53,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         engine=engine,
         max_layout_bytes=settings.max_model_bytes,
     )
+    connect_cluster = None
+    if settings.dask_scheduler is not None:  # dask imported in cluster mode only
+        from pyhf_gpu_server.cluster.runner import ClusterRunner
+
+        connect_cluster = ClusterRunner.connect
     try:
         uvicorn.run(
-            create_app(settings, local_workers=workers),
+            create_app(settings, local_workers=workers, connect_cluster=connect_cluster),
             host=settings.host,
             port=settings.port,
             log_config=None,

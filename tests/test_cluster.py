@@ -283,8 +283,9 @@ def _small_batch() -> tuple[Any, Any, list[Any], list[Any]]:
     """A two-element recipe of the small workspace, its batch context, three rows and their
     results in process."""
     from pyhf_gpu_server.engine.translate import WorkspaceTranslator
+    from pyhf_gpu_server.execution import BatchContext, EngineCall, ModelRecipe
     from pyhf_gpu_server.service.admission import FitMemory, FitPlan
-    from pyhf_gpu_server.service.dispatch import BatchContext, EngineCall, ModelRecipe
+    from pyhf_gpu_server.service.operations import operation_named
     from pyhf_gpu_server.service.requests import Row
     from pyhf_gpu_server.service.schemas import ClsOptions
 
@@ -294,7 +295,10 @@ def _small_batch() -> tuple[Any, Any, list[Any], list[Any]]:
     layouts = tuple(translator.element(p["patch"], p["metadata"]["name"]) for p in patches)
     digests = ("d0", "d1")
     recipe = ModelRecipe(("background", digests, "float64"), layouts, "float64")
-    call = EngineCall("cls", ClsOptions(test_poi=1.0), digests, 64, FitPlan("auto", 0), 4.0)
+    options = ClsOptions(test_poi=1.0)
+    call = EngineCall(
+        "cls", options, digests, 64, FitPlan("auto", 0), 4.0, operations=operation_named
+    )
     context = BatchContext(call, recipe, None, FitMemory())
     rows = [Row("d0", 1.0), Row("d1", 1.0), Row("d1", 2.0)]
     return recipe, context, rows, call.run(recipe.build("cpu"), rows, FitMemory())

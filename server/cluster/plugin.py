@@ -2,7 +2,7 @@
 LRU as the server's cache (:class:`~pyhf_gpu_server.service.models_cache.WarmModels`), on the
 worker's one device.
 
-Models are built from a recipe (:class:`~pyhf_gpu_server.service.dispatch.ModelRecipe`) the
+Models are built from a recipe (:class:`~pyhf_gpu_server.execution.ModelRecipe`) the
 first time a batch brings one, then found by key; a batch that brings only the key of a model
 this worker no longer holds gets ``None`` (the API node resends the recipe).
 """
@@ -20,9 +20,9 @@ from distributed import WorkerPlugin
 
 from pyhf_gpu_server.allocator import tune_cpu_allocator
 from pyhf_gpu_server.blas import limit_blas_threads
+from pyhf_gpu_server.execution import ModelRecipe, check_device, device_name
 from pyhf_gpu_server.service import warmup
 from pyhf_gpu_server.service.admission import FitMemory
-from pyhf_gpu_server.service.dispatch import ModelRecipe
 from pyhf_gpu_server.service.models_cache import (
     CacheEntry,
     WarmModels,
@@ -31,7 +31,6 @@ from pyhf_gpu_server.service.models_cache import (
     model_bytes,
 )
 from pyhf_gpu_server.service.settings import Settings
-from pyhf_gpu_server.service.state import device_name, resolve_device
 
 PLUGIN_NAME = "pyhf-gpu-models"
 _INSTALL_LOCK = threading.Lock()
@@ -59,7 +58,8 @@ class WorkerModels(WorkerPlugin):
 
     def setup(self, worker: Any) -> None:
         """Take the device (``ValueError`` when it is not there), warm torch up on it."""
-        self.device = resolve_device(Settings(device=self.device_spec))
+        spec = Settings(device=self.device_spec)
+        self.device = check_device(spec.resolve_device(torch.cuda.is_available()))
         self.device_name = device_name(self.device)
         if self.torch_threads > 0:
             torch.set_num_threads(self.torch_threads)

@@ -1,7 +1,7 @@
 """The scheduler's runner in cluster mode: each engine batch on a Dask worker.
 
-:class:`ClusterRunner` is called like :func:`~pyhf_gpu_server.service.dispatch.run_rows`, on
-one of the scheduler's executor threads (``max_in_flight`` of them: one per live worker). It
+:class:`ClusterRunner` is a :class:`~pyhf_gpu_server.execution.Runner`, called like
+:func:`~pyhf_gpu_server.execution.run_rows` on one of the scheduler's executor threads (``max_in_flight`` of them: one per live worker). It
 picks the worker (:class:`~.placement.Placement`), submits :func:`~.tasks.run_batch` there
 with ``allow_other_workers`` and a ``GPU`` resource (with no worker known, unplaced: where
 the scheduler puts it), and blocks until the answer; a worker
@@ -31,11 +31,10 @@ from distributed.client import ClosedClientError, FutureCancelledError
 from distributed.scheduler import KilledWorker
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from pyhf_gpu_server.execution import BatchContext, CallRow, ComputedRow
 from pyhf_gpu_server.inference.errors import FitStopped
-from pyhf_gpu_server.service.dispatch import BatchContext, ComputedRow
 from pyhf_gpu_server.service.errors import Unavailable
 from pyhf_gpu_server.service.metrics import Metrics
-from pyhf_gpu_server.service.requests import Row
 
 from .placement import Placement
 from .tasks import ModelMissing, RemoteAnswer, RemoteBatch, describe_worker, run_batch
@@ -219,7 +218,7 @@ class ClusterRunner:
 
     # ----------------------------------------------------------------------------- batches
     def __call__(
-        self, context: BatchContext, rows: Sequence[Row], stop: Callable[[], bool]
+        self, context: BatchContext, rows: Sequence[CallRow], stop: Callable[[], bool]
     ) -> list[ComputedRow]:
         """ONE engine call for ``rows`` on a worker (blocks this thread until it answers)."""
         self._clear_old_stop_events()
@@ -346,7 +345,7 @@ class _ClusterCollector:
             "batches sent again with their recipe after a worker no longer held the model",
         )
         resent.add_metric([], self.runner.models_resent)
-        families = {
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
             "models": GaugeMetricFamily(
                 "pyhf_gpu_cluster_worker_models",
                 "warm models per worker",

@@ -16,11 +16,13 @@ from typing import Any
 
 from distributed import Event, get_worker
 
-from pyhf_gpu_server.service.dispatch import EngineCall, ModelRecipe
-from pyhf_gpu_server.service.models_cache import model_id
-from pyhf_gpu_server.service.operations import RowResult
-from pyhf_gpu_server.service.requests import Row
-from pyhf_gpu_server.service.scheduler import is_out_of_memory
+from pyhf_gpu_server.execution import (
+    CallRow,
+    EngineCall,
+    ModelRecipe,
+    is_out_of_memory,
+    model_id,
+)
 
 from .plugin import models_of
 
@@ -35,7 +37,7 @@ class RemoteBatch:
     key: Hashable
     recipe: ModelRecipe | None
     call: EngineCall
-    rows: tuple[Row, ...]
+    rows: tuple[CallRow, ...]
     stop_event: str
 
 
@@ -49,7 +51,7 @@ class RemoteAnswer:
     hit: bool
     build_s: float
     compute_s: float
-    results: list[RowResult]
+    results: list[Any]  # the operation's row results
 
 
 @dataclass(frozen=True)

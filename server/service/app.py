@@ -19,7 +19,7 @@ from .metrics import Metrics
 from .middleware import BodyLimitMiddleware, RequestContextMiddleware, TokenAuthMiddleware
 from .routers import health, inference, jobs, pages, workspaces
 from .settings import Settings
-from .state import ServiceState
+from .state import ConnectCluster, ServiceState
 
 DESCRIPTION = """
 pyhf-compatible HistFactory inference, batched on one device.
@@ -43,10 +43,14 @@ OPEN_PREFIXES = (DOCS_ASSETS + "/", pages.STATIC_URL + "/")
 OPEN_PATTERNS = (pages.REPORT_PATTERN,)
 
 
-def create_app(settings: Settings, local_workers: LocalWorkers | None = None) -> FastAPI:
+def create_app(
+    settings: Settings,
+    local_workers: LocalWorkers | None = None,
+    connect_cluster: ConnectCluster | None = None,
+) -> FastAPI:
     """A new app serving with ``settings``; its state is created at start-up (lifespan).
     ``local_workers`` (forked by the caller, which stops them) read shares of large
-    patchsets.
+    patchsets; ``connect_cluster`` (``ClusterRunner.connect``) serves ``--dask-scheduler``.
 
     Raises ``ValueError`` when ``settings.api_token_file`` cannot be read.
     """
@@ -55,7 +59,9 @@ def create_app(settings: Settings, local_workers: LocalWorkers | None = None) ->
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.service = await ServiceState.open(settings, metrics, local_workers)
+        app.state.service = await ServiceState.open(
+            settings, metrics, local_workers, connect_cluster
+        )
         _build_routes(app)
         await anyio.to_thread.run_sync(lambda: None)  # the worker threads' backend, imported
         try:

@@ -2,9 +2,11 @@
 
 :class:`Dispatcher` translates a plan's elements (:mod:`.elements`, build thread), queues
 their rows (the scheduler, which joins rows of many requests on one background into one
-stacked model: :meth:`Dispatcher.combine`, the model cache) and assembles the answer;
-:func:`run_rows` is the one engine call per batch, on the device thread, through the
-operation's :meth:`~.operations.Operation.run`.
+stacked model: :class:`BatchModels`, its combiner, with the model cache) and assembles the
+answer. The engine call per batch is the scheduler's runner's
+(:class:`pyhf_gpu_server.execution.Runner`), through the operation's
+:meth:`~.operations.Operation.run`; the call types live in :mod:`pyhf_gpu_server.execution`
+(re-exported here).
 """
 
 from __future__ import annotations
@@ -27,7 +29,14 @@ from pyhf_gpu_server.engine.layout import ElementLayout
 from pyhf_gpu_server.engine.sparsity import layout_per_bin_count
 from pyhf_gpu_server.engine.stacking import partition, split_reason
 from pyhf_gpu_server.engine.translate import ignored_observations
-from pyhf_gpu_server.inference.minimize import MinimizeOptions
+from pyhf_gpu_server.execution import (
+    BatchContext,
+    ComputedRow,
+    EngineCall,
+    ModelRecipe,
+    run_rows,
+    use_operations,
+)
 from pyhf_gpu_server.inference.mle import FitOptions
 from pyhf_gpu_server.inference.toys import TOY_BLOCK
 
@@ -42,10 +51,22 @@ from .admission import (
 )
 from .elements import Element, ElementStore
 from .errors import ServiceError, Unprocessable, translate
-from .models_cache import CachedModel, ModelCache, model_id
-from .operations import EngineRows, Operation, RowResult, operation_named
+from .models_cache import ModelCache
+from .operations import Operation, operation_named
 from .requests import Plan, Row
 from .scheduler import Lane, RowOutcome, Scheduler, WorkItem
+
+__all__ = [  # the call types, from pyhf_gpu_server.execution, as this module has long named them
+    "BatchContext",
+    "ComputedRow",
+    "EngineCall",
+    "ModelRecipe",
+    "run_rows",
+]
+
+# an engine call names its operation; calls that carry no registry of their own (tests, local
+# workers' shares of the Dispatcher's calls carry one) look it up in the service's
+use_operations(operation_named)
 
 
 # -------------------------------------------------------------------------- batches and device
@@ -59,144 +80,6 @@ class WorkContext:
     options: BaseModel
     elements: tuple[Element, ...]
     row_cost: float
-
-
-@dataclass(frozen=True)
-class ModelRecipe:
-    """What a warm model is built from, wherever it is built: its key (background, patch
-    digests, dtype) and its elements' layouts (numpy arrays: picklable, sent to a cluster
-    worker once, :mod:`pyhf_gpu_server.cluster`)."""
-
-    key: tuple[Any, ...]
-    layouts: tuple[ElementLayout, ...]
-    dtype: str
-
-    @property
-    def model_id(self) -> str:
-        """The short id of :attr:`key` (results' meta, /info)."""
-        return model_id(self.key)
-
-    def share(self, digests: Sequence[str]) -> ModelRecipe:
-        """The recipe of the model stacking only the elements ``digests`` (some of this one's,
-        whose digests its key holds)."""
-        *background, all_digests, dtype = self.key
-        index = {digest: i for i, digest in enumerate(all_digests)}
-        layouts = tuple(self.layouts[index[digest]] for digest in digests)
-        return ModelRecipe((*background, tuple(digests), dtype), layouts, self.dtype)
-
-    def build(self, device: str) -> HistFactoryModel:
-        """The stacked model on ``device``."""
-        return HistFactoryModel(list(self.layouts), device=device, dtype=getattr(torch, self.dtype))
-
-
-@dataclass(frozen=True)
-class EngineCall:
-    """What one engine call runs besides its model and rows: the operation (by name) with its
-    options, the model's elements (by patch digest) and how its fits run. Picklable: in
-    cluster mode it travels to the worker with the rows."""
-
-    operation: str
-    options: BaseModel
-    digests: tuple[str, ...]
-    max_rows: int  # rows one minimiser call may fit (--max-fit-memory-mb)
-    fit_plan: FitPlan  # the solver its fits use and what a row holds
-    row_cost: float  # about how many fits a row runs (Plan.row_cost)
-    # toy-based: rows one operation run takes, and the bytes each row's drawn toys hold
-    toy_rows: int | None = None
-    toy_row_bytes: int = 0
-
-    def engine_rows(
-        self, model: HistFactoryModel, rows: Sequence[Row], stop: Callable[[], bool] | None
-    ) -> EngineRows:
-        """``rows`` as tensors on the model's device, with how their fits run."""
-        index = {digest: i for i, digest in enumerate(self.digests)}
-        elements = [index[row.element] for row in rows]
-        poi = None
-        if operation_named(self.operation).pois_field is not None:
-            poi = torch.tensor([r.poi for r in rows], dtype=model.dtype, device=model.device)
-        fit = FitOptions(
-            minimize=MinimizeOptions(solver=self.fit_plan.solver),
-            max_rows=self.max_rows,
-            stop=stop,
-        )
-        toys = None
-        if operation_named(self.operation).toys(self.options):
-            toys = [row.toy_slice() for row in rows]
-        return EngineRows(
-            torch.tensor(elements, dtype=torch.long, device=model.device),
-            poi,
-            [model.element_columns(e) for e in elements],
-            fit,
-            toys,
-        )
-
-    def run(
-        self,
-        model: HistFactoryModel,
-        rows: Sequence[Row],
-        memory: FitMemory,
-        stop: Callable[[], bool] | None = None,
-    ) -> list[RowResult]:
-        """ONE batched inference call for ``rows`` (the operation's :meth:`~Operation.run`),
-        its fits counted in ``memory``; they give up (``FitStopped``) between two iterations
-        once ``stop()`` is true (nobody waits for the answer).
-
-        It runs in ``torch.inference_mode`` (as does the kernels' warm-up, so the compiled
-        ones are traced in the mode they run in): no autograd or version-counter bookkeeping
-        on its ~1,000 operations an iteration (BENCHMARKS.md). The derivatives the fits use are
-        closed-form or ``torch.func`` transforms, which run in it; every tensor the service
-        keeps of a warm model is made here or at build time, so none meets autograd later.
-
-        A toy-based call runs its rows ``toy_rows`` at a time, one after the other: a run
-        holds every toy it draws at once, besides its fits (``FitLimits.toy_call``)."""
-        size = self.toy_rows or max(len(rows), 1)
-        results: list[RowResult] = []
-        for start in range(0, len(rows), size):
-            group = rows[start : start + size]
-            toys = len(group) * self.toy_row_bytes
-            with (
-                memory.holding(len(group) * self.row_cost, self.fit_plan, self.max_rows, toys),
-                torch.inference_mode(),
-            ):
-                engine_rows = self.engine_rows(model, group, stop)
-                results += operation_named(self.operation).run(model, engine_rows, self.options)
-        return results
-
-
-@dataclass(frozen=True)
-class BatchContext:
-    """What a batch runs with: the engine call, the recipe of its stacked model and, in
-    process, that model warm from the cache (None in cluster mode: the worker holds it)."""
-
-    call: EngineCall
-    recipe: ModelRecipe
-    cached: CachedModel | None
-    memory: FitMemory  # where the call's fits are counted while they run (in process)
-
-
-@dataclass(frozen=True)
-class ComputedRow:
-    """One row's answer and the warm model it ran on (the same fields in process and from a
-    cluster worker, which also says who it is, its device and its own compute time)."""
-
-    result: RowResult
-    model_id: str
-    hit: bool
-    build_s: float
-    device: str | None = None
-    worker: str | None = None
-    worker_s: float | None = None
-
-
-def run_rows(
-    context: BatchContext, rows: Sequence[Row], stop: Callable[[], bool] | None = None
-) -> list[ComputedRow]:
-    """ONE batched inference call for ``rows`` on the in-process warm model (device thread)."""
-    cached = context.cached
-    if cached is None:
-        raise RuntimeError("run_rows needs a warm model (in-process mode)")
-    results = context.call.run(cached.model, rows, context.memory, stop)
-    return [ComputedRow(r, cached.model_id, cached.hit, cached.build_s) for r in results]
 
 
 # ------------------------------------------------------------------------------------ answers
@@ -270,6 +153,13 @@ def assemble(plan: Plan, results: list[dict[str, Any]]) -> Any:
     return dict(zip((p.name for p in plan.patches), per_element, strict=True))
 
 
+def _error_of(element: Element) -> ServiceError:
+    """Why ``element`` (one without a layout) cannot be tested."""
+    if element.error is None:
+        return Unprocessable(f"patch {element.patch.name!r} could not be translated")
+    return element.error
+
+
 def patch_error(error: ServiceError) -> dict[str, Any]:
     """The answer of a patch that could not be tested, in place of its result."""
     return {"error": {"status": error.status_code, "detail": error.detail}}
@@ -293,35 +183,126 @@ class _Submission:
         return {e.patch.digest: e.patch.name for e in self.elements}
 
 
-class Dispatcher:
-    """Runs plans: elements from the warm backgrounds (build thread), rows through the
-    scheduler, whose batches join the rows of every request on one background into one
-    stacked model (:meth:`combine`, the model cache), JSON back."""
+class BatchModels:
+    """The scheduler's combiner: the models (batch contexts) a batch's work items run with,
+    joined into one stacked model where they stack, warm from the model ``cache`` (built on
+    ``build_executor`` on a miss) on ``device`` in ``dtype``; engine calls split by ``limits``
+    (none: no bound). Without a ``cache`` (cluster mode) no model is built here: batches carry
+    their model's recipe and the scheduler's runner hands them to the workers."""
 
     def __init__(
         self,
         cache: ModelCache | None,
-        scheduler: ServiceScheduler,
-        elements: ElementStore,
         build_executor: Executor,
         device: str,
         dtype: torch.dtype,
         limits: FitLimits | None = None,
         fit_memory: FitMemory | None = None,
     ) -> None:
-        """Serve models on ``device`` in ``dtype``; translate and build on ``build_executor``;
-        refuse models and split engine calls by ``limits`` (none: no bound). Without a
-        ``cache`` (cluster mode) no model is built here: batches carry their model's recipe
-        and the scheduler's runner hands them to the workers."""
-        self.limits = limits
-        self.fit_memory = fit_memory or FitMemory()
         self.cache = cache
-        self.scheduler = scheduler
-        self.elements = elements
         self.build_executor = build_executor
         self.device = device
         self.dtype = dtype
         self.dtype_name = str(dtype).removeprefix("torch.")
+        self.limits = limits
+        self.fit_memory = fit_memory or FitMemory()
+
+    async def combine(
+        self, contexts: Sequence[WorkContext]
+    ) -> list[tuple[BatchContext, list[int]]]:
+        """The models for the work items of one batch (``contexts``, one per item): one stack
+        of all their elements, so that distinct signals from many requests run in one engine
+        call; items whose elements do not stack with the rest get their own. Answers
+        (context, indices of the items it serves); models come warm from the cache or are
+        built on the build thread."""
+        if len(contexts) == 1:  # one request's group: stackable already (partitioned in run)
+            return [(await self._batch(contexts[0], contexts[0].elements), [0])]
+        elements: dict[str, Element] = {}
+        for context in contexts:
+            for element in context.elements:
+                elements.setdefault(element.patch.digest, element)
+        digests = list(elements)
+        budget = None if self.limits is None else self.limits.stack_budget
+        groups = [
+            [digests[i] for i in group]
+            for group in partition([e.layout for e in elements.values()], budget)
+        ]
+        served: dict[int, list[int]] = {}
+        alone: list[int] = []
+        for index, context in enumerate(contexts):
+            own = {e.patch.digest for e in context.elements}
+            group = next((g for g, members in enumerate(groups) if own <= set(members)), None)
+            if group is None:
+                alone.append(index)
+            else:
+                served.setdefault(group, []).append(index)
+        first = contexts[0]
+        answer = []
+        for group, items in served.items():
+            answer.append((await self._batch(first, [elements[d] for d in groups[group]]), items))
+        for index in alone:
+            answer.append((await self._batch(first, list(contexts[index].elements)), [index]))
+        return answer
+
+    async def _batch(self, context: WorkContext, elements: Sequence[Element]) -> BatchContext:
+        """The batch context of a model stacking ``elements``: warm from the cache (built on
+        the build thread on a miss), or in cluster mode its recipe only."""
+        digests = tuple(e.patch.digest for e in elements)
+        layouts = tuple(e.layout for e in elements)
+        recipe = ModelRecipe(
+            (*context.background_key, digests, self.dtype_name), layouts, self.dtype_name
+        )
+        cached = None
+        if self.cache is None:
+            shape = stack_shape(layouts)
+        else:
+            key = (*context.background_key, digests, self.device, self.dtype_name)
+            cached = await self.cache.get(key, partial(recipe.build, self.device))
+            shape = model_shape(cached.model)
+        max_rows = FitOptions().max_rows  # also bounds the time of one iteration (stop checks)
+        fit_plan = FitPlan("auto", 0) if self.limits is None else self.limits.fit_plan(shape)
+        toy_rows, toy_row_bytes = None, 0
+        if self.limits is not None:
+            max_rows = min(max_rows, self.limits.rows_per_call(fit_plan))
+            toys = 2 * min(context.operation.toys(context.options), TOY_BLOCK)  # signal, bkg
+            if toys:
+                toy_rows, fit_rows = self.limits.toy_call(fit_plan, shape, toys)
+                toy_row_bytes = toys * toy_bytes(shape)
+                max_rows = min(max_rows, fit_rows)
+        call = EngineCall(
+            context.operation.name,
+            context.options,
+            digests,
+            max_rows,
+            fit_plan,
+            context.row_cost,
+            toy_rows,
+            toy_row_bytes,
+            operations=operation_named,
+        )
+        return BatchContext(call, recipe, cached, self.fit_memory)
+
+
+class Dispatcher:
+    """Runs plans: elements from the warm backgrounds (build thread), rows through the
+    scheduler, whose batches join the rows of every request on one background into one
+    stacked model (its combiner, :class:`BatchModels`), JSON back."""
+
+    def __init__(
+        self, models: BatchModels, scheduler: ServiceScheduler, elements: ElementStore
+    ) -> None:
+        """Serve the models of ``models`` (its device, dtype, limits, fit memory: the
+        scheduler's combiner); translate on its build executor."""
+        self.models = models
+        self.limits = models.limits
+        self.fit_memory = models.fit_memory
+        self.cache = models.cache
+        self.scheduler = scheduler
+        self.elements = elements
+        self.build_executor = models.build_executor
+        self.device = models.device
+        self.dtype = models.dtype
+        self.dtype_name = models.dtype_name
 
     async def run(
         self,
@@ -363,7 +344,7 @@ class Dispatcher:
         per_element = len(plan.pois or (None,))
         for element in elements:
             if element.layout is None:
-                results.extend([patch_error(element.error)] * per_element)
+                results.extend([patch_error(_error_of(element))] * per_element)
             else:
                 results.extend(by_element[element.patch.digest][:per_element])
                 del by_element[element.patch.digest][:per_element]
@@ -386,17 +367,17 @@ class Dispatcher:
             valid = [e for e in elements if e.layout is not None]
             if not valid:
                 if not plan.named:
-                    raise elements[0].error
+                    raise _error_of(elements[0])
                 raise Unprocessable(
                     "no patch can be tested: "
-                    + "; ".join(f"{e.patch.name}: {e.error.detail}" for e in elements[:10])
+                    + "; ".join(f"{e.patch.name}: {_error_of(e).detail}" for e in elements[:10])
                 )
             budget = None if self.limits is None else self.limits.stack_budget
             layouts = [e.layout for e in valid]
             groups = [[valid[i] for i in group] for group in partition(layouts, budget)]
             rows = [plan.rows([e.patch for e in members]) for members in groups]
             progress = _Progress(sum(len(r) for r in rows), on_progress)
-            submissions = []
+            submissions: list[_Submission] = []
             for members, group_rows in zip(groups, rows, strict=True):
                 context = WorkContext(
                     plan.background.key, plan.operation, plan.options, tuple(members), plan.row_cost
@@ -490,76 +471,8 @@ class Dispatcher:
     async def combine(
         self, contexts: Sequence[WorkContext]
     ) -> list[tuple[BatchContext, list[int]]]:
-        """The models for the work items of one batch (``contexts``, one per item): one stack
-        of all their elements, so that distinct signals from many requests run in one engine
-        call; items whose elements do not stack with the rest get their own. Answers
-        (context, indices of the items it serves); models come warm from the cache or are
-        built on the build thread."""
-        if len(contexts) == 1:  # one request's group: stackable already (partitioned in run)
-            return [(await self._batch(contexts[0], contexts[0].elements), [0])]
-        elements: dict[str, Element] = {}
-        for context in contexts:
-            for element in context.elements:
-                elements.setdefault(element.patch.digest, element)
-        digests = list(elements)
-        budget = None if self.limits is None else self.limits.stack_budget
-        groups = [
-            [digests[i] for i in group]
-            for group in partition([e.layout for e in elements.values()], budget)
-        ]
-        served: dict[int, list[int]] = {}
-        alone: list[int] = []
-        for index, context in enumerate(contexts):
-            own = {e.patch.digest for e in context.elements}
-            group = next((g for g, members in enumerate(groups) if own <= set(members)), None)
-            if group is None:
-                alone.append(index)
-            else:
-                served.setdefault(group, []).append(index)
-        first = contexts[0]
-        answer = []
-        for group, items in served.items():
-            answer.append((await self._batch(first, [elements[d] for d in groups[group]]), items))
-        for index in alone:
-            answer.append((await self._batch(first, list(contexts[index].elements)), [index]))
-        return answer
-
-    async def _batch(self, context: WorkContext, elements: Sequence[Element]) -> BatchContext:
-        """The batch context of a model stacking ``elements``: warm from the cache (built on
-        the build thread on a miss), or in cluster mode its recipe only."""
-        digests = tuple(e.patch.digest for e in elements)
-        layouts = tuple(e.layout for e in elements)
-        recipe = ModelRecipe(
-            (*context.background_key, digests, self.dtype_name), layouts, self.dtype_name
-        )
-        cached = None
-        if self.cache is None:
-            shape = stack_shape(layouts)
-        else:
-            key = (*context.background_key, digests, self.device, self.dtype_name)
-            cached = await self.cache.get(key, partial(recipe.build, self.device))
-            shape = model_shape(cached.model)
-        max_rows = FitOptions().max_rows  # also bounds the time of one iteration (stop checks)
-        fit_plan = FitPlan("auto", 0) if self.limits is None else self.limits.fit_plan(shape)
-        toy_rows, toy_row_bytes = None, 0
-        if self.limits is not None:
-            max_rows = min(max_rows, self.limits.rows_per_call(fit_plan))
-            toys = 2 * min(context.operation.toys(context.options), TOY_BLOCK)  # signal, bkg
-            if toys:
-                toy_rows, fit_rows = self.limits.toy_call(fit_plan, shape, toys)
-                toy_row_bytes = toys * toy_bytes(shape)
-                max_rows = min(max_rows, fit_rows)
-        call = EngineCall(
-            context.operation.name,
-            context.options,
-            digests,
-            max_rows,
-            fit_plan,
-            context.row_cost,
-            toy_rows,
-            toy_row_bytes,
-        )
-        return BatchContext(call, recipe, cached, self.fit_memory)
+        """:meth:`BatchModels.combine` (the scheduler's combiner)."""
+        return await self.models.combine(contexts)
 
 
 def layout_shape(layout: ElementLayout) -> ModelShape:
@@ -661,13 +574,14 @@ class _Progress:
 
     def callback(self) -> Callable[[int, int], None] | None:
         """The progress callback of the next work item."""
-        if self.report is None:
+        report = self.report
+        if report is None:
             return None
         slot = len(self.done)
         self.done[slot] = 0
 
         def update(done: int, _total: int) -> None:
             self.done[slot] = done
-            self.report(sum(self.done.values()), self.total)
+            report(sum(self.done.values()), self.total)
 
         return update

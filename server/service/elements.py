@@ -105,6 +105,7 @@ class ElementStore:
             if element is None:
                 new.setdefault(patch.digest, patch)
             found.append(element)
+        read: dict[str, Element] = {}  # the new ones, by digest
         if new:
             translated = (
                 self.workers.elements(
@@ -117,12 +118,10 @@ class ElementStore:
             with self._lock:
                 for digest, element in read.items():
                     self._keep((background.key, digest), element)
-            found = [
-                read[p.digest] if e is None else e for p, e in zip(patches, found, strict=True)
-            ]
+        known = [read[p.digest] if e is None else e for p, e in zip(patches, found, strict=True)]
         return [
             e if e.patch.name == p.name else Element(p, _renamed(e.layout, p.name), e.error)
-            for p, e in zip(patches, found, strict=True)
+            for p, e in zip(patches, known, strict=True)
         ]
 
     def translate(self, background: Background, patch: PatchSpec) -> Element:

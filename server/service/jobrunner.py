@@ -113,7 +113,7 @@ class JobRunner:
         counts = await asyncio.to_thread(self.store.counts)
         if counts["queued"] + counts["running"] >= self.max_queued:
             raise self._queue_full()
-        if max_owned is not None:
+        if max_owned is not None and caller is not None:  # (one implies the other)
             owned = await asyncio.to_thread(self.store.unfinished_of, caller)
             if owned >= max_owned:
                 raise self._caller_full(max_owned)

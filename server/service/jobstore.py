@@ -14,6 +14,7 @@ thread-safe; async code calls them through a thread.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import enum
 import json
@@ -384,7 +385,8 @@ class JobStore:
                 )
             return row["status"]
 
-    def fail_poison(self, max_attempts: int) -> list[str]:
+    # builtins.list: in this class, list is the method above
+    def fail_poison(self, max_attempts: int) -> builtins.list[str]:
         """Mark ``failed`` the unfinished jobs whose process ended ``max_attempts`` times while
         running them (at start, before :meth:`requeue_interrupted`); their ids."""
         with self._lock, self._transaction():

@@ -27,10 +27,10 @@ from pyhf_gpu_server.engine.errors import UnrepresentableValueError
 from pyhf_gpu_server.inference.toys import TOY_BLOCK, ToySlice
 
 from .elements import Background, Element, PatchSpec
-from .errors import BadRequest, Unprocessable, pydantic_detail, translate
+from .errors import BadRequest, Unprocessable, pydantic_detail
 from .operations import Operation
 from .schemas import ModelSelection
-from .workspace_store import WorkspaceStore
+from .workspace_store import WorkspaceStore, invalid_specification
 
 
 # ---------------------------------------------------------------------------------------- parsing
@@ -178,6 +178,8 @@ def envelope_from(
 def _list_only(field: pydantic.fields.FieldInfo, values: list[str]) -> bool:
     """Whether an option takes the query's one value only as a list (an upper-limit
     ``scan``), not as itself (a ``test_poi`` number, a ``test_stat`` name)."""
+    if field.annotation is None:  # no type: takes neither (as TypeAdapter(None) would say)
+        return False
     adapter = pydantic.TypeAdapter(field.annotation)
     for candidate, verdict in ((values[-1], False), (values, True)):
         try:
@@ -377,7 +379,7 @@ def _patch_operations(patch: list[dict[str, Any]] | dict[str, Any], where: str) 
     try:
         schema.validate(operations, "jsonpatch.json")
     except pyhf.exceptions.InvalidSpecification as exc:
-        raise translate(exc, where) from None
+        raise invalid_specification(exc, where) from None
     return operations
 
 
@@ -387,7 +389,7 @@ def _load_patchset(spec: dict[str, Any], workspace_digest: str) -> dict[str, lis
     try:
         schema.validate(spec, "patchset.json")
     except pyhf.exceptions.InvalidSpecification as exc:
-        raise translate(exc, "patchset") from None
+        raise invalid_specification(exc, "patchset") from None
     expected = spec["metadata"]["digests"].get("sha256")
     if expected is not None and expected != workspace_digest:
         raise Unprocessable(

@@ -50,7 +50,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
 
-import torch
+from pyhf_gpu_server.execution import is_out_of_memory
 
 from .errors import QueueFull, Unavailable
 from .metrics import Metrics
@@ -121,14 +121,6 @@ class _Slice:
     stop: int
 
 
-def is_out_of_memory(exc: BaseException) -> bool:
-    """Whether ``exc`` is torch's device out-of-memory error (either spelling)."""
-    oom_type = getattr(torch, "OutOfMemoryError", None)
-    if oom_type is not None and isinstance(exc, oom_type):
-        return True
-    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
-
-
 class Scheduler(Generic[WorkT, BatchT, RowT, ValueT]):
     """Collects rows into batches and runs them, one batch at a time, on the device executor."""
 
@@ -146,11 +138,13 @@ class Scheduler(Generic[WorkT, BatchT, RowT, ValueT]):
         job_chunk_s: float = 2.0,
         release_memory: Callable[[], None] = lambda: None,
         max_in_flight: int | Callable[[], int] = 1,
+        combine: Combiner[WorkT, BatchT] | None = None,
     ) -> None:
         """``runner(context, rows, stop) -> results`` is called on ``executor`` (one thread
-        per batch in flight: ``max_in_flight``, a number or read before each batch)."""
+        per batch in flight: ``max_in_flight``, a number or read before each batch);
+        ``combine`` picks the contexts a batch's items run with (None: the first item's)."""
         self._runner = runner
-        self.combine: Combiner[WorkT, BatchT] = _first_context
+        self.combine: Combiner[WorkT, BatchT] = combine or _first_context
         self._executor = executor
         self._metrics = metrics
         self.max_batch_size = max_batch_size

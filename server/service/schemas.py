@@ -8,7 +8,7 @@ the options of its operation. The same fields, plus ``operation``, make an async
 from __future__ import annotations
 
 import itertools
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeAlias
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -271,7 +271,8 @@ FLAG_KINDS: dict[str, str] = {
     "poi_at_bound": "the POI's best fit (or a ranking refit's) lies on its bound: impacts "
     "that would move it past the bound are 0 or truncated there, a profile is the bounded one",
 }
-FlagKind = Literal[tuple(FLAG_KINDS)]  # type: ignore[valid-type]  # the kinds, declared once
+# the kinds, declared once (a Literal of names known at run time: mypy takes it as Any)
+FlagKind: TypeAlias = Literal[tuple(FLAG_KINDS)]  # type: ignore[valid-type]
 
 
 class ResultFlag(_Declared):

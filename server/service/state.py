@@ -8,22 +8,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import platform
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from pyhf_gpu_server.engine import KernelCache
+from pyhf_gpu_server.execution import Runner, check_device, device_name, run_rows
 
 from . import warmup
 from .admission import FitLimits, FitMemory
 from .compiling import BackgroundCompiler
-from .dispatch import Dispatcher, ServiceScheduler, run_rows
+from .dispatch import BatchModels, Dispatcher, ServiceScheduler
 from .elements import ElementStore
 from .engine_shares import EngineShares
 from .jobrunner import JobRunner
@@ -31,12 +31,12 @@ from .jobstore import DATABASE_NAME, JobStore
 from .local_workers import LocalWorkers
 from .metrics import Metrics
 from .models_cache import ModelCache, host_memory_releaser, memory_releaser
+from .requests import Row
 from .scheduler import Scheduler
 from .settings import Settings
 from .workspace_store import WorkspaceStore
 
-if TYPE_CHECKING:
-    from pyhf_gpu_server.cluster.runner import ClusterRunner
+__all__ = ["ServiceState", "device_name", "resolve_device"]  # device_name: from execution
 
 log = logging.getLogger("pyhf_gpu_server.service")
 
@@ -45,28 +45,31 @@ DTYPES = {"float64": torch.float64, "float32": torch.float32}
 MAX_CLUSTER_IN_FLIGHT = 256
 
 
+class Cluster(Runner[Row], Protocol):
+    """The Dask runner of cluster mode (:class:`pyhf_gpu_server.cluster.runner.ClusterRunner`),
+    as the service uses it: the service never imports the cluster package; the composition
+    root (``pyhf_gpu_server.cli``) passes its ``connect`` in."""
+
+    warm_models: list[dict[str, Any]]
+
+    def max_in_flight(self) -> int: ...
+    def problems(self) -> list[str]: ...
+    def describe(self) -> dict[str, Any]: ...
+    def close(self) -> None: ...
+
+
+#: connects to the Dask scheduler at an address (blocking): ``ClusterRunner.connect``
+ConnectCluster = Callable[[str, Metrics], Cluster]
+
+
+def _cluster_in_flight(cluster: Cluster) -> int:
+    """Batches in flight in cluster mode: one per live worker, at most a bound."""
+    return min(cluster.max_in_flight(), MAX_CLUSTER_IN_FLIGHT)
+
+
 def resolve_device(settings: Settings) -> str:
     """The torch device the settings ask for; ``ValueError`` if CUDA is asked but absent."""
-    device = settings.resolve_device(torch.cuda.is_available())
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ValueError(f"--device {device}: torch.cuda.is_available() is False")
-        index = torch.device(device).index or 0
-        if index >= torch.cuda.device_count():
-            raise ValueError(f"--device {device}: only {torch.cuda.device_count()} CUDA devices")
-    return device
-
-
-def device_name(device: str) -> str:
-    """A human name of the device (the GPU model, or the CPU)."""
-    if device.startswith("cuda"):
-        return torch.cuda.get_device_name(torch.device(device))
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text(errors="replace").splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    return platform.processor() or platform.machine() or "cpu"
+    return check_device(settings.resolve_device(torch.cuda.is_available()))
 
 
 @dataclass
@@ -87,7 +90,7 @@ class ServiceState:
     jobs: JobRunner
     compiler: BackgroundCompiler | None
     started_at: float
-    cluster: ClusterRunner | None = None  # cluster mode (--dask-scheduler)
+    cluster: Cluster | None = None  # cluster mode (--dask-scheduler)
     device_ok: bool = False
 
     @classmethod
@@ -96,9 +99,11 @@ class ServiceState:
         settings: Settings,
         metrics: Metrics,
         local_workers: LocalWorkers | None = None,
+        connect_cluster: ConnectCluster | None = None,
     ) -> ServiceState:
-        """Create the parts, check the device (or connect to the Dask scheduler), start the
-        scheduler and job workers; ``local_workers`` take shares of large patchsets."""
+        """Create the parts, check the device (or connect to the Dask scheduler with
+        ``connect_cluster``: cluster mode), start the scheduler and job workers;
+        ``local_workers`` take shares of large patchsets."""
         device = resolve_device(settings)
         dtype = DTYPES[settings.dtype]
         # models are built (pyhf parsing: slow, CPU-bound) apart from the device thread, so a
@@ -108,12 +113,14 @@ class ServiceState:
         cluster = None
         cache = None
         compiler = None
-        runner: Any = run_rows
-        max_in_flight: Any = 1
+        # the one way this server runs engine calls, chosen here: on a Dask cluster, or in
+        # process on the device thread (on a CPU, its batches shared with local workers)
+        runner: Runner[Row] = run_rows
+        max_in_flight: int | Callable[[], int] = 1
         if settings.dask_scheduler is not None:
-            from pyhf_gpu_server.cluster.runner import ClusterRunner  # dask only in this mode
-
-            connect = partial(ClusterRunner.connect, settings.dask_scheduler, metrics)
+            if connect_cluster is None:
+                raise ValueError("--dask-scheduler: this server was started without the cluster")
+            connect = partial(connect_cluster, settings.dask_scheduler, metrics)
             try:
                 cluster = await asyncio.get_running_loop().run_in_executor(None, connect)
             except OSError:
@@ -123,7 +130,7 @@ class ServiceState:
                 )
                 raise
             runner = cluster
-            max_in_flight = lambda: min(cluster.max_in_flight(), MAX_CLUSTER_IN_FLIGHT)  # noqa: E731
+            max_in_flight = partial(_cluster_in_flight, cluster)
             executor = ThreadPoolExecutor(
                 max_workers=MAX_CLUSTER_IN_FLIGHT, thread_name_prefix="pyhf-gpu-cluster"
             )
@@ -150,6 +157,21 @@ class ServiceState:
                 release_memory=release,
                 on_built=None if compiler is None else compiler.submit,
             )
+        limits = FitLimits(
+            max_parameters=settings.max_parameters,
+            max_bins=settings.max_bins,
+            max_fit_bytes=int(settings.max_fit_memory_mb * 2**20),
+            max_toys=settings.max_toys_per_request,
+            max_model_bytes=settings.max_model_bytes,
+        )
+        models = BatchModels(
+            cache,
+            build_executor,
+            device,
+            dtype,
+            limits=limits,
+            fit_memory=FitMemory(release=host_memory_releaser(device)),
+        )
         scheduler: ServiceScheduler = Scheduler(
             runner,
             executor,
@@ -162,30 +184,14 @@ class ServiceState:
             job_chunk_s=settings.job_chunk_s,
             release_memory=release,
             max_in_flight=max_in_flight,
-        )
-        limits = FitLimits(
-            max_parameters=settings.max_parameters,
-            max_bins=settings.max_bins,
-            max_fit_bytes=int(settings.max_fit_memory_mb * 2**20),
-            max_toys=settings.max_toys_per_request,
-            max_model_bytes=settings.max_model_bytes,
+            combine=models.combine,
         )
         elements = ElementStore(
             max_elements=settings.element_cache_size,
             workers=local_workers,
             max_layout_bytes=limits.max_model_bytes,
         )
-        dispatcher = Dispatcher(
-            cache,
-            scheduler,
-            elements,
-            build_executor,
-            device,
-            dtype,
-            limits=limits,
-            fit_memory=FitMemory(release=host_memory_releaser(device)),
-        )
-        scheduler.combine = dispatcher.combine
+        dispatcher = Dispatcher(models, scheduler, elements)
         jobs = JobRunner(
             jobstore,
             workspaces,

@@ -23,7 +23,14 @@ import pyhf
 from pyhf_gpu_server.engine import schema
 from pyhf_gpu_server.engine.translate import unmatched_observations
 
-from .errors import InsufficientStorage, NotFound, Unavailable, Unprocessable, translate
+from .errors import (
+    InsufficientStorage,
+    NotFound,
+    ServiceError,
+    Unavailable,
+    Unprocessable,
+    translate,
+)
 from .jobstore import writable_problem
 
 log = logging.getLogger("pyhf_gpu_server.service")
@@ -34,6 +41,16 @@ _PER_BIN_MODIFIERS = {
     "staterror": ("data",),
     "histosys": ("lo_data", "hi_data"),
 }
+
+
+def invalid_specification(
+    exc: pyhf.exceptions.InvalidSpecification, what: str = "workspace"
+) -> ServiceError:
+    """The 422 of a document pyhf's schema refuses: what :func:`~.errors.translate` answers
+    for every such error (typed as one)."""
+    error = translate(exc, what)
+    assert error is not None, "translate answers every InvalidSpecification"
+    return error
 
 
 def validate_workspace(spec: Any) -> None:
@@ -50,7 +67,7 @@ def validate_workspace(spec: Any) -> None:
     try:
         schema.validate(spec, "workspace.json")
     except pyhf.exceptions.InvalidSpecification as exc:
-        raise translate(exc, "workspace") from None
+        raise invalid_specification(exc, "workspace") from None
     problems = list(_content_problems(spec))
     if problems:
         raise Unprocessable("invalid workspace: " + "; ".join(problems[:20]))

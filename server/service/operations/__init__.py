@@ -61,9 +61,10 @@ _ANSWER: Any = functools.reduce(operator.or_, (op.answer_model for op in OPERATI
 JobView = create_model(
     "JobView",
     __base__=JobViewBase,
-    operation=(Literal[tuple(OPERATIONS)], ...),
+    operation=(Literal[tuple(OPERATIONS)], ...),  # type: ignore[arg-type]  # names at run time
     result=(_ANSWER | None, None),
 )
 JobView.__doc__ = JobViewBase.__doc__
-JobList = create_model("JobList", __base__=_Declared, jobs=(list[JobView], ...))
+# JobView is a class built at run time: no static type
+JobList = create_model("JobList", __base__=_Declared, jobs=(list[JobView], ...))  # type: ignore[valid-type]
 JobList.__doc__ = "GET /jobs: newest first."

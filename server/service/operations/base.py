@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar, cast
 
 import pydantic
 from pydantic import BaseModel
@@ -119,7 +119,8 @@ class Operation(ABC, Generic[OptionsT]):
         title = "".join(part.title() for part in self.name.split("-"))
         self.request_model: type[ModelSelection] = pydantic.create_model(
             f"{title}Request",
-            __base__=(ModelSelection, self.options_model),
+            # a subclass of both (the stub types __base__ as bases of one type)
+            __base__=(ModelSelection, self.options_model),  # type: ignore[arg-type]
             __doc__=f"POST /{self.name} envelope: a model selection and the options.",
         )
         self.answer_model: Any = self._answer_model()
@@ -127,13 +128,15 @@ class Operation(ABC, Generic[OptionsT]):
     def _answer_model(self) -> Any:
         """One result, or ``{patch_name: result | error}`` for a patchset."""
         result = self.result_model
-        return result | dict[str, result | PatchError]
+        # a union built at run time from the class attribute: no static type
+        return result | dict[str, result | PatchError]  # type: ignore[valid-type]
 
     def options_of(self, request: BaseModel) -> OptionsT:
         """The options part of a validated request."""
         fields = set(self.options_model.model_fields)
         given = request.model_dump(include=fields, exclude_unset=True)  # defaults stay unset
-        return self.options_model.model_validate(given)
+        # options_model is OptionsT's class (a ClassVar cannot be typed with a type variable)
+        return cast(OptionsT, self.options_model.model_validate(given))
 
     def tested_values(self, options: OptionsT) -> tuple[str, list[float]] | None:
         """The option naming POI values to test and its values, which must lie within the

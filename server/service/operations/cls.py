@@ -21,8 +21,7 @@ class Cls(Operation[ClsOptions]):
     pois_field = "test_poi"
 
     def _answer_model(self) -> Any:
-        result = ClsResult
-        return result | list[result] | dict[str, result | list[result] | PatchError]
+        return ClsResult | list[ClsResult] | dict[str, ClsResult | list[ClsResult] | PatchError]
 
     def tested_values(self, options: ClsOptions) -> tuple[str, list[float]]:
         values = options.test_poi if isinstance(options.test_poi, list) else [options.test_poi]

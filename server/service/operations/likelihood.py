@@ -52,6 +52,8 @@ from .base import EngineRows, Operation, RowResult, RowStatus
 
 ASIMOV_POI = {"q": 0.0, "qtilde": 0.0, "q0": 1.0}
 MAX_VALUES = 1_000_000  # numbers in a given dataset or parameter point
+#: rows fitted together: (name, data, element, POI (NaN: free), start, bounds)
+_Block = tuple[str, Tensor, Tensor, Tensor, Tensor, Tensor]
 
 
 class LikelihoodOptions(_Strict):
@@ -196,8 +198,11 @@ class Likelihood(Operation[LikelihoodOptions]):
     pois_field = "test_poi"
 
     def _answer_model(self) -> Any:
-        result = LikelihoodResult
-        return result | list[result] | dict[str, result | list[result] | PatchError]
+        return (
+            LikelihoodResult
+            | list[LikelihoodResult]
+            | dict[str, LikelihoodResult | list[LikelihoodResult] | PatchError]
+        )
 
     def row_cost(self, options: LikelihoodOptions) -> float:
         asimov = options.asimov is not None
@@ -228,6 +233,7 @@ class Likelihood(Operation[LikelihoodOptions]):
         self, model: HistFactoryModel, rows: EngineRows, options: LikelihoodOptions
     ) -> list[RowResult]:
         element, poi, k = rows.element, rows.poi, model.poi_index
+        assert poi is not None, "pois_field 'test_poi': every row tests a POI value"
         elements, index = torch.unique(element, return_inverse=True)
         data = self._datasets(model, elements, options)
         nan = torch.full_like(data[:, 0], torch.nan)
@@ -235,7 +241,7 @@ class Likelihood(Operation[LikelihoodOptions]):
         free_bounds = model.bounds.index_select(0, elements).clone()
         if options.poi_bounds is not None:
             free_bounds[:, k, 0], free_bounds[:, k, 1] = options.poi_bounds
-        blocks: list[tuple[str, Tensor, Tensor, Tensor, Tensor, Tensor]] = []
+        blocks: list[_Block] = []
 
         def fixed_block(name: str, dataset: Tensor, start: Tensor) -> None:
             """Rows with the POI fixed: its bounds widened to the tested value."""
@@ -306,12 +312,11 @@ class Likelihood(Operation[LikelihoodOptions]):
 
     @staticmethod
     def _fit_blocks(
-        model: HistFactoryModel, blocks: list[tuple[str, ...]], rows: EngineRows
+        model: HistFactoryModel, blocks: list[_Block], rows: EngineRows
     ) -> dict[str, FitResults]:
         """Every block's rows in ONE batched fit; the fits by block name."""
-        data, element, poi, init, bounds = (
-            torch.cat([block[i] for block in blocks]) for i in range(1, 6)
-        )
+        columns = zip(*(block[1:] for block in blocks), strict=True)
+        data, element, poi, init, bounds = (torch.cat(column) for column in columns)
         merged = fit_rows(model, data, element, poi, init=init, bounds=bounds, options=rows.fit)
         out, start = {}, 0
         for name, _, el, *_ in blocks:
@@ -331,6 +336,7 @@ class Likelihood(Operation[LikelihoodOptions]):
     ) -> list[RowResult]:
         """Each row's payload: its fits (the free ones its element's), and what it asked."""
         host = {name: _host(f) for name, f in fits.items()}
+        assert rows.poi is not None, "pois_field 'test_poi': every row tests a POI value"
         unique_of_row, pois, element_of = index.tolist(), rows.poi.tolist(), elements.tolist()
         described = {}
         if options.describe:

@@ -53,7 +53,8 @@ class Scan(Operation[ScanOptions]):
             if bool(layout.fixed[column]):
                 return f"parameter {name!r} is fixed: it cannot be scanned"
             values = axis.grid()
-            problem = values and grid_problem(name, values, *map(float, layout.bounds[column]))
+            bounds = map(float, layout.bounds[column])
+            problem = grid_problem(name, values, *bounds) if values else None
             if problem:
                 return problem
         return None

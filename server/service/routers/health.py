@@ -15,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ..dependencies import StateDep, require_token
 from ..local_workers import LocalWorkers
 from ..schemas import Liveness, Readiness, ServerInfo, error_responses
-from ..state import device_name
+from ..state import ServiceState, device_name
 
 public = APIRouter(tags=["health"])
 private = APIRouter(tags=["health"], dependencies=[Depends(require_token)])
@@ -113,9 +113,16 @@ async def info(state: StateDep) -> dict[str, Any]:
         "started_at": state.started_at,
         "job_store": state.jobstore.describe(),
         "cluster": cluster,
-        # the warm models: this process's, or in cluster mode every worker's
-        "models": state.cache.describe() if state.cache is not None else state.cluster.warm_models,
+        "models": _warm_models(state),
     }
+
+
+def _warm_models(state: ServiceState) -> list[dict[str, Any]]:
+    """The warm models: this process's, or in cluster mode (no cache here) every worker's."""
+    if state.cache is not None:
+        return state.cache.describe()
+    assert state.cluster is not None, "only cluster mode has no model cache"
+    return state.cluster.warm_models
 
 
 @private.get(
