@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
 from . import protocol as p
+from . import tables
 from .exceptions import TransportError
 from .results import Job, Result
 from .workspace import JSONSource, WorkspaceId, load_json
@@ -223,7 +224,7 @@ class ClientBase:
         to the engine's automatic scan.
         """
         body = p.build_options(
-            "upper-limit",
+            tables.UPPER_LIMIT,
             level=level,
             scan=None if scan is None else [float(v) for v in scan],
             measurement=measurement,
@@ -232,7 +233,7 @@ class ClientBase:
             patch_names=patch_names,
             **options,
         )
-        return p.operation_flow("upper-limit", workspace, body, self.config, self.state)
+        return p.operation_flow(tables.UPPER_LIMIT, workspace, body, self.config, self.state)
 
     @_api
     def significance(

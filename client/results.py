@@ -15,6 +15,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
+from . import tables
+
 __all__ = [
     "BOUNDS_FLAGS",
     "OPERATIONS",
@@ -41,16 +43,7 @@ __all__ = [
 ]
 
 #: operation name (as in ``POST /jobs``) -> endpoint path
-OPERATIONS: dict[str, str] = {
-    "cls": "/cls",
-    "fit": "/fit",
-    "upper-limit": "/upper-limit",
-    "significance": "/significance",
-    "ranking": "/ranking",
-    "scan": "/scan",
-    "yields": "/yields",
-    "likelihood": "/likelihood",
-}
+OPERATIONS: dict[str, str] = {name: "/" + name for name in tables.OPERATION_NAMES}
 
 _META_KEYS = ("meta",)
 
@@ -792,14 +785,14 @@ class _ResultClass(Protocol):
 
 #: the result classes of each operation, tried in order on one answer
 _CLASSES: dict[str, tuple[type[_ResultClass], ...]] = {
-    "cls": (CLsResult,),
-    "fit": (FitResult,),
-    "upper-limit": (UpperLimitResult,),
-    "significance": (SignificanceResult,),
-    "ranking": (RankingResult,),
-    "scan": (Scan2DResult, ScanResult),
-    "yields": (YieldsResult,),
-    "likelihood": (LikelihoodResult,),
+    tables.CLS: (CLsResult,),
+    tables.FIT: (FitResult,),
+    tables.UPPER_LIMIT: (UpperLimitResult,),
+    tables.SIGNIFICANCE: (SignificanceResult,),
+    tables.RANKING: (RankingResult,),
+    tables.SCAN: (Scan2DResult, ScanResult),
+    tables.YIELDS: (YieldsResult,),
+    tables.LIKELIHOOD: (LikelihoodResult,),
 }
 
 

@@ -31,11 +31,6 @@ KIND_NAMES = frozenset(tables.PLOTS)
 OPTION_NAMES = frozenset(tables.QUERY_OPTIONS) | frozenset(plotting.JSON_OPTIONS)
 #: Modules, not yet moved to the constants, that still spell operation names (each with
 #: its offences; the list may only shrink: ``test_the_pending_modules_still_offend``).
-PENDING = {
-    "client/results.py",  # OPERATIONS (the paths: "/" + name) and _CLASSES keyed by names
-    "client/_base.py",  # Client.upper_limit's "upper-limit" (tables.UPPER_LIMIT)
-    "server/service/operations/upper_limit.py",  # name = tables.UPPER_LIMIT
-}
 
 
 # ------------------------------------------------------------------------- the one source
@@ -192,13 +187,8 @@ def _sources() -> dict[str, list[str]]:
 
 
 def test_no_module_restates_the_tables() -> None:
-    offending = {name: found for name, found in _sources().items() if name not in PENDING}
+    offending = _sources()
     assert offending == {}, "use pyhf_gpu_client.tables (its constants and tables)"
-
-
-def test_the_pending_modules_still_offend() -> None:
-    """A module moved to the constants leaves :data:`PENDING` (so that it stays moved)."""
-    assert set(_sources()) >= PENDING
 
 
 @pytest.mark.parametrize(

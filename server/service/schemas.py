@@ -10,7 +10,9 @@ from __future__ import annotations
 import itertools
 from typing import Annotated, Any, Literal, TypeAlias
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+
+from .settings import LIMITS, Settings
 
 JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 DIGEST_PATTERN = r"^[0-9a-f]{64}$"
@@ -546,26 +548,18 @@ class Versions(_Declared):
     cuda: str | None
 
 
-class Limits(_Declared):
-    """The server's limits (its settings)."""
-
-    max_body_mb: float
-    max_batch_size: int
-    max_batch_delay_ms: float
-    batch_gap_ms: float
-    prepare_wait_ms: float
-    max_queue: int
-    request_timeout_s: float
-    result_ttl_hours: float
-    max_parameters: int
-    max_bins: int
-    max_fit_memory_mb: float
-    max_model_memory_mb: float
-    max_toys_per_request: int
-    job_chunk_s: float
-    max_jobs_per_caller: int
-    workspace_ttl_hours: float
-    workspace_quota_mb: float
+#: The server's limits (:data:`settings.LIMITS`): each field a setting's, with its type and
+#: description (declared once, in :class:`~.settings.Settings`).
+_LIMIT_FIELDS: dict[str, Any] = {
+    name: (
+        Settings.model_fields[name].annotation,
+        Field(description=Settings.model_fields[name].description),
+    )
+    for name in LIMITS
+}
+Limits = create_model(
+    "Limits", __base__=_Declared, __doc__="The server's limits (its settings).", **_LIMIT_FIELDS
+)
 
 
 class QueueDepth(_Declared):
@@ -640,7 +634,7 @@ class ServerInfo(_Declared):
     dtype: str
     compile: bool
     versions: Versions
-    limits: Limits
+    limits: Limits  # type: ignore[valid-type]  # a model built from the settings
     auth: bool
     queue: QueueDepth
     batches_run: int

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from pyhf_gpu_client import tables
 from pyhf_gpu_server import inference
 from pyhf_gpu_server.engine import HistFactoryModel
 from pyhf_gpu_server.inference.results import UpperLimitResults
@@ -17,7 +18,7 @@ SEARCH_HYPOTESTS = 12  # about how many POI values a limit search without a scan
 class UpperLimit(Operation[UpperLimitOptions]):
     """One row per element: a scan of given POI values, or a search for the limit (q~)."""
 
-    name = "upper-limit"
+    name = tables.UPPER_LIMIT
     summary = "Observed and expected upper limits on the POI"
     options_model = UpperLimitOptions
     result_model = UpperLimitResult
