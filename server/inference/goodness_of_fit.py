@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from .results import FitResults
-from .yields import fit_rows_data
+from .rows import rows
 
 __all__ = ["GoodnessOfFitResults", "goodness_of_fit", "unconstrained_parameter_count"]
 
@@ -102,7 +102,8 @@ def goodness_of_fit(
     Returns:
         :class:`GoodnessOfFitResults`.
     """
-    data, element = fit_rows_data(model, data, element, fit)
+    r = rows(model, data, fit.element if element is None else element)
+    data, element = r.data, r.element
     delta = model.deviance(fit.bestfit, data, element)
     saturated = model.saturated_twice_nll(data, element)
     ndof = model.n_main - unconstrained_parameter_count(model).index_select(0, element)

@@ -59,7 +59,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Literal, Protocol, TypeGuard
+from typing import Literal, NamedTuple, Protocol, TypeGuard
 
 import torch
 from torch import Tensor
@@ -83,6 +83,26 @@ __all__ = [
     "decrement_tolerance",
     "minimize",
 ]
+
+#: the starting Levenberg-Marquardt ``lambda`` (relative to ``|diag H|``)
+DAMPING = 1e-3
+#: a row whose ``lambda`` grows past this without an accepted step stops
+MAX_DAMPING = 1e12
+#: distance to a bound under which a parameter counts as sitting on it
+BOUND_TOL = 1e-12
+#: ``"grid"`` trials: the damped candidates, as multiples of ``lambda``, and the fractions of
+#: each candidate step tried too (a line search on a grid; values only, no extra
+#: factorisation); pure Newton's step, whose decrement tests convergence, is always a
+#: candidate
+GRID_DAMPING_FACTORS = (1.0,)
+GRID_STEP_LENGTHS = (1.0, 0.5)
+#: iterations before the tail (``tail_rows``) may start: a fit that converges sooner (most do)
+#: never pays for the grid's extra trial points and factorisations
+TAIL_AFTER = 20
+#: the tail's damped candidates (multiples of ``lambda``) and step lengths (fractions and
+#: multiples of each candidate step)
+TAIL_DAMPING_FACTORS = (0.125, 1.0, 8.0)
+TAIL_STEP_LENGTHS = (3.0, 1.5, 0.6)
 
 
 class BatchedObjective(Protocol):
@@ -132,44 +152,31 @@ class MinimizeOptions:
             with no host synchronisation (converged rows stop moving), as a CUDA graph or
             FakeTensorMode needs. ``None``: every iteration on the CPU (where a look costs
             nothing and saves the iterations a finished batch would idle), every 4th elsewhere.
-        damping: starting Levenberg-Marquardt ``lambda`` (relative to ``|diag H|``).
         trials: ``"damped"``: one trial point per iteration, the damped step, with its
             derivatives (they are the next iteration's when it is accepted); ``"grid"``: the
-            objective at every candidate (pure Newton and ``damping_factors``) times every
-            ``step_lengths``, the best one kept. ``"damped"`` takes a few more iterations,
-            each with one objective evaluation instead of a grid of them: the cheaper fit
-            (BENCHMARKS.md, "Figures behind defaults").
-        damping_factors: ``"grid"`` only: the damped candidates, as multiples of ``lambda``.
-        step_lengths: ``"grid"`` only: fractions of each candidate step that are tried too (a
-            line search on a grid; values only, no extra factorisation).
-        max_damping: a row whose ``lambda`` grows past this without an accepted step stops.
-        bound_tol: distance to a bound under which a parameter counts as sitting on it.
+            objective at every candidate (pure Newton and :data:`GRID_DAMPING_FACTORS`)
+            times every :data:`GRID_STEP_LENGTHS`, the best one kept. ``"damped"`` takes a
+            few more iterations, each with one objective evaluation instead of a grid of
+            them: the cheaper fit (BENCHMARKS.md, "Figures behind defaults").
         secant: learn the second-order term missing from a Gauss-Newton curvature by secant
             updates (when the objective provides ``J`` and ``r``, see :class:`Derivatives`).
-        pure_newton: also solve the undamped step each iteration (one more factorisation):
-            its decrement is the convergence test (and, for ``"grid"``, it is a candidate);
-            without it a row converges only once its damping is below ``1e-3``.
         solver: how steps are solved from the curvature (see
             :mod:`~pyhf_gpu_server.inference.curvature`): ``"dense"`` (Cholesky),
             ``"low-rank"`` (Woodbury, for objectives that give the low-rank pieces),
             ``"block"`` (the per-bin parameters eliminated, for objectives that give their
             Jacobian in block form) or ``"auto"`` (``choose_solver``).
         secant_memory: secant pairs the low-rank curvature keeps.
-        tail_rows: once at most this many rows still run after ``tail_after`` iterations
-            (and the host looks, see ``check_every``), iterate with ``"grid"`` trials over
-            ``tail_damping_factors`` x ``tail_step_lengths``: an iteration of a few rows
-            costs its operations' dispatch, not their arithmetic, so ten trial points cost
-            about what one does, and the slow fits that set the length of a call
+        tail_rows: once at most this many rows still run after :data:`TAIL_AFTER`
+            iterations (and the host looks, see ``check_every``), iterate with ``"grid"``
+            trials over :data:`TAIL_DAMPING_FACTORS` x :data:`TAIL_STEP_LENGTHS`: an
+            iteration of a few rows costs its operations' dispatch, not their arithmetic, so
+            ten trial points cost about what one does, and the slow fits that set the length of a call
             (conditional fits of excluded signals, down a curved valley where the damped
             step falls short) need fewer iterations (BENCHMARKS.md, "Figures behind
             defaults"). ``0``: never.
-        tail_after: iterations before the tail may start: a fit that converges sooner (most
-            do) never pays for the grid's extra trial points and factorisations.
         tail_after_all: iterations after which the tail starts however many rows still run
             (only the hard fits are left by then: conditional fits of strongly excluded
             signals, crawling for 100+ iterations where the damped step keeps failing).
-        tail_damping_factors: the tail's damped candidates, as multiples of ``lambda``.
-        tail_step_lengths: the tail's fractions (and multiples) of each candidate step.
         exact_newton_after: with ``"grid"`` trials (the tail's too), from this iteration on
             also try the Newton step of the exact curvature where it is positive definite,
             when the objective gives the second-order term its Gauss-Newton curvature drops
@@ -183,48 +190,41 @@ class MinimizeOptions:
     tol: float = 1e-10
     check_every: int | None = None
     trials: Literal["damped", "grid"] = "damped"
-    damping: float = 1e-3
-    damping_factors: tuple[float, ...] = (1.0,)
-    step_lengths: tuple[float, ...] = (1.0, 0.5)
-    max_damping: float = 1e12
-    bound_tol: float = 1e-12
     secant: bool = True
-    pure_newton: bool = True
     solver: Solver = "auto"
     secant_memory: int = 8
     tail_rows: int = 16
-    tail_after: int = 20
     tail_after_all: int = 60
-    tail_damping_factors: tuple[float, ...] = (0.125, 1.0, 8.0)
-    tail_step_lengths: tuple[float, ...] = (3.0, 1.5, 0.6)
     exact_newton_after: int | None = 30
 
-    def tail(self) -> MinimizeOptions:
-        """The options of the tail's iterations (see ``tail_rows``)."""
-        return replace(
-            self,
-            trials="grid",
-            damping_factors=self.tail_damping_factors,
-            step_lengths=self.tail_step_lengths,
-        )
 
-    def own_damping_candidate(self) -> int:
-        """The index, among the candidate steps, of the one damped by the row's own
-        ``lambda`` (factor 1; else the last)."""
-        factors = self.damping_factors if self.trials == "grid" else (1.0,)
-        own = factors.index(1.0) if 1.0 in factors else len(factors) - 1
-        return own + self.pure_newton
+class _Candidates(NamedTuple):
+    """The trial steps of an iteration: the candidates' damping factors ``[K]`` (pure
+    Newton's 0 first) and step lengths as device tensors, and the index of the candidate
+    damped by the row's own ``lambda``."""
 
-    def constants(self, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """The candidates' damping factors (pure Newton's 0 first, if tried) and the step
-        lengths, as device tensors."""
-        grid = self.trials == "grid"
-        factors = ((0.0,) if self.pure_newton else ()) + (self.damping_factors if grid else (1.0,))
-        lengths = self.step_lengths if grid else (1.0,)
-        return (
-            torch.tensor(factors, dtype=dtype, device=device),
-            torch.tensor(lengths, dtype=dtype, device=device),
-        )
+    factors: Tensor
+    lengths: Tensor
+    own: int
+
+
+def _candidates(
+    trials: Literal["damped", "grid"],
+    device: torch.device,
+    dtype: torch.dtype,
+    damping_factors: tuple[float, ...] = GRID_DAMPING_FACTORS,
+    step_lengths: tuple[float, ...] = GRID_STEP_LENGTHS,
+) -> _Candidates:
+    """The candidates of ``trials`` (``"grid"``: ``damping_factors`` x ``step_lengths``)."""
+    grid = trials == "grid"
+    factors = damping_factors if grid else (1.0,)
+    lengths = step_lengths if grid else (1.0,)
+    own = factors.index(1.0) if 1.0 in factors else len(factors) - 1
+    return _Candidates(
+        torch.tensor((0.0, *factors), dtype=dtype, device=device),
+        torch.tensor(lengths, dtype=dtype, device=device),
+        own + 1,
+    )
 
 
 @dataclass
@@ -307,16 +307,15 @@ def _iterate(
     hi: Tensor,
     free: Tensor,
     options: MinimizeOptions,
-    constants: tuple[Tensor, Tensor],
+    constants: _Candidates,
     exact: bool = False,
 ) -> _State:
     """One damped-Newton iteration of every running row of ``s`` (in place on ``s``);
-    ``constants``: the candidates' damping factors (pure Newton first, if tried) and the step
-    lengths, as device tensors; ``exact``: the grid also tries the exact curvature's Newton
+    ``constants``: the candidate steps (:func:`_candidates`); ``exact``: the grid also tries the exact curvature's Newton
     step (see ``exact_newton_after``)."""
-    factors, alphas = constants
+    factors, alphas, own_candidate = constants
     running = torch.logical_not(s.converged | s.failed)
-    movable = _movable(s.x, s.g, lo, hi, free, options.bound_tol)
+    movable = _movable(s.x, s.g, lo, hi, free, BOUND_TOL)
     lams = factors.unsqueeze(1) * s.lam.unsqueeze(0)  # [K, R]
     steps, ok = s.curvature.steps(s.g, movable, lams)
     # the decrement of a trusted step (positive definite, damping at most 1e-3): pure
@@ -324,7 +323,7 @@ def _iterate(
     trusted = ok & (lams <= 1e-3)
     decrements = torch.where(trusted, -(s.g * steps).sum(-1), torch.inf)
     newton_trusted = trusted.select(0, 0)
-    own = decrements.select(0, options.own_damping_candidate())
+    own = decrements.select(0, own_candidate)
     s.decrement = torch.where(newton_trusted, decrements.select(0, 0), own)
     unit = None  # the grid's steps tried at their full length only: the exact Newton step
     grid = options.trials == "grid"
@@ -359,7 +358,7 @@ def _iterate(
     s.lam = torch.where(accept, torch.clamp(s.lam / 4, min=1e-15), s.lam * 256)
     s.iterations = s.iterations + moving.long()
     s.converged = s.converged | newly_converged
-    stalled = moving & torch.logical_not(accept) & (s.lam > options.max_damping)
+    stalled = moving & torch.logical_not(accept) & (s.lam > MAX_DAMPING)
     s.failed = s.failed | stalled
     if options.trials != "damped":
         d = _as_derivatives(objective.derivatives(s.x, s.rows))
@@ -479,7 +478,7 @@ def minimize(
         f=f,
         g=d.g,
         curvature=curvature_of(d, options.secant, options.solver, options.secant_memory),
-        lam=torch.full((B,), options.damping, dtype=dtype, device=device),
+        lam=torch.full((B,), DAMPING, dtype=dtype, device=device),
         iterations=torch.zeros(B, dtype=torch.long, device=device),
         decrement=torch.full((B,), torch.inf, dtype=dtype, device=device),
         converged=torch.zeros(B, dtype=torch.bool, device=device),
@@ -507,7 +506,7 @@ def minimize(
     if check_every is None:
         check_every = 1 if device.type == "cpu" else 4
     step_options = options
-    constants = options.constants(device, dtype)
+    constants = _candidates(options.trials, device, dtype)
     for it in range(1, options.max_iter + 1):
         if stop is not None and stop():
             raise FitStopped(f"stopped by its caller after {it - 1} iterations")
@@ -534,8 +533,10 @@ def minimize(
                 s = s.select(torch.logical_not(finished))
             few = finished.numel() - done <= options.tail_rows
             late = options.tail_rows > 0 and it >= options.tail_after_all
-            if step_options is options and it >= options.tail_after and (few or late):
-                step_options = options.tail()
-                constants = step_options.constants(device, dtype)
+            if step_options is options and it >= TAIL_AFTER and (few or late):
+                step_options = replace(options, trials="grid")
+                constants = _candidates(
+                    "grid", device, dtype, TAIL_DAMPING_FACTORS, TAIL_STEP_LENGTHS
+                )
     flush(s)
     return out

@@ -36,7 +36,7 @@ from torch import Tensor
 from .minimize import MinimizeOptions, MinimizeResult, minimize
 from .objective import Curvature, TwiceNLL
 from .results import FitResults
-from .rows import as_float, as_index
+from .rows import as_float, rows
 from .starts import (
     FitStatus,
     StartOptions,
@@ -61,7 +61,6 @@ __all__ = [
     "fit_rows",
     "fixed_poi_fit",
     "hessian_uncertainties",
-    "rows_data",
 ]
 
 
@@ -116,29 +115,6 @@ class FitRequest:
     element: Tensor
     poi: Tensor
     init: Tensor | None = None
-
-
-def rows_data(model: HistFactoryModel, data: Tensor | None, element) -> tuple[Tensor, Tensor]:
-    """Per-row datasets ``[B, N + A]`` and elements ``[B]``.
-
-    No ``data``: the observations of ``element`` (every element when ``element`` is None).
-    With ``data``: ``element`` defaults to 0 for every row.
-    """
-    if data is None:
-        idx = (
-            torch.arange(model.n_elements, device=model.device)
-            if element is None
-            else as_index(model, element)
-        )
-        return model.observed.index_select(0, idx), idx
-    rows = torch.atleast_2d(as_float(model, data))
-    idx = (
-        torch.zeros(rows.shape[0], dtype=torch.long, device=model.device)
-        if element is None
-        else as_index(model, element)
-    )
-    rows, idx = torch.broadcast_tensors(rows, idx.unsqueeze(-1))
-    return rows.contiguous(), idx[:, 0].contiguous()
 
 
 def _start(
@@ -392,15 +368,12 @@ def fit(
     Returns:
         :class:`~pyhf_gpu_server.inference.results.FitResults`.
     """
-    data, element = rows_data(model, data, element)
-    poi = None
-    if fixed_poi is not None:
-        poi = as_float(model, fixed_poi).expand(element.shape[0]).contiguous()
+    r = rows(model, data, element, fixed_poi)
     return fit_rows(
         model,
-        data,
-        element,
-        poi,
+        r.data,
+        r.element,
+        r.poi,
         init=init,
         bounds=bounds,
         fixed=fixed,

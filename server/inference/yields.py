@@ -38,17 +38,16 @@ import torch
 from torch import Tensor
 
 from .constraints import asimov_parameters, prefit_uncertainties
-from .mle import FitOptions, rows_data
-from .mle import fit as run_fit
+from .mle import FitOptions, fit_rows
 from .results import FitResults
-from .rows import as_index
+from .rows import Rows, rows
 
 __all__ = [
     "YieldSet",
     "YieldsResults",
-    "fit_rows_data",
     "yield_prediction",
     "yields",
+    "yields_of",
 ]
 
 
@@ -229,27 +228,6 @@ def yield_prediction(
     )
 
 
-def fit_rows_data(
-    model, data: Tensor | None, element, fit: FitResults | None
-) -> tuple[Tensor, Tensor]:
-    """Per-row datasets ``[B, N + A]`` and elements ``[B]`` of a call given ``fit`` or not:
-    without ``fit``, as :func:`~pyhf_gpu_server.inference.mle.fit` makes them; with it,
-    ``element`` defaults to the fit's rows and ``data`` to their elements' observations."""
-    if fit is None:
-        if data is None:
-            index = (
-                torch.arange(model.n_elements, device=model.device)
-                if element is None
-                else as_index(model, element)
-            )
-            return model.observed.index_select(0, index), index
-        return rows_data(model, data, element)
-    index = fit.element if element is None else as_index(model, element)
-    if data is None:
-        return model.observed.index_select(0, index), index
-    return rows_data(model, data, index)
-
-
 def yields(
     model,
     data: Tensor | None = None,
@@ -274,10 +252,19 @@ def yields(
     Returns:
         :class:`YieldsResults`.
     """
+    if fit is not None and element is None:
+        element = fit.element
+    return yields_of(model, rows(model, data, element), fit, options)
+
+
+def yields_of(
+    model, rows: Rows, fit: FitResults | None = None, options: FitOptions | None = None
+) -> YieldsResults:
+    """:func:`yields` of ``rows`` (``fit``: theirs, else fitted here)."""
     options = options or FitOptions()
-    data, element = fit_rows_data(model, data, element, fit)
+    data, element = rows.data, rows.element
     if fit is None:
-        fit = run_fit(model, data, element, options=options, uncertainties=True)
+        fit = fit_rows(model, data, element, options=options, uncertainties=True)
     B, P = fit.bestfit.shape
     eye = torch.eye(P, dtype=model.dtype, device=model.device).expand(B, P, P)
     prefit = yield_prediction(

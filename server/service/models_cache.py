@@ -8,7 +8,6 @@ Evicting a model drops the cache's reference and asks the device to release cach
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -19,13 +18,9 @@ from typing import Any
 import torch
 
 from pyhf_gpu_server.allocator import glibc_function
+from pyhf_gpu_server.execution import model_id
 
 from .metrics import Metrics
-
-
-def model_id(key: Hashable) -> str:
-    """A short stable id for a cache key (shown in results' meta and /info)."""
-    return hashlib.sha256(repr(key).encode()).hexdigest()[:16]
 
 
 def model_bytes(model: Any) -> int:

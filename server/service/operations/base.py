@@ -17,12 +17,11 @@ from typing import Any, ClassVar, Generic, TypeVar, cast
 
 import pydantic
 from pydantic import BaseModel
-from torch import Tensor
 
 from pyhf_gpu_server.engine import HistFactoryModel
 from pyhf_gpu_server.engine.layout import ElementLayout
-from pyhf_gpu_server.inference.mle import FitOptions
-from pyhf_gpu_server.inference.toys import TOY_BLOCK, ToySlice
+from pyhf_gpu_server.execution import EngineRows
+from pyhf_gpu_server.inference.toys import TOY_BLOCK
 
 from ..schemas import ModelSelection, PatchError, result_flag
 
@@ -81,22 +80,6 @@ class RowResult:
     status: RowStatus
     part: Any = None
     flags: tuple[dict[str, str], ...] = ()  # the operation's own meta.flags (result_flag)
-
-
-@dataclass(frozen=True)
-class EngineRows:
-    """The rows of one engine call, on the model's device: each row's element (index into
-    the stacked model), tested POI value (operations with ``pois``) and the element's own
-    parameter columns; and how the fits run (memory bound, solver, stop predicate)."""
-
-    element: Tensor
-    poi: Tensor | None
-    columns: list[list[int]]
-    fit: FitOptions
-    toys: list[ToySlice] | None = None  # toy-based: the toys each row draws
-
-    def __len__(self) -> int:
-        return self.element.shape[0]
 
 
 class Operation(ABC, Generic[OptionsT]):
