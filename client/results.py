@@ -13,7 +13,7 @@ import dataclasses
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, TypedDict, cast
 
 from . import tables
 
@@ -30,6 +30,8 @@ __all__ = [
     "PoiEstimate",
     "RankingResult",
     "Result",
+    "ResultFlag",
+    "ResultMeta",
     "SampleYields",
     "Scan2DResult",
     "ScanResult",
@@ -48,6 +50,41 @@ OPERATIONS: dict[str, str] = {name: "/" + name for name in tables.OPERATION_NAME
 _META_KEYS = ("meta",)
 
 
+class ResultFlag(TypedDict):
+    """One entry of ``meta.flags``: its ``kind`` (e.g. ``"not_converged"``) and ``detail``,
+    the sentence clients show (:class:`Flag` is the parsed form)."""
+
+    kind: str
+    detail: str
+
+
+class ResultMeta(TypedDict, total=False):
+    """A result's ``meta``, as the server declares it (its ``ResultMeta``): how the result was
+    computed. Kept as the server's JSON object (a dict); every key optional here, as answers
+    built by hand (and older servers) may leave keys out."""
+
+    device: str
+    dtype: str
+    model_id: str
+    cache: str
+    batch_rows: int
+    converged: bool | None
+    starts: int | None
+    starts_agreed: bool | None
+    flags: list[ResultFlag]
+    test_poi: float | None
+    patch: str | None
+    stacked_apart: str | None
+    ignored_observations: list[str] | None
+    worker: str | None
+    timings: dict[str, float]
+
+
+def _meta(data: Mapping[str, Any]) -> ResultMeta:
+    """A copy of the answer's ``meta`` object (empty if none)."""
+    return cast(ResultMeta, dict(data.get("meta") or {}))
+
+
 def _float(value: Any) -> float:
     """JSON number (or null / "nan" / "inf" strings some servers emit) -> float."""
     if value is None:
@@ -59,8 +96,11 @@ def _floats(values: Any) -> list[float]:
     return [_float(v) for v in values]
 
 
-def _extra(data: Mapping[str, Any], known: tuple[str, ...]) -> dict[str, Any]:
-    return {k: v for k, v in data.items() if k not in known and k not in _META_KEYS}
+def _extra(data: Mapping[str, Any], cls: type, *renamed: str) -> dict[str, Any]:
+    """The keys of ``data`` that are none of ``cls``'s fields (nor ``renamed``, the keys of
+    fields named otherwise) nor ``meta``."""
+    known = {f.name for f in dataclasses.fields(cls)}.union(renamed, _META_KEYS)
+    return {k: v for k, v in data.items() if k not in known}
 
 
 def _json_value(value: Any) -> Any:
@@ -112,7 +152,7 @@ class CLsResult:
     cls_obs: float
     cls_exp: list[float]
     test_poi: float | None = None
-    meta: dict[str, Any] = field(default_factory=dict)
+    meta: ResultMeta = field(default_factory=ResultMeta)
     extra: dict[str, Any] = field(default_factory=dict)
 
     KEY: ClassVar[str] = "CLs_obs"
@@ -125,8 +165,8 @@ class CLsResult:
             cls_obs=_float(data["CLs_obs"]),
             cls_exp=_floats(data.get("CLs_exp", [])),
             test_poi=None if poi is None or isinstance(poi, list) else float(poi),
-            meta=dict(data.get("meta") or {}),
-            extra=_extra(data, ("CLs_obs", "CLs_exp")),
+            meta=_meta(data),
+            extra=_extra(data, cls, "CLs_obs", "CLs_exp"),
         )
 
     def to_pyhf_json(self) -> dict[str, Any]:
@@ -176,7 +216,7 @@ class FitResult:
     twice_nll: float | None = None
     uncertainties: dict[str, list[float]] | None = None
     corr_mat: list[list[float]] | None = None
-    meta: dict[str, Any] = field(default_factory=dict)
+    meta: ResultMeta = field(default_factory=ResultMeta)
     extra: dict[str, Any] = field(default_factory=dict)
     goodness_of_fit: GoodnessOfFit | None = None
 
@@ -193,11 +233,8 @@ class FitResult:
             corr_mat=None
             if data.get("corr_mat") is None
             else [_floats(row) for row in data["corr_mat"]],
-            meta=dict(data.get("meta") or {}),
-            extra=_extra(
-                data,
-                ("mle_parameters", "twice_nll", "uncertainties", "corr_mat", "goodness_of_fit"),
-            ),
+            meta=_meta(data),
+            extra=_extra(data, cls),
             goodness_of_fit=None if gof is None else GoodnessOfFit.from_json(gof),
         )
 
@@ -240,7 +277,7 @@ class UpperLimitResult:
     upper_limit_obs: float
     upper_limit_exp: list[float]
     level: float = 0.05
-    meta: dict[str, Any] = field(default_factory=dict)
+    meta: ResultMeta = field(default_factory=ResultMeta)
     extra: dict[str, Any] = field(default_factory=dict)
 
     KEY: ClassVar[str] = "upper_limit_obs"
@@ -252,8 +289,8 @@ class UpperLimitResult:
             upper_limit_obs=_float(data["upper_limit_obs"]),
             upper_limit_exp=_floats(data.get("upper_limit_exp", [])),
             level=_float(data.get("level", 0.05)),
-            meta=dict(data.get("meta") or {}),
-            extra=_extra(data, ("upper_limit_obs", "upper_limit_exp", "level")),
+            meta=_meta(data),
+            extra=_extra(data, cls),
         )
 
     def to_pyhf_json(self) -> dict[str, Any]:
@@ -273,18 +310,21 @@ class SignificanceResult:
     Attributes:
         p0_obs, p0_exp: observed and expected (median, under mu = 1) p-values.
         z_obs, z_exp: the same as significances in standard deviations.
+        p0_exp_set: the expected p0's -2..+2 sigma band, pyhf's order (``None`` if not sent).
     """
 
     p0_obs: float
-    p0_exp: float | list[float]
+    p0_exp: float
     z_obs: float
-    z_exp: float | list[float]
-    meta: dict[str, Any] = field(default_factory=dict)
+    z_exp: float
+    p0_exp_set: list[float] | None = None
+    meta: ResultMeta = field(default_factory=ResultMeta)
     extra: dict[str, Any] = field(default_factory=dict)
-    #: the server's own key names, kept so that to_pyhf_json reproduces them
+    #: the answer's own spellings of the four numbers, kept so that to_pyhf_json reproduces them
     keys: tuple[str, str, str, str] = ("p0_obs", "p0_exp", "z_obs", "z_exp")
 
     KEY: ClassVar[str] = "p0_obs"
+    #: the spellings tolerated for each number, the server's first
     _ALIASES: ClassVar[dict[str, tuple[str, ...]]] = {
         "p0_obs": ("p0_obs", "p0"),
         "p0_exp": ("p0_exp", "p0_expected"),
@@ -302,28 +342,28 @@ class SignificanceResult:
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> SignificanceResult:
         """Parse one server answer of ``POST /significance`` (key spellings are tolerated)."""
-        values: dict[str, Any] = {}
-        used: list[str] = []
-        for attr, names in cls._ALIASES.items():
-            name = next((n for n in names if n in data), None)
-            used.append(name or names[0])
-            raw = data.get(name) if name else None
-            values[attr] = (
-                _floats(raw)
-                if isinstance(raw, list)
-                else (math.nan if raw is None else _float(raw))
-            )
+        used = [next((n for n in names if n in data), names[0]) for names in cls._ALIASES.values()]
+        p0_obs, p0_exp, z_obs, z_exp = (_float(data.get(name)) for name in used)
+        band = data.get("p0_exp_set")
         return cls(
-            **values,
-            meta=dict(data.get("meta") or {}),
-            extra=_extra(data, tuple(used)),
+            p0_obs=p0_obs,
+            p0_exp=p0_exp,
+            z_obs=z_obs,
+            z_exp=z_exp,
+            p0_exp_set=None if band is None else _floats(band),
+            meta=_meta(data),
+            extra=_extra(data, cls, *used),
             keys=(used[0], used[1], used[2], used[3]),
         )
 
     def to_pyhf_json(self) -> dict[str, Any]:
-        """The server's keys (``p0_obs``, ``p0_exp``, ``z_obs``, ``z_exp``, ...), without ``meta``."""
+        """The server's keys (``p0_obs``, ``p0_exp``, ``z_obs``, ``z_exp``, ``p0_exp_set``, ...),
+        without ``meta``."""
         p0o, p0e, zo, ze = self.keys
-        return {**self.extra, p0o: self.p0_obs, p0e: self.p0_exp, zo: self.z_obs, ze: self.z_exp}
+        out = {**self.extra, p0o: self.p0_obs, p0e: self.p0_exp, zo: self.z_obs, ze: self.z_exp}
+        if self.p0_exp_set is not None:
+            out["p0_exp_set"] = list(self.p0_exp_set)
+        return out
 
 
 @dataclass
@@ -338,7 +378,7 @@ class LikelihoodResult(_Record):
     asimov: dict[str, Any] | None = None
     model: dict[str, Any] | None = None
     at_parameters: dict[str, Any] | None = None
-    meta: dict[str, Any] = field(default_factory=dict)
+    meta: ResultMeta = field(default_factory=ResultMeta)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -348,15 +388,14 @@ class LikelihoodResult(_Record):
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> LikelihoodResult:
-        known = ("test_poi", "data", "asimov", "model", "at_parameters")
         return cls(
             test_poi=_float(data["test_poi"]),
             data=dict(data["data"]),
             asimov=data.get("asimov"),
             model=data.get("model"),
             at_parameters=data.get("at_parameters"),
-            meta=dict(data.get("meta") or {}),
-            extra=_extra(data, known),
+            meta=_meta(data),
+            extra=_extra(data, cls),
         )
 
 
@@ -402,7 +441,7 @@ class RankingResult(_Record):
     constraint: list[float]
     fits_converged: list[bool]
     poi: PoiEstimate
-    meta: dict[str, Any] = field(default_factory=dict)
+    meta: ResultMeta = field(default_factory=ResultMeta)
     extra: dict[str, Any] = field(default_factory=dict)
 
     KEY: ClassVar[str] = "labels"
@@ -431,8 +470,8 @@ class RankingResult(_Record):
             if converged is None
             else [bool(v) for v in converged],
             poi=PoiEstimate.from_json(data["poi"]),
-            meta=dict(data.get("meta") or {}),
-            extra=_extra(data, ("labels", *cls.NUMBERS, "fits_converged", "poi")),
+            meta=_meta(data),
+            extra=_extra(data, cls),
         )
 
     def __len__(self) -> int:
@@ -499,7 +538,7 @@ class ScanResult(_Record):
     uncertainty: float
     parameter_values: list[float]
     delta_nlls: list[float]
-    meta: dict[str, Any] = field(default_factory=dict)
+    meta: ResultMeta = field(default_factory=ResultMeta)
     extra: dict[str, Any] = field(default_factory=dict)
 
     KEY: ClassVar[str] = "delta_nlls"
@@ -513,8 +552,8 @@ class ScanResult(_Record):
             uncertainty=_float(data.get("uncertainty")),
             parameter_values=_floats(data["parameter_values"]),
             delta_nlls=_floats(data["delta_nlls"]),
-            meta=dict(data.get("meta") or {}),
-            extra=_extra(data, ("name", "bestfit", "uncertainty", *_SCAN_GRID)),
+            meta=_meta(data),
+            extra=_extra(data, cls),
         )
 
     def points(self) -> list[tuple[float, float]]:
@@ -543,7 +582,7 @@ class Scan2DResult(_Record):
     correlation: float
     parameter_values: list[list[float]]
     delta_nlls: list[list[float]]
-    meta: dict[str, Any] = field(default_factory=dict)
+    meta: ResultMeta = field(default_factory=ResultMeta)
     extra: dict[str, Any] = field(default_factory=dict)
 
     KEY: ClassVar[str] = "names"
@@ -563,8 +602,8 @@ class Scan2DResult(_Record):
             correlation=_float(data.get("correlation")),
             parameter_values=[_floats(axis) for axis in data["parameter_values"]],
             delta_nlls=[_floats(row) for row in data["delta_nlls"]],
-            meta=dict(data.get("meta") or {}),
-            extra=_extra(data, ("names", "bestfit", "uncertainty", "correlation", *_SCAN_GRID)),
+            meta=_meta(data),
+            extra=_extra(data, cls),
         )
 
     def points(self) -> list[tuple[float, float, float]]:
@@ -575,9 +614,6 @@ class Scan2DResult(_Record):
     def minimum(self) -> tuple[float, float, float]:
         """The grid point ``(x, y, delta_nll)`` of the smallest ``delta_nll`` (NaN skipped)."""
         return min(self.points(), key=lambda p: math.inf if math.isnan(p[2]) else p[2])
-
-
-_SCAN_GRID = ("parameter_values", "delta_nlls")
 
 
 @dataclass
@@ -667,7 +703,7 @@ class YieldsResult(_Record):
 
     prefit: dict[str, ChannelYields]
     postfit: dict[str, ChannelYields]
-    meta: dict[str, Any] = field(default_factory=dict)
+    meta: ResultMeta = field(default_factory=ResultMeta)
     extra: dict[str, Any] = field(default_factory=dict)
 
     KEY: ClassVar[str] = "postfit"
@@ -682,7 +718,7 @@ class YieldsResult(_Record):
             fit: {name: ChannelYields.from_json(c) for name, c in data[fit].items()}
             for fit in cls.FITS
         }
-        return cls(**parts, meta=dict(data.get("meta") or {}), extra=_extra(data, cls.FITS))
+        return cls(**parts, meta=_meta(data), extra=_extra(data, cls))
 
     @property
     def channels(self) -> list[str]:
