@@ -252,7 +252,7 @@ def test_the_last_rows_of_a_call_iterate_on_a_grid_to_the_same_minima(monkeypatc
         found[tail_rows] = minimize(objective, init, model.bounds[0], model.fixed[0], options)
         grid = [(i, n) for i, (trials, n) in enumerate(calls, 1) if trials == "grid"]
         assert (len(grid) > 0) is (tail_rows > 0)
-        assert all(n <= tail_rows and i > options.tail_after for i, n in grid)
+        assert all(n <= tail_rows and i > module.TAIL_AFTER for i, n in grid)
     plain, tail = found[0], found[16]
     assert tail.converged.sum() >= plain.converged.sum() >= 0.9 * toys.shape[0]
     both = plain.converged & tail.converged

@@ -127,11 +127,12 @@ def test_upper_limits_below_every_first_probe_match_pyhf():
 def test_later_calculator_calls_start_warm_and_find_the_same_results():
     """The root search calls one calculator again and again; those calls start their fits at
     earlier minima. Their results equal a fresh calculator's (cold starts)."""
-    from pyhf_gpu_server.inference.hypotest import make_calculator, prepare_rows, run_calculator
+    from pyhf_gpu_server.inference.hypotest import make_calculator, run_calculator
+    from pyhf_gpu_server.inference.rows import rows_of
 
     _, _, model = simple("correlated")
     first, later = torch.tensor([1.0, 3.0]), torch.tensor([1.2, 2.0, 2.9])
-    _, datasets, elements, _ = prepare_rows(model, 0.0, None, None)
+    datasets, elements, _ = rows_of(model).datasets()
     calc = make_calculator(model, datasets, elements)
     zeros = torch.zeros(3, dtype=torch.long, device=model.device)
     run_calculator(calc, first.to(model.dtype).to(model.device), zeros[:2])

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from .results import FitResults
-from .rows import rows
+from .rows import rows_of
 
 __all__ = ["GoodnessOfFitResults", "goodness_of_fit", "unconstrained_parameter_count"]
 
@@ -102,7 +102,7 @@ def goodness_of_fit(
     Returns:
         :class:`GoodnessOfFitResults`.
     """
-    r = rows(model, data, fit.element if element is None else element)
+    r = rows_of(model, data, fit.element if element is None else element)
     data, element = r.data, r.element
     delta = model.deviance(fit.bestfit, data, element)
     saturated = model.saturated_twice_nll(data, element)

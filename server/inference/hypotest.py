@@ -22,15 +22,15 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, TypedDict
 
 from torch import Tensor
 
 from .asymptotics import AsymptoticCalculator
 from .errors import InferenceError
-from .mle import FitOptions, FitSpec, rows_data
+from .mle import FitOptions, FitSpec
 from .results import HypotestResults
-from .rows import rows_of, unique_datasets
+from .rows import Rows, rows_of
 from .test_statistics import TestStatistic, get_test_stat
 from .toys import (
     ToyCalculator,
@@ -42,39 +42,42 @@ from .toys import (
 )
 
 if TYPE_CHECKING:
+    from typing import Unpack
+
     from ..engine.model import HistFactoryModel
 
 __all__ = [
+    "CalculatorKeywords",
     "CalculatorSpec",
+    "HypotestKeywords",
     "hypotest",
+    "hypotest_of",
     "join_toy_parts",
     "make_calculator",
-    "prepare_rows",
     "run_calculator",
 ]
 
 CalcType = Literal["asymptotics", "toybased"]
 
 
-def prepare_rows(
-    model, test_poi, data: Tensor | None, element
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Per-row POI values plus distinct datasets ``[D, N + A]``, their elements ``[D]`` and
-    each row's dataset index ``[B]``.
+class CalculatorKeywords(TypedDict, total=False):
+    """pyhf's keyword arguments of a hypothesis test but its ``test_stat``, which
+    :meth:`CalculatorSpec.of` reads (its defaults)."""
 
-    Without ``data``: rows from :func:`~pyhf_gpu_server.inference.rows.rows_of` (every element
-    when ``element`` is None) on the observed data. With ``data [B, N + A]``: one row per
-    dataset, ``test_poi`` and ``element`` broadcast to it.
-    """
-    if data is None:
-        poi, element = rows_of(model, test_poi, element)
-        rows, element = rows_data(model, None, element)
-    else:
-        rows, element = rows_data(model, data, element)
-        poi, element = rows_of(model, test_poi, element)
-        rows = rows.expand(poi.shape[0], -1) if rows.shape[0] == 1 else rows
-    datasets, elements, index = unique_datasets(rows, element)
-    return poi, datasets, elements, index
+    calctype: CalcType
+    calc_base_dist: str
+    ntoys: int
+    seed: int | None
+    init: Tensor | None
+    bounds: Tensor | None
+    fixed: Tensor | None
+    options: FitOptions | None
+
+
+class HypotestKeywords(CalculatorKeywords, total=False):
+    """pyhf's keyword arguments of a hypothesis test (:meth:`CalculatorSpec.of`)."""
+
+    test_stat: str
 
 
 @dataclass(frozen=True)
@@ -105,7 +108,16 @@ class CalculatorSpec:
         options: FitOptions | None = None,
     ) -> CalculatorSpec:
         """The spec of pyhf's keyword arguments (``InferenceError`` for an unknown
-        ``test_stat`` or ``calctype``)."""
+        ``test_stat`` or ``calctype``).
+
+        Args:
+            test_stat: ``"qtilde"`` (default), ``"q"`` or ``"q0"``.
+            calctype: ``"asymptotics"`` or ``"toybased"``.
+            calc_base_dist: asymptotics only, ``"normal"`` or ``"clipped_normal"``.
+            ntoys, seed: toys only: toys per hypothesis, and the seed of every row's toys.
+            init, bounds, fixed: ``[P]``-shaped overrides of the model's suggested values.
+            options: :class:`~pyhf_gpu_server.inference.mle.FitOptions` of the fits.
+        """
         stat = get_test_stat(test_stat)
         if calctype not in ("asymptotics", "toybased"):
             raise InferenceError(
@@ -149,16 +161,8 @@ def hypotest(
     element=None,
     *,
     data: Tensor | None = None,
-    test_stat: str = "qtilde",
-    calctype: CalcType = "asymptotics",
-    calc_base_dist: str = "normal",
-    ntoys: int = 2000,
-    seed: int | None = None,
     toys: list[ToySlice] | None = None,
-    init: Tensor | None = None,
-    bounds: Tensor | None = None,
-    fixed: Tensor | None = None,
-    options: FitOptions | None = None,
+    **keywords: Unpack[HypotestKeywords],
 ) -> HypotestResults:
     """CLs tests of ``B`` rows, each an (element, dataset, tested POI) triple.
 
@@ -167,32 +171,31 @@ def hypotest(
         test_poi: float, ``[S]`` or ``[B]`` tested POI values.
         element: None (every element, times every ``test_poi``) or ``[B]`` element indices.
         data: None (observations) or ``[B, N + A]`` datasets.
-        test_stat: ``"qtilde"`` (default), ``"q"`` or ``"q0"``.
-        calctype: ``"asymptotics"`` or ``"toybased"``.
-        calc_base_dist: asymptotics only, ``"normal"`` or ``"clipped_normal"``.
-        ntoys, seed: toys only: toys per hypothesis, and the seed of every row's toys.
         toys: toys only, the :class:`~.toys.ToySlice` each row draws (default: all ``ntoys``
             toys of the stream keyed by the row's position): the rows' p-values from those
             toys, the statistics kept in ``toys`` to be joined (:func:`join_toy_parts`).
-        init, bounds, fixed: ``[P]``-shaped overrides of the model's suggested values.
-        options: :class:`~pyhf_gpu_server.inference.mle.FitOptions`.
+        keywords: pyhf's (:class:`HypotestKeywords`): ``test_stat``, ``calctype``,
+            ``calc_base_dist``, ``ntoys``, ``seed``, ``init``, ``bounds``, ``fixed``, and the
+            fits' ``options``; see :meth:`CalculatorSpec.of`.
 
     Returns:
         :class:`~pyhf_gpu_server.inference.results.HypotestResults` (``to_pyhf_json(i)`` is
         pyhf's ``{"CLs_obs", "CLs_exp"}``; for ``q0`` the observed value is ``p0`` = CLsb).
     """
-    spec = CalculatorSpec.of(
-        test_stat,
-        calctype,
-        calc_base_dist=calc_base_dist,
-        ntoys=ntoys,
-        seed=seed,
-        init=init,
-        bounds=bounds,
-        fixed=fixed,
-        options=options,
-    )
-    poi, datasets, elements, index = prepare_rows(model, test_poi, data, element)
+    spec = CalculatorSpec.of(**keywords)
+    return hypotest_of(model, rows_of(model, data, element, test_poi, grid=True), spec, toys)
+
+
+def hypotest_of(
+    model: HistFactoryModel,
+    rows: Rows,
+    spec: CalculatorSpec,
+    toys: list[ToySlice] | None = None,
+) -> HypotestResults:
+    """:func:`hypotest` of ``rows`` (their POI values tested) as ``spec`` says."""
+    poi = rows.poi
+    assert poi is not None  # the tested POI values
+    datasets, elements, index = rows.datasets()
     calc = make_calculator(model, datasets, elements, spec)
     if toys is not None:
         if not isinstance(calc, ToyCalculator):

@@ -36,7 +36,7 @@ from torch import Tensor
 from .minimize import MinimizeOptions, MinimizeResult, minimize
 from .objective import Curvature, TwiceNLL
 from .results import FitResults
-from .rows import as_float, rows
+from .rows import as_float, rows_of
 from .starts import (
     FitStatus,
     StartOptions,
@@ -368,7 +368,7 @@ def fit(
     Returns:
         :class:`~pyhf_gpu_server.inference.results.FitResults`.
     """
-    r = rows(model, data, element, fixed_poi)
+    r = rows_of(model, data, element, fixed_poi)
     return fit_rows(
         model,
         r.data,

@@ -45,18 +45,19 @@ from torch import Tensor
 from .chord import chord_conditional_fits, held_at_bounds
 from .constraints import constraint_centres, prefit_uncertainties
 from .errors import InferenceError
-from .mle import FitOptions, fit_rows, hessian_uncertainties, rows_data
+from .minimize import BOUND_TOL
+from .mle import FitOptions, fit_rows, hessian_uncertainties
 from .objective import TwiceNLL
 from .results import FittedRows
-from .rows import as_float
+from .rows import Rows, as_float, rows_of
 from .starts import FitStatus
 
 __all__ = [
     "RankingResults",
-    "host_elements",
     "parameter_columns",
     "poi_on_bound",
     "ranking",
+    "ranking_of",
 ]
 
 _INDEXED = re.compile(r"^(.*)\[(\d+)\]$")
@@ -173,7 +174,7 @@ class RankingResults(FittedRows):
         return out
 
 
-#: a POI within this fraction of its bounds' width (plus the minimiser's ``bound_tol``) of
+#: a POI within this fraction of its bounds' width (plus the minimiser's ``BOUND_TOL``) of
 #: a bound sits on it
 POI_BOUND_RTOL = 1e-9
 
@@ -190,18 +191,6 @@ def poi_on_bound(poi: Tensor, bounds: Tensor, bound_tol: float = 0.0) -> Tensor:
     tol = bound_tol + POI_BOUND_RTOL * (hi - lo)
     nan = torch.full_like(poi, torch.nan)
     return torch.where(poi <= lo + tol, lo, torch.where(poi >= hi - tol, hi, nan))
-
-
-def host_elements(model, element, data: Tensor | None, rows: int) -> list[int]:
-    """The element of each of ``rows`` rows on the host, from the caller's ``element``
-    argument (as :func:`~pyhf_gpu_server.inference.mle.rows_data` reads it): which parameters a
-    row has decides the fits it runs. Known without a device copy unless ``element`` is a
-    device tensor (then one copy, before any fit)."""
-    if element is None:
-        return list(range(model.n_elements)) if data is None else [0] * rows
-    values = element.tolist() if isinstance(element, Tensor) else element
-    values = [int(v) for v in (values if isinstance(values, Sequence) else [values])]
-    return values * rows if len(values) == 1 else values
 
 
 def parameter_columns(model, names: Sequence[str]) -> list[int]:
@@ -277,6 +266,20 @@ def ranking(
         InferenceError: (a ``ValueError``) the model has no POI, a named parameter is not in
             the model or is the POI.
     """
+    return ranking_of(
+        model, rows_of(model, data, element), parameters=parameters, bounds=bounds, options=options
+    )
+
+
+def ranking_of(
+    model,
+    rows: Rows,
+    *,
+    parameters: Sequence[str] | None = None,
+    bounds: Tensor | None = None,
+    options: FitOptions | None = None,
+) -> RankingResults:
+    """:func:`ranking` of ``rows``."""
     if model.poi_index is None:
         raise InferenceError("the model has no POI: no impacts to rank")
     options = options or FitOptions()
@@ -285,18 +288,17 @@ def ranking(
         selected = parameter_columns(model, parameters)
         if model.poi_index in selected:
             raise InferenceError(f"the POI {model.poi_name!r} cannot be ranked against itself")
-    rows, element_rows = rows_data(model, data, element)
-    B, P, k = element_rows.shape[0], model.n_pars, model.poi_index
-    elements = host_elements(model, element, data, B)
-    element = element_rows
+    elements = rows.host_elements()
+    data, element = rows.data, rows.element
+    B, P, k = element.shape[0], model.n_pars, model.poi_index
     bounds = (
         model.bounds.index_select(0, element)
         if bounds is None
         else as_float(model, bounds).expand(B, -1, -1)
     )
-    free = fit_rows(model, rows, element, bounds=bounds, options=options)
+    free = fit_rows(model, data, element, bounds=bounds, options=options)
     fixed_rows = model.fixed.index_select(0, element)
-    postfit, corr = hessian_uncertainties(model, rows, element, free.bestfit, fixed_rows, options)
+    postfit, corr = hessian_uncertainties(model, data, element, free.bestfit, fixed_rows, options)
     covariance = corr * postfit.unsqueeze(2) * postfit.unsqueeze(1)  # 2 H^-1
     prefit = prefit_uncertainties(model).index_select(0, element)
 
@@ -319,9 +321,8 @@ def ranking(
     impacts = torch.full((B * P * 4,), torch.nan, dtype=model.dtype, device=model.device)
     fits_ok = torch.ones(B * P, dtype=torch.long, device=model.device)
     status = free.status
-    tol = options.minimize.bound_tol
     poi_bounds = bounds.select(1, k)  # [B, 2]
-    poi_bound = poi_on_bound(free.bestfit.select(1, k), poi_bounds, tol)
+    poi_bound = poi_on_bound(free.bestfit.select(1, k), poi_bounds, BOUND_TOL)
     refits_at_bound = torch.zeros(B, dtype=torch.long, device=model.device)
     if fit_row:
         r = torch.tensor(fit_row, dtype=torch.long, device=model.device)
@@ -343,7 +344,7 @@ def ranking(
         pin = torch.zeros_like(base, dtype=torch.bool).scatter(1, c, True)
         cond, cond_status = _conditional_fits(
             model,
-            rows.index_select(0, r),
+            data.index_select(0, r),
             element.index_select(0, r),
             base,
             value.unsqueeze(1),
@@ -351,7 +352,7 @@ def ranking(
             fixed_rows.index_select(0, r) | pin,
             c,
             0.5 * covariance,
-            held_at_bounds(free.bestfit, bounds, fixed_rows, options.minimize.bound_tol),
+            held_at_bounds(free.bestfit, bounds, fixed_rows, BOUND_TOL),
             fits_per_row,
             options,
         )
@@ -362,7 +363,7 @@ def ranking(
         impacts = impacts.index_copy(0, flat * 4 + kind, impact)
         fits_ok = fits_ok.scatter_reduce(0, flat, cond_status.converged.long(), reduce="amin")
         status = _combine_per_row(status, cond_status, r)
-        held = poi_on_bound(cond.select(1, k), poi_bounds.index_select(0, r), tol).isfinite()
+        held = poi_on_bound(cond.select(1, k), poi_bounds.index_select(0, r), BOUND_TOL).isfinite()
         refits_at_bound = refits_at_bound.index_add(0, r, (held & (sigma != 0)).long())
     impacts = impacts.view(B, P, 4)
     ranked = torch.zeros(B * P, dtype=torch.bool, device=model.device)
@@ -377,7 +378,7 @@ def ranking(
         torch.zeros_like(impacts),
         impacts,
     )
-    centre = constraint_centres(model, rows, element)
+    centre = constraint_centres(model, data, element)
     defined = prefit > 0
     safe = torch.where(defined, prefit, torch.ones_like(prefit))
     nan = torch.full_like(prefit, torch.nan)

@@ -2,7 +2,7 @@
 device.
 
 Every inference function works on ``B`` rows; a row is one (element, dataset, POI value)
-combination. :func:`rows` decodes pyhf-shaped arguments (``data``: None or datasets;
+combination. :func:`rows_of` decodes pyhf-shaped arguments (``data``: None or datasets;
 ``element``: None, an int, a sequence or a LongTensor; a POI value or values) once into a
 :class:`Rows`, which the inference functions take.
 
@@ -11,13 +11,13 @@ Example:
     >>> class M:  # the attributes a HistFactoryModel has
     ...     device, dtype, n_elements = torch.device("cpu"), torch.float64, 3
     ...     observed = torch.arange(6.0, dtype=torch.float64).view(3, 2)
-    >>> r = rows(M(), poi=[0.5, 1.0], grid=True)
+    >>> r = rows_of(M(), poi=[0.5, 1.0], grid=True)
     >>> r.poi.tolist(), r.element.tolist(), r.host_elements()
     ([0.5, 1.0, 0.5, 1.0, 0.5, 1.0], [0, 0, 1, 1, 2, 2], [0, 0, 1, 1, 2, 2])
-    >>> r = rows(M(), element=torch.tensor([2, 0]), poi=torch.tensor([1.0, 2.0]))
+    >>> r = rows_of(M(), element=torch.tensor([2, 0]), poi=torch.tensor([1.0, 2.0]))
     >>> r.data.tolist(), r.element.tolist(), r.poi.tolist()
     ([[4.0, 5.0], [0.0, 1.0]], [2, 0], [1.0, 2.0])
-    >>> r = rows(M(), torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+    >>> r = rows_of(M(), torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
     >>> r.element.tolist(), r.poi, r.host_elements()
     ([0, 0], None, [0, 0])
 """
@@ -34,7 +34,7 @@ from torch import Tensor
 if TYPE_CHECKING:
     from ..engine.model import HistFactoryModel
 
-__all__ = ["Rows", "as_float", "as_index", "rows", "unique_datasets"]
+__all__ = ["Rows", "as_float", "as_index", "rows_of", "unique_datasets"]
 
 
 def as_float(model: HistFactoryModel, value: float | Sequence[float] | Tensor) -> Tensor:
@@ -43,13 +43,16 @@ def as_float(model: HistFactoryModel, value: float | Sequence[float] | Tensor) -
 
 
 def as_index(model: HistFactoryModel, value: int | Sequence[int] | Tensor) -> Tensor:
-    """``value`` as a LongTensor on ``model.device`` (at least 1-d)."""
+    """``value`` as a LongTensor on ``model.device`` (at least 1-d); a LongTensor already
+    there as it is (FakeTensorMode refuses even a no-op move)."""
+    if isinstance(value, Tensor) and value.dtype == torch.long and _on(model.device, value):
+        return torch.atleast_1d(value)
     return torch.atleast_1d(torch.as_tensor(value, dtype=torch.long, device=model.device))
 
 
 @dataclass(frozen=True)
 class Rows:
-    """The ``B`` rows of an inference call, made by :func:`rows`.
+    """The ``B`` rows of an inference call, made by :func:`rows_of`.
 
     Attributes:
         data: ``[B, N + A]`` each row's dataset.
@@ -80,7 +83,7 @@ class Rows:
         return unique_datasets(self.data, self.element)
 
 
-def rows(
+def rows_of(
     model: HistFactoryModel,
     data: Tensor | None = None,
     element: int | Sequence[int] | Tensor | None = None,
@@ -107,7 +110,7 @@ def rows(
         host: list[int] | None = list(range(model.n_elements)) if data is None else None
     else:
         index = as_index(model, element)
-        host = None if isinstance(element, Tensor) else _host_values(element)
+        host = _host_values(element)
     if data is None:
         assert index is not None
         datasets = model.observed.index_select(0, index)
@@ -136,8 +139,20 @@ def rows(
     return Rows(datasets, index, values, None if host is None else tuple(host))
 
 
-def _host_values(element: int | Sequence[int]) -> list[int]:
-    return [int(e) for e in (element if isinstance(element, Sequence) else [element])]
+def _on(device: torch.device, tensor: Tensor) -> bool:
+    """``tensor`` is on ``device`` (``"cuda"``: any of its indices)."""
+    place = tensor.device
+    return place.type == device.type and device.index in (None, place.index)
+
+
+def _host_values(element: int | Sequence[int] | Tensor) -> list[int] | None:
+    """The elements an ``element`` argument names, where it holds them on the host (an int or
+    a sequence); None for a tensor or an array (:meth:`Rows.host_elements` copies them)."""
+    if isinstance(element, int):
+        return [element]
+    if isinstance(element, Sequence):
+        return [int(e) for e in element]
+    return None
 
 
 def unique_datasets(data: Tensor, element: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -45,10 +45,11 @@ import torch
 from torch import Tensor
 
 from .errors import InferenceError
-from .mle import FitOptions, fit_rows, hessian_uncertainties, rows_data
-from .ranking import host_elements, poi_on_bound
+from .minimize import BOUND_TOL
+from .mle import FitOptions, fit_rows, hessian_uncertainties
+from .ranking import poi_on_bound
 from .results import FittedRows
-from .rows import as_float
+from .rows import Rows, as_float, rows_of
 from .starts import FitStatus
 
 __all__ = ["AUTO_SIGMAS", "Scan2DResults", "ScanResults", "grid_problem", "scan", "scan2d"]
@@ -200,7 +201,7 @@ def _check(model, names, columns, axes, elements, bounds) -> None:
 
 
 def _profile(
-    model, names, axes, steps, data, element, bounds, options
+    model, names, axes, steps, rows: Rows, bounds, options
 ) -> tuple[Tensor, Tensor, Tensor, list[Tensor], Tensor, Tensor, FitStatus, Tensor, Tensor | None]:
     """The free fits and the conditional fits at every grid point (the Cartesian product of
     ``axes``, first axis slowest) of ``B`` rows: one batched call, or two where an axis is
@@ -217,9 +218,9 @@ def _profile(
     if len(set(columns)) != len(columns):
         raise InferenceError("a 2D scan needs two different parameters")
     host_axes = [None if v is None else _host_values(v) for v in axes]
-    rows, element_rows = rows_data(model, data, element)
+    elements = rows.host_elements()
+    data, element_rows = rows.data, rows.element
     B, P = element_rows.shape[0], model.n_pars
-    elements = host_elements(model, element, data, B)
     _check(model, names, columns, host_axes, elements, bounds)
     box = (
         model.bounds.index_select(0, element_rows)
@@ -232,9 +233,9 @@ def _profile(
     free = None
     if automatic:
         free = fit_rows(
-            model, rows, element_rows, init=init, bounds=box, fixed=fixed, options=options
+            model, data, element_rows, init=init, bounds=box, fixed=fixed, options=options
         )
-        unc, corr = hessian_uncertainties(model, rows, element_rows, free.bestfit, fixed, options)
+        unc, corr = hessian_uncertainties(model, data, element_rows, free.bestfit, fixed, options)
     row_axes = []
     for v, c, n in zip(axes, columns, steps, strict=True):
         if v is not None:
@@ -248,11 +249,11 @@ def _profile(
     cond_init = init.repeat_interleave(G, 0).index_copy(1, index, grid.reshape(B * G, -1))
     pin = torch.zeros(P, dtype=torch.bool, device=model.device).index_fill(0, index, True)
     cond_fixed = fixed.repeat_interleave(G, 0) | pin
-    cond_rows = (rows.repeat_interleave(G, 0), element_rows.repeat_interleave(G, 0))
+    cond_rows = (data.repeat_interleave(G, 0), element_rows.repeat_interleave(G, 0))
     if free is None:  # the free and the conditional fits in one call, the free rows first
         every = fit_rows(
             model,
-            torch.cat([rows, cond_rows[0]]),
+            torch.cat([data, cond_rows[0]]),
             torch.cat([element_rows, cond_rows[1]]),
             init=torch.cat([init, cond_init]),
             bounds=torch.cat([box, box.repeat_interleave(G, 0)]),
@@ -265,7 +266,7 @@ def _profile(
         cond_status = FitStatus(*(t.narrow(0, B, B * G) for t in every.status))
         free_deviance = every.deviance.narrow(0, 0, B)
         cond_deviance = every.deviance.narrow(0, B, B * G)
-        unc, corr = hessian_uncertainties(model, rows, element_rows, bestfit, fixed, options)
+        unc, corr = hessian_uncertainties(model, data, element_rows, bestfit, fixed, options)
     else:
         cond = fit_rows(
             model,
@@ -283,7 +284,7 @@ def _profile(
     k = model.poi_index
     poi_bound = None
     if k is not None:
-        poi_bound = poi_on_bound(bestfit.select(1, k), box.select(1, k), options.minimize.bound_tol)
+        poi_bound = poi_on_bound(bestfit.select(1, k), box.select(1, k), BOUND_TOL)
     return bestfit, unc, corr, row_axes, deviance, converged, status, element_rows, poi_bound
 
 
@@ -342,7 +343,7 @@ def scan(
             not a parameter) in a row's element, or a value lies outside its bounds.
     """
     bestfit, unc, _, (grid,), delta, ok, status, element_rows, poi_bound = _profile(
-        model, [parameter], [values], [steps], data, element, bounds, options
+        model, [parameter], [values], [steps], rows_of(model, data, element), bounds, options
     )
     k = model.par_names.index(parameter)
     return ScanResults(
@@ -380,7 +381,13 @@ def scan2d(
         raise InferenceError("a 2D scan needs exactly two parameters")
     names = (parameters[0], parameters[1])
     bestfit, unc, corr, (vx, vy), delta, ok, status, element_rows, poi_bound = _profile(
-        model, list(names), [values_x, values_y], list(steps), data, element, bounds, options
+        model,
+        list(names),
+        [values_x, values_y],
+        list(steps),
+        rows_of(model, data, element),
+        bounds,
+        options,
     )
     kx, ky = (model.par_names.index(n) for n in names)
     B, Gx, Gy = delta.shape[0], vx.shape[1], vy.shape[1]

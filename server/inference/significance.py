@@ -25,11 +25,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from .hypotest import CalcType, hypotest
-from .mle import FitOptions
+from .hypotest import CalculatorKeywords, hypotest
 from .results import HypotestResults, SignificanceResults
 
 if TYPE_CHECKING:
+    from typing import Unpack
+
     from ..engine.model import HistFactoryModel
 
 __all__ = ["significance", "significance_of", "z_from_p"]
@@ -45,31 +46,12 @@ def significance(
     element=None,
     *,
     data: Tensor | None = None,
-    calctype: CalcType = "asymptotics",
-    ntoys: int = 2000,
-    seed: int | None = None,
-    init: Tensor | None = None,
-    bounds: Tensor | None = None,
-    fixed: Tensor | None = None,
-    options: FitOptions | None = None,
+    **keywords: Unpack[CalculatorKeywords],
 ) -> SignificanceResults:
     """Observed and expected discovery p-values and significances per element (or dataset):
     pyhf's ``hypotest(0.0, ..., test_stat="q0")``; the options as
     :func:`~pyhf_gpu_server.inference.hypotest.hypotest`'s."""
-    res = hypotest(
-        model,
-        0.0,
-        element,
-        data=data,
-        test_stat="q0",
-        calctype=calctype,
-        ntoys=ntoys,
-        seed=seed,
-        init=init,
-        bounds=bounds,
-        fixed=fixed,
-        options=options,
-    )
+    res = hypotest(model, 0.0, element, data=data, test_stat="q0", **keywords)
     return significance_of(res)
 
 

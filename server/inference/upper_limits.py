@@ -33,13 +33,14 @@ from torch import Tensor
 
 from .asymptotics import N_SIGMA, AsymptoticCalculator
 from .errors import InferenceError
-from .hypotest import CalcType, CalculatorSpec, make_calculator, prepare_rows, run_calculator
-from .mle import FitOptions
+from .hypotest import CalculatorSpec, HypotestKeywords, make_calculator, run_calculator
 from .results import HypotestResults, UpperLimitResults
-from .rows import as_float
+from .rows import as_float, rows_of
 from .starts import FitStatus
 
 if TYPE_CHECKING:
+    from typing import Unpack
+
     from ..engine.model import HistFactoryModel
 
 __all__ = ["interp", "linear_grid_scan", "toms748_like_scan", "upper_limit"]
@@ -83,7 +84,7 @@ def linear_grid_scan(
     """
     scan = as_float(model, scan)
     S = scan.shape[0]
-    _, datasets, elements, index = prepare_rows(model, 0.0, data, element)
+    datasets, elements, index = rows_of(model, data, element).datasets()
     calc = make_calculator(model, datasets, elements, spec)
     D = elements.shape[0]
     rows = torch.arange(D, device=model.device)
@@ -227,7 +228,7 @@ def toms748_like_scan(
     A curve is done when its bracket is narrower than ``atol + rtol * b`` or a tested value
     hits ``Phi^-1(CLs) = Phi^-1(level)`` to ``rtol``.
     """
-    _, datasets, elements, index = prepare_rows(model, 0.0, data, element)
+    datasets, elements, index = rows_of(model, data, element).datasets()
     calc = make_calculator(model, datasets, elements, spec)
     R = elements.shape[0]
     rows = torch.arange(R, device=model.device)
@@ -284,15 +285,8 @@ def upper_limit(
     data: Tensor | None = None,
     scan=None,
     level: float = 0.05,
-    test_stat: str = "qtilde",
-    calctype: CalcType = "asymptotics",
     rtol: float = 1e-4,
-    ntoys: int = 2000,
-    seed: int | None = None,
-    init: Tensor | None = None,
-    bounds: Tensor | None = None,
-    fixed: Tensor | None = None,
-    options: FitOptions | None = None,
+    **keywords: Unpack[HypotestKeywords],
 ) -> UpperLimitResults:
     """Observed and expected upper limits at CL ``1 - level`` per element (or dataset).
 
@@ -302,29 +296,19 @@ def upper_limit(
         data: None (observations) or ``[B, N + A]`` datasets.
         scan: POI values to test and interpolate (pyhf's ``scan=``); None: root search.
         level: the CLs level (0.05: 95% CL).
-        test_stat, calctype: as :func:`~pyhf_gpu_server.inference.hypotest.hypotest`; the
-            root search needs ``"asymptotics"`` (toys are noisy: give a ``scan`` for them).
         rtol: relative width of the final brackets (root search); pyhf's and NextStat's
             default.
-        ntoys, seed: toys only.
-        init, bounds, fixed, options: the fits' (see
-            :func:`~pyhf_gpu_server.inference.hypotest.hypotest`).
+        keywords: the hypothesis tests' (:func:`~pyhf_gpu_server.inference.hypotest.hypotest`:
+            ``test_stat``, ``calctype``, ``ntoys``, ``seed``, ``init``, ``bounds``,
+            ``fixed``, ``options``...); the root search needs ``calctype="asymptotics"``
+            (toys are noisy: give a ``scan`` for them).
 
     Returns:
         :class:`~pyhf_gpu_server.inference.results.UpperLimitResults`.
     """
-    spec = CalculatorSpec.of(
-        test_stat,
-        calctype,
-        ntoys=ntoys,
-        seed=seed,
-        init=init,
-        bounds=bounds,
-        fixed=fixed,
-        options=options,
-    )
+    spec = CalculatorSpec.of(**keywords)
     if scan is not None:
         return linear_grid_scan(model, scan, spec, data, element, level)[0]
-    if calctype != "asymptotics":
+    if spec.calctype != "asymptotics":
         raise InferenceError("the root search needs calctype='asymptotics'; pass a scan for toys")
     return toms748_like_scan(model, spec, data, element, level, rtol=rtol)

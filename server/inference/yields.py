@@ -40,7 +40,7 @@ from torch import Tensor
 from .constraints import asimov_parameters, prefit_uncertainties
 from .mle import FitOptions, fit_rows
 from .results import FitResults
-from .rows import Rows, rows
+from .rows import Rows, rows_of
 
 __all__ = [
     "YieldSet",
@@ -254,7 +254,7 @@ def yields(
     """
     if fit is not None and element is None:
         element = fit.element
-    return yields_of(model, rows(model, data, element), fit, options)
+    return yields_of(model, rows_of(model, data, element), fit, options)
 
 
 def yields_of(
