@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import tomllib
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -128,12 +129,28 @@ def test_base_image_is_a_pinned_official_cuda_pytorch_runtime(instructions):
     assert version_tuple(match["torch"]) >= version_tuple(floor.group(1))
 
 
-def test_installs_the_package_with_the_server_extra_from_the_copied_source(instructions):
+def test_installs_the_package_with_its_serving_extras_from_the_copied_source(instructions):
     runs = " ".join(args_of(instructions, "RUN"))
     install = re.search(r"pip install (?P<args>[^&;]*)", runs)
     assert install, "no `pip install` in the Dockerfile"
     args = install["args"]
-    assert re.search(r"""["']?\.\[server\]["']?""", args), args
+    extras = re.search(r"""["']?\.\[([\w,]+)\]["']?""", args)
+    assert extras, args
+    # the image serves plots and runs cluster workers too: every extra the package has but
+    # the adapters' and the tests'
+    named = set(extras.group(1).split(","))
+    optional = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    covered = set().union(
+        *(
+            {extra, *re.findall(r"pyhf-gpu\[([\w,]+)\]", " ".join(optional[extra]))[0].split(",")}
+            if any("pyhf-gpu[" in d for d in optional[extra])
+            else {extra}
+            for extra in named
+        )
+    )
+    assert {"server", "plots", "cluster"} <= covered, named
     assert "-e " not in f"{args} " and "--editable" not in args, "the image needs a regular install"
     # torch comes from the base image only: never installed by name, pinned for the install.
     tokens = shlex.split(args)
