@@ -16,6 +16,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -45,8 +46,7 @@ SERVER_ENV = (
     "PYHF_GPU_RESULT_TTL_HOURS",
     "PYHF_GPU_LOG_LEVEL",
 )
-# The CPU torch build on this project's machines (the Makefile's TORCH_SPEC).
-LOCAL_TORCH_SPEC = "torch==2.13.0"
+PURELIB = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
 # How the Dockerfile reads the installed torch's version, to pin the install to it.
 TORCH_VERSION = "from importlib.metadata import version; print(version('torch'))"
 
@@ -617,7 +617,14 @@ def _run(args: list[str], timeout: float, **kwargs) -> subprocess.CompletedProce
 def test_the_image_install_gives_a_working_server_cli(tmp_path, instructions):
     """What `docker build` does, without Docker: the sources the Dockerfile COPYs, a torch that
     is already there (here the CPU build, in the image the CUDA one), then a regular install of
-    the package with the Dockerfile's extras pinned to that torch, then the CMD's program."""
+    the package with the Dockerfile's extras pinned to that torch, then the CMD's program.
+
+    The new environment sees the packages this run has (torch, and the other dependencies:
+    symlinks behind a ``.pth``, without this checkout's own pyhf-gpu), as the image sees its
+    torch: pip checks every requirement of the extras against them (a missing one would be
+    installed from the index) and installs the package itself from the copied sources. That
+    the dependencies install offline into a clean place is tested apart
+    (``test_gpu_check.py``)."""
     extras = re.search(r'"\.\[([\w,]+)\]"', " ".join(args_of(instructions, "RUN")))
     assert extras, "the Dockerfile installs no `.[extras]`"
     context = tmp_path / "context"
@@ -639,7 +646,14 @@ def test_the_image_install_gives_a_working_server_cli(tmp_path, instructions):
     python = venv / "bin" / "python"
     # --no-compile: the installs' bytecode is no part of what is tested (a minute of CPU here)
     install = [python, "-m", "pip", "install", "--quiet", "--no-compile"]
-    _run([*install, LOCAL_TORCH_SPEC], timeout=600, env=env)
+    packages = tmp_path / "packages"
+    packages.mkdir()
+    ours = Path(sysconfig.get_paths()["purelib"])
+    for entry in ours.iterdir():
+        if not entry.name.startswith(("pyhf_gpu", "__editable__")) and entry.suffix != ".pth":
+            (packages / entry.name).symlink_to(entry)
+    site = _run([python, "-c", PURELIB], timeout=120, env=env).stdout.strip()
+    (Path(site) / "_packages_there.pth").write_text(f"{packages}\n")
     torch_version = _run([python, "-c", TORCH_VERSION], timeout=120, env=env).stdout.strip()
     constraint = tmp_path / "torch-constraint.txt"
     constraint.write_text(f"torch=={torch_version}\n")
