@@ -178,7 +178,7 @@ def test_a_share_the_worker_failed_on_is_fitted_here(batch, monkeypatch) -> None
         workers.close()
 
 
-OPERATIONS = {  # every operation, on four heterogeneous stau points: several elements a batch
+OPERATIONS = {  # every operation, on two heterogeneous stau points: two elements a batch
     "cls": {"test_poi": [0.5, 1.0, 2.0]},
     "fit": {},
     "upper-limit": {},
@@ -196,7 +196,7 @@ def test_every_operation_answers_alike_with_and_without_a_worker(tmp_path: Path)
     body = {
         "workspace": load_json(STAU / "BkgOnly.json"),
         "patchset": patchset,
-        "patch_names": [p["metadata"]["name"] for p in patchset["patches"][:4]],
+        "patch_names": [p["metadata"]["name"] for p in patchset["patches"][:2]],
     }
     answers: dict[str, dict[str, Any]] = {}
     for count in ("1", "0"):
