@@ -15,18 +15,14 @@ DEVICE ?= auto
 
 .PHONY: serve test lint bench clean browser
 
-# --no-compile: bytecode is written on first import, for the modules used only (compiling
-# every installed file, torch's thousands, takes most of an install's CPU)
-PIP_INSTALL := $(PY) -m pip install --quiet --no-compile
-
 $(VENV)/.server-installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PIP_INSTALL) "$(TORCH_SPEC)"
-	$(PIP_INSTALL) -e ".[all]"
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[all]"
 	touch $@
 
 $(VENV)/.test-installed: $(VENV)/.server-installed
-	$(PIP_INSTALL) -e ".[all,test]"
+	$(PY) -m pip install --quiet -e ".[all,test]"
 	touch $@
 
 # The web page's tests drive a real headless browser: Debian's chromium and chromium-driver,
