@@ -27,7 +27,6 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections import deque
 from pathlib import Path
 
 from packaging.requirements import Requirement
@@ -312,24 +311,34 @@ def build(out: Path) -> list[str]:
         old.unlink()
     _pip("wheel", "--no-deps", "--quiet", "-w", str(out), str(REPO))
     ours = next(iter(_downloaded(out).values()))
-    queue = deque((r, ours.name) for r in requirements_of(ours, EXTRAS))
+    # breadth first, one pip call a level (a pip process a package took most of the time)
+    pending = [(r, ours.name) for r in requirements_of(ours, EXTRAS)]
     asked: dict[str, list[tuple[Requirement, str]]] = {}
-    while queue:
-        requirement, by = queue.popleft()
-        name = canonicalize_name(requirement.name)
-        if name in IMAGE:
-            continue
-        asked.setdefault(name, []).append((requirement, by))
-        if name in _downloaded(out):
-            continue
-        spec = f"{requirement.name}{requirement.specifier}"
-        local = _local_version(name)
-        if local is not None and requirement.specifier.contains(local, prereleases=True):
-            spec = f"{requirement.name}=={local}"  # the version tested here
-        _pip("download", "--no-deps", "--quiet", *TARGET, "-d", str(out), spec)
-        wheel = _downloaded(out)[name]
-        extras = tuple(requirement.extras)
-        queue.extend((r, wheel.name) for r in requirements_of(wheel, extras))
+    have = _downloaded(out)
+    while pending:
+        specs: dict[str, str] = {}
+        wanted: list[tuple[str, Requirement]] = []
+        for requirement, by in pending:
+            name = canonicalize_name(requirement.name)
+            if name in IMAGE:
+                continue
+            asked.setdefault(name, []).append((requirement, by))
+            if name in have or name in specs:
+                continue
+            spec = f"{requirement.name}{requirement.specifier}"
+            local = _local_version(name)
+            if local is not None and requirement.specifier.contains(local, prereleases=True):
+                spec = f"{requirement.name}=={local}"  # the version tested here
+            specs[name] = spec
+            wanted.append((name, requirement))
+        if specs:
+            _pip("download", "--no-deps", "--quiet", *TARGET, "-d", str(out), *specs.values())
+        have = _downloaded(out)
+        pending = [
+            (r, have[name].name)
+            for name, requirement in wanted
+            for r in requirements_of(have[name], tuple(requirement.extras))
+        ]
     problems = []
     for name, wheel in _downloaded(out).items():
         version = parse_wheel_filename(wheel.name)[1]
