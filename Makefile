@@ -44,6 +44,8 @@ serve: $(VENV)/.server-installed
 # Four pytest processes, each taking whole test files (their module-scoped servers stay
 # shared): most tests wait on real servers and subprocesses, so they overlap their waits, and
 # where another process keeps a core busy the suite keeps the larger share of the two cores.
+# The files go out in collection order, which tests/conftest.py starts with those holding a
+# test marked slow.
 # PYTEST_WORKERS=0 runs them in this process. Tests marked one_process (schemathesis' route
 # tests, which share one node id) run in pytest's own after.
 PYTEST_WORKERS ?= 4
@@ -51,7 +53,7 @@ PYTEST_WORKERS ?= 4
 test: $(VENV)/.test-installed browser
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile -m "not one_process"
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not one_process"
 	$(PY) -m pytest -m one_process
 
 lint: $(VENV)/.test-installed

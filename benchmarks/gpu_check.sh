@@ -81,8 +81,10 @@ step() {
 }
 
 # 1. parity on the device
-PARITY=(tests/test_inference_block.py tests/test_inference_reference.py)
-[ "$DEVICE" != cpu ] && PARITY+=(tests/test_inference_minimize.py tests/test_inference_pyhf_parity.py)
+# (cpu: the reference cases alone, to test the step; the suite itself runs the others there)
+PARITY=(tests/test_inference_reference.py)
+[ "$DEVICE" != cpu ] && PARITY+=(tests/test_inference_block.py tests/test_inference_minimize.py \
+    tests/test_inference_pyhf_parity.py)
 step parity "$PARITY_LIMIT" "$PYTHON" -m pytest -q -p no:cacheprovider -x "${PARITY[@]}"
 
 # 2-3. a server on the device, the client's commands timed as a user runs them

@@ -52,6 +52,19 @@ def pytest_collection_modifyitems(config, items):
             f"no workspaces (*/reference.json) under {WORKSPACES_DIR}: the repository's copy "
             f"is tests/data/workspaces; {ENV}, where set, must name a folder of that layout"
         )
+    items[:] = slow_modules_first(items)
+
+
+def slow_modules_first(items: list[pytest.Item]) -> list[pytest.Item]:
+    """The modules with a test marked ``slow`` first, each group in collection order.
+
+    ``make test`` hands whole modules to its pytest-xdist workers in this order
+    (``--dist loadfile --no-loadscope-reorder``): the long modules start first and the short
+    ones fill the end, instead of one worker finishing a long module alone while the others
+    wait (xdist's default order, by number of tests, put the long modules of few tests last).
+    """
+    slow = {item.module for item in items if item.get_closest_marker("slow") is not None}
+    return sorted(items, key=lambda item: item.module not in slow)
 
 
 @pytest.fixture(scope="module")

@@ -83,6 +83,7 @@ def test_a_block_row_is_admitted_with_what_its_jacobian_assembly_allocates(analy
     assert shared.shape == (rows, model.n_main, model.n_pars - shape.n_per_bin)
 
 
+@pytest.mark.slow
 def test_toy_fits_hold_at_most_their_admitted_bytes_per_row(analysis_model):
     """Every fit of a toy hypothesis test (free and conditional, signal and background toys)
     in minimiser calls of 32 rows, each at most 3 iterations (the memory of an iteration does

@@ -35,7 +35,7 @@ ANALYSIS, SIGNAL = "atlas-susy-2018-31-sbottom-A", "sig_s1_x1"
 MINUIT_TOLERANCE = 1e-6
 IMPACT_RTOL = 3e-2  # ranking impacts (and post-fit uncertainties): see the module docstring
 LIMIT_RTOL = 1e-3  # limits, p-values and significances
-RANKED = 2  # cabinetry's ranking of the largest RANKED impacts (4 MINUIT fits each)
+RANKED = 1  # cabinetry's ranking of the largest RANKED impacts (4 MINUIT fits each)
 
 pytestmark = [
     pytest.mark.timeout(600),
@@ -165,6 +165,7 @@ def cabinetry_ranking(
     return cabinetry.fit.ranking(model, data, fit_results=restricted, tolerance=tolerance)
 
 
+@pytest.mark.slow
 def test_ranking_matches_cabinetry_and_feeds_its_figure(
     published, their_fit, our_fit, client, monkeypatch, tmp_path
 ):

@@ -466,6 +466,7 @@ def test_job_finishes_with_every_result_when_a_worker_dies_mid_job(
     assert_equal(view["result"], theirs.json())
 
 
+@pytest.mark.slow
 def test_a_job_outlives_its_dask_scheduler_killed_mid_job(
     tmp_path: Path, reference: httpx.Client
 ) -> None:

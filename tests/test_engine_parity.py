@@ -63,6 +63,7 @@ def shared_models(shared_name):
     return models
 
 
+@pytest.mark.slow
 def test_shared_workspaces_match_pyhf(shared_models):
     assert len(shared_models) >= 3
     for seed, (model, reference) in enumerate(shared_models):

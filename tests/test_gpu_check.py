@@ -20,6 +20,7 @@ from conftest import REPO_ROOT
 from service_support import free_port
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_device_wheels_resolve_and_install_offline_into_a_clean_target(tmp_path: Path):
     folder = tmp_path / "whl"
@@ -47,6 +48,7 @@ def test_the_device_wheels_resolve_and_install_offline_into_a_clean_target(tmp_p
     assert broken.returncode == 1 and "pydantic-core" in broken.stdout, broken.stdout[-2000:]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_gpu_check_runs_every_step_end_to_end_on_the_cpu(tmp_path: Path):
     out = tmp_path / "out"

@@ -351,6 +351,7 @@ def _scaled_signal(operations: list, scale: float) -> list:
     return scaled
 
 
+@pytest.mark.slow
 def test_the_hard_fits_of_strongly_excluded_signals_converge():
     """The published sbottom signals, five times larger: their conditional fits at mu = 1
     are strongly excluded and hard (nuisance parameters on their bounds, a Gauss-Newton model
@@ -392,6 +393,7 @@ def test_the_hard_fits_of_strongly_excluded_signals_converge():
     torch.testing.assert_close(cls, cls_last_rows_only, rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_fits_converge_where_the_deviance_is_summed_from_huge_counts():
     """shapesys with Poisson scales of 10^4-10^6 (counts of ~10^7 behind a deviance of ~10^3):
     the Newton decrement cannot fall below 1e-10 there, as every value carries rounding errors

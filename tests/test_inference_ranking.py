@@ -273,6 +273,7 @@ def test_ranking_matches_cabinetry(name, patch, labels):
     compare(name, model, data, ours, ours_model, theirs)
 
 
+@pytest.mark.slow
 def test_reference_impacts_are_cabinetrys_own():
     """The reference file's generator is cabinetry's ranking loop as the tests run it: on the
     smallest case (sbottom-B's first patch, one parameter), computed here, the same numbers."""

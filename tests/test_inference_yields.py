@@ -162,6 +162,7 @@ def test_data_and_json_match_cabinetrys_tables(case):
             assert f"{channel['channel_data']:.2f}" == per_channel["data"][name]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [SMALL, STAU])
 def test_postfit_close_to_cabinetrys_own_fit(name):
     """cabinetry's own MINUIT fit (tight tolerance, strategy 2), with the POI fixed at 1 (a

@@ -352,6 +352,7 @@ def test_ranking_top_and_yields_channels(real):
 
 
 # ------------------------------------------------------------------- threads, no state
+@pytest.mark.slow
 def test_concurrent_rendering_is_identical_and_leaves_no_state(real):
     kind, result, options, _ = cases(real)["exclusion"]
     before = copy.deepcopy(dict(matplotlib.rcParams))

@@ -164,6 +164,7 @@ def normsys_heavy_workspace(bins: int = 100, systematics: int = 200) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_the_low_memory_solver_where_a_dense_row_would_not_fit(default_server, tmp_path):
     """A dense row of this model needs 6.3 MiB, a low-rank one 3.8 MiB (each with the 2.3 MiB
     of its Jacobian's assembly over 201 samples): with a 5 MiB bound it is fitted with the
@@ -248,6 +249,7 @@ def metric(client, name: str) -> float:
     return metric_value(client.get("/metrics").text, name)
 
 
+@pytest.mark.slow
 def test_the_memory_metric_counts_what_fits_hold_and_the_process_gives_it_back(tmp_path):
     """A 1200-bin model of 1201 parameters none of which is per-bin (600 two-bin regions: 161
     MiB a dense row) under a 480 MiB bound (336 MiB of it for the fits, HEAP_SHARE): two rows per minimiser call. ``pyhf_gpu_fit_memory_peak_bytes`` shows what they
@@ -379,6 +381,7 @@ def cpu_seconds(server: ServerProcess) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+@pytest.mark.slow
 def test_a_hundred_thousand_toys_stay_within_the_fit_bound_plus_the_model(tmp_path):
     """#37: ``ntoys=100000`` on one POI of a generated 550-parameter, 300-bin analysis, on a
     server with ``--max-fit-memory-mb 512``. The request is admitted and runs slice by slice,

@@ -37,7 +37,7 @@ from pyhf_gpu_client import cli
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 NTOYS = 2000
-PYHF_NTOYS = 1000  # pyhf fits its toys one by one: ~9 s
+PYHF_NTOYS = 500  # pyhf fits its toys one by one: ~5 s
 CASES = json.loads((Path(__file__).parent / "data/pyhf_validation/cases.json").read_text())
 TOY_CASE = next(c for c in CASES["cases"] if c["id"] == "1bin_shapesys_q0_toys")
 MAX_SEED = 2**64 - 1

@@ -220,6 +220,7 @@ def test_shared_workspace_cls_agree_with_spey_pyhf(client: Client) -> None:
         )
 
 
+@pytest.mark.slow
 def test_shared_workspace_upper_limits_agree_with_spey_pyhf(client: Client) -> None:
     """spey's ``poi_upper_limit`` (its own root search over our likelihoods) on the published
     sbottom-B point, for each expectation type, as spey-pyhf's (1e-4 relative): spey-pyhf's

@@ -156,6 +156,7 @@ def test_background_only_workspaces(name):
     assert_layouts_equal(translate.translate(without_poi), pyhf_layout(without_poi))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "filename"), SHARED_SETS)
 def test_patched_workspaces_match_pyhf(name, filename):
     """A sample of each patchset (20 of the published hepdata ones; 6 for the heavy one)."""
