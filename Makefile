@@ -49,12 +49,19 @@ serve: $(VENV)/.server-installed
 # PYTEST_WORKERS=0 runs them in this process. Tests marked one_process (schemathesis' route
 # tests, which share one node id) run in pytest's own after.
 PYTEST_WORKERS ?= 4
+# The pytest plugins the suite uses, named instead of autoloaded: pytest marks every module of
+# an autoloaded plugin's distribution for assertion rewriting, and where PYTHONDONTWRITEBYTECODE
+# is set (as on CI's machines) each pytest process rewrote schemathesis', hypothesis', anyio's
+# and boost-histogram's ~380 modules anew (a third of its start-up).
+PYTEST_PLUGINS := --disable-plugin-autoload -p xdist.plugin -p pytest_timeout \
+	-p _hypothesis_pytestplugin -p schemathesis.pytest.plugin
 
 test: $(VENV)/.test-installed browser
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not one_process"
-	$(PY) -m pytest -m one_process
+	$(PY) -m pytest $(PYTEST_PLUGINS) -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+	    -m "not one_process"
+	$(PY) -m pytest $(PYTEST_PLUGINS) -m one_process
 
 lint: $(VENV)/.test-installed
 	$(VENV)/bin/ruff check .
