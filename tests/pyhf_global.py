@@ -110,3 +110,18 @@ def hypotest(workspace: dict, modifier_settings: dict, poi: float, test_stat: st
     return pyhf.infer.hypotest(
         poi, ws.data(model), model, test_stat=test_stat, return_expected_set=True, **kwargs
     )
+
+
+def pyhf_upper_limit(data: Sequence[float], model: pyhf.Model, level: float = 0.05) -> tuple:
+    """pyhf's ``upper_limit(data, model, scan=None)`` without its probe at ``mu = 0``.
+
+    pyhf brackets the root at the POI's bounds; at ``mu = 0`` the Asimov ``sqrt(q_mu,A)`` is 0
+    or a rounding residue, so whether CLs there is 1 or NaN (and toms748 stops with "the
+    function value at x=0 is NaN") depends on the BLAS build and its threads. The same
+    ``toms748_scan`` started at a hundredth of the upper bound (pyhf halves that end until every
+    curve's CLs is above ``level``) gives that answer without the 0/0.
+    """
+    low, high = model.config.suggested_bounds()[model.config.poi_index]
+    return pyhf.infer.intervals.upper_limits.toms748_scan(
+        data, model, max(low, high / 100), high, level=level
+    )

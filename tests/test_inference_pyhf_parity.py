@@ -10,6 +10,7 @@ import pyhf
 import pytest
 import torch
 from conftest import shared_workspace
+from pyhf_global import pyhf_upper_limit
 from test_inference_support import DEVICE, as_workspace, one_thread  # noqa: F401 (fixture)
 
 from pyhf_gpu_server.engine import HistFactoryModel
@@ -94,7 +95,7 @@ def test_q0_and_significance_match_pyhf(name):
 @pytest.mark.parametrize("name", ["uncorrelated", "correlated"])
 def test_upper_limits_match_pyhf(name):
     pyhf_model, data, model = simple(name)
-    obs, exp = pyhf.infer.intervals.upper_limits.upper_limit(data, pyhf_model, level=0.05)
+    obs, exp = pyhf_upper_limit(data, pyhf_model)
     ours = upper_limit(model)
     assert ours.converged.all()
     assert ours.obs.item() == pytest.approx(float(obs), rel=1e-3)
@@ -116,7 +117,7 @@ def test_upper_limits_below_every_first_probe_match_pyhf():
     observations = [51.0, 48.0]
     model = HistFactoryModel.from_workspace(as_workspace(pyhf_model, observations), device=DEVICE)
     data = observations + pyhf_model.config.auxdata
-    obs, exp = pyhf.infer.intervals.upper_limits.upper_limit(data, pyhf_model, level=0.05)
+    obs, exp = pyhf_upper_limit(data, pyhf_model)
     ours = upper_limit(model)
     assert ours.obs.item() < 0.03
     assert ours.converged.all()
