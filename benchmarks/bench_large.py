@@ -48,6 +48,7 @@ from pyhf_gpu_server.inference.hypotest import hypotest
 from pyhf_gpu_server.inference.minimize import MinimizeOptions
 from pyhf_gpu_server.inference.mle import FitOptions, fit
 from pyhf_gpu_server.inference.ranking import ranking
+from pyhf_gpu_server.service.operations.ranking import ranking_answer
 
 # (channels, bins per channel, shared systematics): 200 to 5000 parameters, 100 to 5000 bins
 SIZES = {
@@ -213,7 +214,7 @@ def analyses(peer_python: str | None, peer_up_to: int, rank_all_up_to: int) -> s
         ranked = ranking(model, parameters=names)
         ranked.postfit_up.sum().item()
         rank_seconds = time.perf_counter() - start
-        row = ranked.to_json(0)
+        row = ranking_answer(ranked).model_dump()
         pairs = zip(row["postfit_up"], row["postfit_down"], strict=True)
         ours_impacts = dict(zip(row["labels"], pairs, strict=True))
         count = len(ranked.columns[0])

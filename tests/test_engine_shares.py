@@ -74,7 +74,8 @@ def assert_same(shared: list[ComputedRow], alone: list[ComputedRow]) -> None:
     assert len(shared) == len(alone)
     for s, a in zip(shared, alone, strict=True):
         for key in ("CLs_obs", "CLs_exp"):
-            assert s.result.payload[key] == pytest.approx(a.result.payload[key], abs=SAME)
+            ours, theirs = getattr(s.result.answer, key), getattr(a.result.answer, key)
+            assert ours == pytest.approx(theirs, abs=SAME)
         assert s.result.status.converged == a.result.status.converged
         assert s.model_id == a.model_id
 

@@ -15,6 +15,7 @@ from test_inference_support import DEVICE, as_workspace, one_thread  # noqa: F40
 
 from pyhf_gpu_server.engine import HistFactoryModel
 from pyhf_gpu_server.inference import fit, fixed_poi_fit, hypotest, significance, upper_limit
+from pyhf_gpu_server.service.operations.fit import fit_answer
 
 TEST_POIS = [0.2, 0.5, 1.0, 1.5, 2.5]
 
@@ -83,8 +84,8 @@ def test_q0_and_significance_match_pyhf(name):
         0.0, data, pyhf_model, test_stat="q0", return_expected_set=True
     )
     ours = hypotest(model, 0.0, test_stat="q0")
-    assert ours.to_pyhf_json(0)["CLs_obs"] == pytest.approx(float(p0), abs=2e-4)
-    assert ours.to_pyhf_json(0)["CLs_exp"] == pytest.approx([float(p) for p in p0_exp], abs=2e-4)
+    assert ours.observed().item() == pytest.approx(float(p0), abs=2e-4)
+    assert ours.expected()[0].tolist() == pytest.approx([float(p) for p in p0_exp], abs=2e-4)
     found = significance(model)
     assert found.p0_obs.item() == pytest.approx(float(p0), abs=2e-4)
     assert found.z_obs.item() == pytest.approx(
@@ -180,9 +181,9 @@ def test_uncertainties_come_from_the_inverse_hessian_of_the_nll():
     cov = torch.linalg.inv(0.5 * H[free][:, free])
     assert torch.allclose(ours.uncertainty[0][free], cov.diagonal().sqrt(), rtol=1e-6)
     assert torch.allclose(ours.corr_mat[0].diagonal()[free], torch.ones_like(cov.diagonal()))
-    as_json = ours.to_pyhf_json(0)
-    assert set(as_json["mle_parameters"]) == set(pyhf_model.config.par_order)
-    assert as_json["twice_nll"] == pytest.approx(ours.best_twice_nll.item())
+    answer = fit_answer(ours)  # POST /fit's
+    assert set(answer.mle_parameters) == set(pyhf_model.config.par_order)
+    assert answer.twice_nll == pytest.approx(ours.best_twice_nll.item())
 
 
 @pytest.mark.slow

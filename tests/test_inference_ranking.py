@@ -41,6 +41,7 @@ from pyhf_gpu_server.engine import HistFactoryModel
 from pyhf_gpu_server.inference import FitOptions, MinimizeOptions, fit, ranking
 from pyhf_gpu_server.inference.constraints import prefit_uncertainties
 from pyhf_gpu_server.inference.ranking import IMPACTS
+from pyhf_gpu_server.service.operations.ranking import ranking_answer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -269,7 +270,7 @@ def test_ranking_matches_cabinetry(name, patch, labels):
         for c in subset.columns[0]:
             assert sub[0, c].item() == pytest.approx(full[0, c].item(), abs=1e-9)
     if name == "atlas-susy-2018-04-stau":
-        assert ours.to_json(0)["labels"][0] == labels[0]  # the largest post-fit impact
+        assert ranking_answer(ours).labels[0] == labels[0]  # the largest post-fit impact
     compare(name, model, data, ours, ours_model, theirs)
 
 
@@ -318,7 +319,7 @@ def test_stacked_elements_equal_each_alone():
             workspace, patches=[patch["patch"]], device=DEVICE
         )
         alone = ranking(alone_model)
-        one, other = both.to_json(e), alone.to_json(0)
+        one, other = ranking_answer(both, e).model_dump(), ranking_answer(alone).model_dump()
         assert one["labels"] == other["labels"]
         for field in (*IMPACTS, "bestfit", "uncertainty", "pull", "constraint"):
             np.testing.assert_allclose(one[field], other[field], rtol=0, atol=1e-8)
@@ -327,7 +328,7 @@ def test_stacked_elements_equal_each_alone():
 def test_sorted_output_and_bad_parameters():
     ours_model = every_modifier()[0]
     res = ranking(ours_model, parameters=["xsec", "stat_shared", "bkg1_norm"])
-    row = res.to_json(0)
+    row = ranking_answer(res).model_dump()
     impact = [
         max(abs(u), abs(d)) for u, d in zip(row["postfit_up"], row["postfit_down"], strict=True)
     ]
@@ -338,7 +339,7 @@ def test_sorted_output_and_bad_parameters():
     # no constraint term: pre-fit impacts 0, pull and constraint undefined
     k = row["labels"].index("bkg1_norm")
     assert row["prefit_up"][k] == row["prefit_down"][k] == 0.0 and np.isnan(row["pull"][k])
-    assert len(res.to_json(0, top=2)["labels"]) == 2
+    assert len(ranking_answer(res, top=2).labels) == 2
     with pytest.raises(ValueError, match="'nope' is not in the model"):
         ranking(ours_model, parameters=["nope"])
     with pytest.raises(ValueError, match="POI 'mu'"):

@@ -27,6 +27,7 @@ from test_inference_support import DEVICE, one_thread  # noqa: F401 (fixture)
 
 from pyhf_gpu_server.engine import HistFactoryModel
 from pyhf_gpu_server.inference import FitOptions, MinimizeOptions, scan, scan2d
+from pyhf_gpu_server.service.operations.scan import scan_answer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -82,7 +83,7 @@ def test_poi_scan_matches_pyhf():
     got = res.delta_nlls[0].tolist()
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6)
     print("POI scan, worst |difference|:", np.max(np.abs(np.subtract(got, expected))))
-    row = res.to_json(0)
+    row = scan_answer(res).model_dump()
     assert row["name"] == "mu_SIG" and row["parameter_values"] == values
     assert row["bestfit"] == pytest.approx(0.0, abs=1e-8)
 
@@ -107,7 +108,7 @@ def test_nuisance_scan_and_2d_scan_match_pyhf():
     # free fits are the same
     assert two.bestfit[0, 1].item() == pytest.approx(res.bestfit[0].item(), abs=1e-8)
     assert two.uncertainty[0, 1].item() == pytest.approx(res.uncertainty[0].item(), rel=1e-8)
-    row = two.to_json(0)
+    row = scan_answer(two).model_dump()
     assert row["names"] == ["mu_SIG", "ttbar_Gen"] and len(row["delta_nlls"]) == 3
 
 
@@ -144,7 +145,7 @@ def test_scan_matches_cabinetry_fields():
     theirs = cabinetry.fit.scan(
         model, ws.data(model), "jes", par_range=(-1.0, 1.0), n_steps=3, tolerance=1e-6
     )
-    row = ours.to_json(0)
+    row = scan_answer(ours).model_dump()
     assert {"name", "bestfit", "uncertainty", "parameter_values", "delta_nlls"} <= set(row)
     assert row["name"] == theirs.name
     assert row["parameter_values"] == pytest.approx(list(theirs.parameter_values))

@@ -28,6 +28,9 @@ from pyhf_gpu_server import inference, plots
 from pyhf_gpu_server.engine import HistFactoryModel
 from pyhf_gpu_server.service import plotting
 from pyhf_gpu_server.service.errors import ServiceError
+from pyhf_gpu_server.service.operations.cls import cls_answers
+from pyhf_gpu_server.service.operations.fit import fit_answer
+from pyhf_gpu_server.service.operations.upper_limit import limit_answers
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -45,7 +48,7 @@ def real() -> dict:
     model = HistFactoryModel.from_patchset(
         workspace, load_json(onshell / "patchset.json"), patch_names=["sig_s1_x1"]
     )
-    out["fit"] = inference.fit(model).to_json(0)  # what POST /fit answers (less meta)
+    out["fit"] = fit_answer(inference.fit(model)).model_dump()  # POST /fit's answer, less meta
     out["fit_workspace"] = workspace
 
     sbottom = WORKSPACES_DIR / "atlas-susy-2018-31-sbottom-A"
@@ -57,10 +60,12 @@ def real() -> dict:
     tests = inference.hypotest(model, pois)
     out["test_poi"] = pois
     out["cls"] = [  # POST /cls with a list of test_poi: one result per value, meta.test_poi
-        {**tests.to_pyhf_json(i), "meta": {"test_poi": p}} for i, p in enumerate(pois)
+        {**answer.model_dump(), "meta": {"test_poi": p}}
+        for answer, p in zip(cls_answers(tests), pois, strict=True)
     ]
     scan = torch.tensor(pois, dtype=model.dtype)  # the same shapes as the tests: quicker
-    out["upper_limit"] = inference.upper_limit(model, scan=scan).to_json(0)
+    (limits,) = limit_answers(inference.upper_limit(model, scan=scan))
+    out["upper_limit"] = limits.model_dump()
 
     published = load_patchset(sbottom / "patchset.hepdata.json.gz")
     values = {p["metadata"]["name"]: p["metadata"]["values"] for p in published["patches"]}
@@ -72,7 +77,9 @@ def real() -> dict:
     assert len(names) == 20
     model = HistFactoryModel.from_patchset(background, published, patch_names=names)
     tests = inference.hypotest(model, 1.0)
-    patchset_answer = {n: tests.to_pyhf_json(i) for i, n in enumerate(names)}
+    patchset_answer = {
+        n: answer.model_dump() for n, answer in zip(names, cls_answers(tests), strict=True)
+    }
     patchset_answer["sbottom_1500_1495_60"] = {  # a patch the service could not test
         "error": {"status": 422, "detail": "InvalidModel: no POI"}
     }

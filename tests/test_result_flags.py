@@ -35,7 +35,7 @@ from pyhf_gpu_client.protocol import warn_if_doubtful
 from pyhf_gpu_client.results import CLsResult, UpperLimitResult, flagged
 from pyhf_gpu_server.engine import HistFactoryModel
 from pyhf_gpu_server.inference import ranking, scan, upper_limit
-from pyhf_gpu_server.service.operations.ranking import ranking_flags
+from pyhf_gpu_server.service.operations.ranking import ranking_answer, ranking_flags
 from pyhf_gpu_server.service.operations.scan import scan_flags
 from pyhf_gpu_server.service.operations.upper_limit import CURVES, limit_flags
 from pyhf_gpu_server.service.schemas import FLAG_KINDS, FlagKind, ResultMeta
@@ -89,10 +89,10 @@ def test_a_limit_past_the_bound_is_flagged_exactly_where_pyhf_raises(signal, bou
     model, data = pyhf_model(spec)
     if past:
         (flag,) = flags
-        assert flag["kind"] == "limit_beyond_bounds"
-        assert f"limits past the upper bound {hi:g} of the POI 'mu'" in flag["detail"]
-        assert all(CURVES[c] in flag["detail"] for c in past)
-        assert "pyhf's upper_limit raises ValueError" in flag["detail"]
+        assert flag.kind == "limit_beyond_bounds"
+        assert f"limits past the upper bound {hi:g} of the POI 'mu'" in flag.detail
+        assert all(CURVES[c] in flag.detail for c in past)
+        assert "pyhf's upper_limit raises ValueError" in flag.detail
         with pytest.raises(ValueError, match="lies outside of its bounds"):
             pyhf.infer.intervals.upper_limits.upper_limit(data, model)
     else:
@@ -125,8 +125,8 @@ def test_a_limit_the_scan_does_not_bracket_is_flagged_where_pyhf_answers_the_sca
     assert ours == pytest.approx(theirs, rel=1e-4)
     at_end = {c: theirs[c] for c in range(6) if theirs[c] in (values[0], values[-1])}
     (flags,) = limit_flags(result, "mu", values)
-    said = " ".join(f["detail"] for f in flags)
-    assert all(f["kind"] == "limit_outside_scan" for f in flags)
+    said = " ".join(f.detail for f in flags)
+    assert all(f.kind == "limit_outside_scan" for f in flags)
     assert {c for c in range(6) if result.outside_scan[0, c]} == set(at_end)
     for c, end in at_end.items():
         which = "last" if end == values[-1] else "first"
@@ -151,7 +151,7 @@ def test_ranking_and_scan_flag_the_poi_on_its_bound() -> None:
         }
         model = HistFactoryModel.from_workspace(ws)
         ranked = ranking(model)
-        row = ranked.to_json(0)
+        row = ranking_answer(ranked).model_dump()
         (flags,) = ranking_flags(ranked)
         profile = scan(model, "mu", steps=5)
         (scan_said,) = scan_flags(profile.poi_bound, "mu", 1)
@@ -160,12 +160,12 @@ def test_ranking_and_scan_flag_the_poi_on_its_bound() -> None:
             assert row["poi"]["bestfit"] == 0.0
             assert row["postfit_up"] == row["postfit_down"] == [0.0, 0.0]
             (flag,) = flags
-            assert flag["kind"] == "poi_at_bound"
-            assert "the best fit of the POI 'mu' lies on its bound 0" in flag["detail"]
-            assert "8 of its 8 refits ended on a bound" in flag["detail"]
+            assert flag.kind == "poi_at_bound"
+            assert "the best fit of the POI 'mu' lies on its bound 0" in flag.detail
+            assert "8 of its 8 refits ended on a bound" in flag.detail
             for said in (scan_said, scan_flags(nuisance.poi_bound, "mu", 1)[0]):
-                assert [f["kind"] for f in said] == ["poi_at_bound"]
-                assert "lies on its bound 0" in said[0]["detail"]
+                assert [f.kind for f in said] == ["poi_at_bound"]
+                assert "lies on its bound 0" in said[0].detail
         else:
             assert 0.5 < row["poi"]["bestfit"] < 1.5
             assert flags == scan_said == () and math.isnan(float(nuisance.poi_bound[0]))

@@ -148,7 +148,7 @@ def test_engine_calls_run_in_inference_mode_with_the_numbers_of_plain_mode(
     assert modes == [True] and not torch.is_inference_mode_enabled()
     plain = fit.run(model, call.engine_rows(model, rows, None), call.options)
     assert answers == plain
-    errors = [u for row in answers for us in row.payload["uncertainties"].values() for u in us]
+    errors = [u for row in answers for us in row.answer.uncertainties.values() for u in us]
     assert all(math.isfinite(u) for u in errors) and max(errors) > 0  # the Hessian was taken
 
 

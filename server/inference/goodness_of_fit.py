@@ -65,17 +65,6 @@ class GoodnessOfFitResults:
     def __len__(self) -> int:
         return self.p_value.shape[0]
 
-    def to_json(self, i: int = 0) -> dict:
-        """Row ``i``: ``{"p_value", "delta_twice_nll", "ndof", "converged"}`` (``p_value``
-        None where it is NaN)."""
-        p_value = float(self.p_value[i])
-        return {
-            "p_value": None if p_value != p_value else p_value,
-            "delta_twice_nll": float(self.delta_twice_nll[i]),
-            "ndof": int(self.ndof[i]),
-            "converged": bool(self.converged[i]),
-        }
-
 
 def unconstrained_parameter_count(model) -> Tensor:
     """``[E]`` per element: its parameters without a constraint term that it does not fix

@@ -15,7 +15,7 @@ Example:
     >>> res = hypotest(model, [1.0, 2.0])
     >>> [round(v, 6) for v in res.cls_obs.tolist()]
     [0.052516, 0.000227]
-    >>> [round(v, 6) for v in res.to_pyhf_json(0)["CLs_exp"]]
+    >>> [round(v, 6) for v in res.expected()[0].tolist()]
     [0.002606, 0.013821, 0.064455, 0.235261, 0.573042]
 """
 
@@ -179,8 +179,8 @@ def hypotest(
             fits' ``options``; see :meth:`CalculatorSpec.of`.
 
     Returns:
-        :class:`~pyhf_gpu_server.inference.results.HypotestResults` (``to_pyhf_json(i)`` is
-        pyhf's ``{"CLs_obs", "CLs_exp"}``; for ``q0`` the observed value is ``p0`` = CLsb).
+        :class:`~pyhf_gpu_server.inference.results.HypotestResults` (``observed()`` and
+        ``expected()`` are pyhf's ``CLs_obs`` and ``CLs_exp``; for ``q0``, ``p0`` = CLsb).
     """
     spec = CalculatorSpec.of(**keywords)
     return hypotest_of(model, rows_of(model, data, element, test_poi, grid=True), spec, toys)

@@ -17,8 +17,8 @@ Example:
     >>> res = fit(model)
     >>> [round(v, 4) for v in res.bestfit[0].tolist()], round(res.best_twice_nll.item(), 4)
     ([0.0, 1.0031, 0.9627], 24.9839)
-    >>> res.to_pyhf_json(0)["mle_parameters"]["mu"]
-    [0.0]
+    >>> res.labels
+    ['mu', 'uncorr_bkguncrt[0]', 'uncorr_bkguncrt[1]']
     >>> fixed = fixed_poi_fit(model, 1.0)
     >>> round(fixed.best_twice_nll.item(), 4), fixed.converged.tolist()
     (28.9222, [True])

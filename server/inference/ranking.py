@@ -28,8 +28,8 @@ Example:
     ...       "measurements": [{"name": "m", "config": {"poi": "mu", "parameters": []}}],
     ...       "version": "1.0.0"}
     >>> res = ranking(HistFactoryModel.from_workspace(ws))
-    >>> row = res.to_json(0)
-    >>> row["labels"], [round(v, 4) for v in row["postfit_up"]]
+    >>> order = res.order(0)  # by impact, as cabinetry's plot sorts
+    >>> [res.labels[c] for c in order], [round(res.postfit_up[0, c].item(), 4) for c in order]
     (['uncorr_bkguncrt[1]', 'uncorr_bkguncrt[0]'], [-0.2464, -0.1665])
 """
 
@@ -73,7 +73,6 @@ class RankingResults(FittedRows):
     Every ``[B, P]`` tensor is indexed by the model's columns (``labels``, pyhf's
     ``par_names``); ``columns[i]`` lists the columns ranked in row ``i`` (a free, non-POI
     parameter of its element, in pyhf's order), and the impacts of the other columns are NaN.
-    :meth:`to_json` gives one row with cabinetry's field names, sorted by impact.
 
     Attributes:
         labels: the model's parameter labels.
@@ -139,39 +138,6 @@ class RankingResults(FittedRows):
             return -impact if impact == impact else float("inf")
 
         return sorted(columns, key=key)  # stable: ties keep pyhf's order
-
-    def to_json(self, i: int = 0, top: int | None = None) -> dict:
-        """Row ``i`` with cabinetry's ``RankingResults`` field names (``bestfit``,
-        ``uncertainty``, ``labels``, ``prefit_up``, ``prefit_down``, ``postfit_up``,
-        ``postfit_down``), plus ``prefit_uncertainty``, ``pull``, ``constraint`` and
-        ``converged`` per parameter, sorted by :meth:`order` (cabinetry's ``ranking``
-        itself keeps pyhf's order; its plot sorts so), the ``top`` first only if given; and
-        the POI's best fit, the row's status."""
-        order = self.order(i)[:top]
-        fields = {
-            "bestfit": self.bestfit,
-            "uncertainty": self.uncertainty,
-            "prefit_uncertainty": self.prefit_uncertainty,
-            **{name: getattr(self, name) for name in IMPACTS},
-            "pull": self.pull,
-            "constraint": self.constraint,
-        }
-        out: dict = {"labels": [self.labels[c] for c in order]}
-        for name, tensor in fields.items():
-            row = tensor[i].tolist()
-            out[name] = [row[c] for c in order]
-        ok = self.fits_converged[i].tolist()
-        out["fits_converged"] = [bool(ok[c]) for c in order]
-        k = self.poi_index
-        out["poi"] = {
-            "name": self.poi_name,
-            "bestfit": float(self.bestfit[i, k]),
-            "uncertainty": float(self.uncertainty[i, k]),
-        }
-        out["converged"] = bool(self.converged[i])
-        out["starts"] = int(self.starts[i])
-        out["starts_agreed"] = bool(self.starts_agreed[i])
-        return out
 
 
 #: a POI within this fraction of its bounds' width (plus the minimiser's ``BOUND_TOL``) of

@@ -1,7 +1,5 @@
-"""Result containers of the inference API: batched over rows, convertible to pyhf's JSON.
-
-All tensors of a result stay on the model's device; ``to_pyhf_json`` / ``to_json`` copy one
-row to the host as plain Python numbers.
+"""Result containers of the inference API, batched over rows: tensors on the model's device,
+never JSON (each service operation makes its answer model from them).
 
 Example:
     >>> import torch
@@ -12,15 +10,14 @@ Example:
     ...     clsb_exp=torch.zeros(1, 5), clb_exp=torch.ones(1, 5),
     ...     teststat=torch.tensor([1.0]),
     ...     fits={"free_data": FitStatus(torch.tensor([True]), torch.tensor([3]), torch.tensor([False]))})
-    >>> r.to_pyhf_json(0)
-    {'CLs_obs': 0.25, 'CLs_exp': [0.125, 0.25, 0.375, 0.5, 0.625]}
+    >>> r.observed().tolist(), r.expected().tolist()
+    ([0.25], [[0.125, 0.25, 0.375, 0.5, 0.625]])
     >>> r.converged.tolist(), r.non_converged(), r.starts.tolist(), r.starts_agreed.tolist()
     ([True], [], [3], [False])
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -39,23 +36,7 @@ __all__ = [
     "HypotestResults",
     "SignificanceResults",
     "UpperLimitResults",
-    "group_parameters",
 ]
-
-_INDEXED = re.compile(r"^(.*)\[(\d+)\]$")
-
-
-def group_parameters(labels: list[str], values: list[float]) -> dict[str, list[float]]:
-    """pyhf's ``{parameter set: [values]}`` from expanded labels such as ``"gamma[0]"``.
-
-    >>> group_parameters(["mu", "gamma[0]", "gamma[1]"], [1.0, 0.9, 1.1])
-    {'mu': [1.0], 'gamma': [0.9, 1.1]}
-    """
-    grouped: dict[str, list[float]] = {}
-    for label, value in zip(labels, values, strict=True):
-        match = _INDEXED.match(label)
-        grouped.setdefault(match.group(1) if match else label, []).append(value)
-    return grouped
 
 
 class FittedRows:
@@ -175,23 +156,6 @@ class FitResults(FittedRows):
             starts_agreed=self.starts_agreed,
         )
 
-    def to_pyhf_json(self, i: int = 0) -> dict:
-        """Row ``i`` as pyhf's fit output: ``{"mle_parameters": {...}, "twice_nll": float}``."""
-        values = self.bestfit[i].tolist()
-        return {
-            "mle_parameters": group_parameters(self.labels, values),
-            "twice_nll": float(self.best_twice_nll[i]),
-        }
-
-    def to_json(self, i: int = 0) -> dict:
-        """Row ``i`` as pyhf's fit output plus uncertainties (grouped like the parameters)
-        and the correlation matrix."""
-        return {
-            **self.to_pyhf_json(i),
-            "uncertainties": group_parameters(self.labels, self.uncertainty[i].tolist()),
-            "corr_mat": self.corr_mat[i].tolist(),
-        }
-
 
 @dataclass
 class HypotestResults:
@@ -284,10 +248,6 @@ class HypotestResults:
         """pyhf's expected set ``[B, 5]``: CLs bands, or CLsb bands for ``q0``."""
         return self.clsb_exp if get_test_stat(self.test_stat).discovery else self.cls_exp
 
-    def to_pyhf_json(self, i: int = 0) -> dict:
-        """Row ``i`` exactly as ``pyhf cls`` prints it: ``{"CLs_obs", "CLs_exp"}``."""
-        return {"CLs_obs": float(self.observed()[i]), "CLs_exp": self.expected()[i].tolist()}
-
     def tail_probs(self, i: int = 0) -> list[float]:
         """pyhf's ``return_tail_probs``: ``[CLsb, CLb]`` (``[CLb]`` for ``q0``)."""
         if get_test_stat(self.test_stat).discovery:
@@ -329,14 +289,6 @@ class UpperLimitResults:
     beyond_bounds: Tensor | None = None
     outside_scan: Tensor | None = None
 
-    def to_json(self, i: int = 0) -> dict:
-        """Row ``i``: ``{"upper_limit_obs", "upper_limit_exp", "level"}``."""
-        return {
-            "upper_limit_obs": float(self.obs[i]),
-            "upper_limit_exp": self.exp[i].tolist(),
-            "level": self.level,
-        }
-
 
 @dataclass
 class SignificanceResults:
@@ -356,13 +308,3 @@ class SignificanceResults:
     converged: Tensor
     starts: Tensor
     starts_agreed: Tensor
-
-    def to_json(self, i: int = 0) -> dict:
-        """Row ``i``: ``{"p0_obs", "p0_exp", "z_obs", "z_exp", "p0_exp_set"}``."""
-        return {
-            "p0_obs": float(self.p0_obs[i]),
-            "p0_exp": float(self.p0_exp[i]),
-            "z_obs": float(self.z_obs[i]),
-            "z_exp": float(self.z_exp[i]),
-            "p0_exp_set": self.p0_exp_set[i].tolist(),
-        }

@@ -93,19 +93,6 @@ class ScanResults(FittedRows):
     starts_agreed: Tensor
     poi_bound: Tensor | None = None
 
-    def to_json(self, i: int = 0) -> dict:
-        """Row ``i`` with cabinetry's field names, and the row's fit status."""
-        return {
-            "name": self.name,
-            "bestfit": float(self.bestfit[i]),
-            "uncertainty": float(self.uncertainty[i]),
-            "parameter_values": self.parameter_values[i].tolist(),
-            "delta_nlls": self.delta_nlls[i].tolist(),
-            "converged": bool(self.converged[i]),
-            "starts": int(self.starts[i]),
-            "starts_agreed": bool(self.starts_agreed[i]),
-        }
-
 
 @dataclass
 class Scan2DResults(FittedRows):
@@ -134,20 +121,6 @@ class Scan2DResults(FittedRows):
     starts: Tensor
     starts_agreed: Tensor
     poi_bound: Tensor | None = None
-
-    def to_json(self, i: int = 0) -> dict:
-        """Row ``i``: cabinetry's scan fields, each per axis (``delta_nlls``: ``[G_x][G_y]``)."""
-        return {
-            "names": list(self.names),
-            "bestfit": self.bestfit[i].tolist(),
-            "uncertainty": self.uncertainty[i].tolist(),
-            "correlation": float(self.correlation[i]),
-            "parameter_values": [v[i].tolist() for v in self.parameter_values],
-            "delta_nlls": self.delta_nlls[i].tolist(),
-            "converged": bool(self.converged[i]),
-            "starts": int(self.starts[i]),
-            "starts_agreed": bool(self.starts_agreed[i]),
-        }
 
 
 def _host_values(values) -> list[float]:

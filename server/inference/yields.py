@@ -25,9 +25,10 @@ Example:
     ...       "version": "1.0.0"}
     >>> model = HistFactoryModel.from_workspace(ws)
     >>> res = yields(model)
-    >>> channel = res.to_json(0)["prefit"]["singlechannel"]
-    >>> channel["samples"]["background"], channel["total"]["yields"], channel["data"]
-    ({'yields': [10.0], 'stdev': [2.5], 'channel_yield': 10.0, 'channel_stdev': 2.5}, [15.0], [12.0])
+    >>> res.samples[0], res.prefit.yields[0].tolist(), res.prefit.stdev[0].tolist()
+    (['background', 'signal'], [[10.0], [5.0]], [[2.5], [0.0]])
+    >>> res.prefit.total[0].tolist(), res.data[0].tolist()
+    ([15.0], [12.0])
 """
 
 from __future__ import annotations
@@ -109,53 +110,6 @@ class YieldsResults:
 
     def __len__(self) -> int:
         return self.element.shape[0]
-
-    def _channels_json(self, part: YieldSet, i: int) -> dict:
-        names = self.samples[int(self.element[i])]
-        per_sample = [
-            t[i].tolist()
-            for t in (part.yields, part.stdev, part.channel_yields, part.channel_stdev)
-        ]
-        total = [
-            t[i].tolist()
-            for t in (part.total, part.total_stdev, part.channel_total, part.channel_total_stdev)
-        ]
-        data, channel_data = self.data[i].tolist(), self.channel_data[i].tolist()
-        out, start = {}, 0
-        for c, (channel, bins) in enumerate(self.channels):
-            stop = start + bins
-
-            def entry(values, stdevs, sums, sum_stdevs, start=start, stop=stop, c=c):
-                return {
-                    "yields": values[start:stop],
-                    "stdev": stdevs[start:stop],
-                    "channel_yield": sums[c],
-                    "channel_stdev": sum_stdevs[c],
-                }
-
-            out[channel] = {
-                "bins": bins,
-                "samples": {
-                    name: entry(*(t[s] for t in per_sample)) for s, name in enumerate(names)
-                },
-                "total": entry(*total),
-                "data": data[start:stop],
-                "channel_data": channel_data[c],
-            }
-            start = stop
-        return out
-
-    def to_json(self, i: int = 0) -> dict:
-        """Row ``i``: ``{"element", "converged", "prefit", "postfit"}``, each fit part by
-        channel: ``{"bins", "samples": {name: {"yields", "stdev", "channel_yield",
-        "channel_stdev"}}, "total": {same}, "data", "channel_data"}`` (per-bin lists,
-        channel sums)."""
-        return {
-            "element": self.element_names[int(self.element[i])],
-            "converged": bool(self.converged[i]),
-            "prefit": self._channels_json(self.prefit, i),
-            "postfit": self._channels_json(self.postfit, i),
-        }
 
 
 def _bin_channel(model) -> Tensor:

@@ -55,6 +55,7 @@ from .models_cache import ModelCache
 from .operations import Operation, operation_named
 from .requests import Plan, Row
 from .scheduler import Lane, RowOutcome, Scheduler, WorkItem
+from .schemas import ResultMeta
 
 __all__ = [  # the call types, from pyhf_gpu_server.execution, as this module has long named them
     "BatchContext",
@@ -336,9 +337,15 @@ class Dispatcher:
             for row, outcome in joined(plan.operation, submission.rows, found):
                 meta = self._meta(plan, row, outcome, submission, timings)
                 if row.element in ignored:
-                    meta["ignored_observations"] = ignored[row.element]
-                by_element.setdefault(row.element, []).append(
-                    finite_json({**outcome.value.result.payload, "meta": meta})
+                    meta.ignored_observations = ignored[row.element]
+                answer = outcome.value.result.answer
+                by_element.setdefault(row.element, []).append(  # JSON here, at the edge
+                    finite_json(
+                        {
+                            **answer.model_dump(exclude_unset=True),
+                            "meta": meta.model_dump(exclude_unset=True),
+                        }
+                    )
                 )
         results = []
         per_element = len(plan.pois or (None,))
@@ -433,39 +440,39 @@ class Dispatcher:
         outcome: RowOutcome[ComputedRow],
         submission: _Submission,
         timings: dict[str, float],
-    ) -> dict[str, Any]:
+    ) -> ResultMeta:
         """How one row was computed: device, model, cache, batch, fit status, timings."""
         computed: ComputedRow = outcome.value
         status = computed.result.status
         item = submission.item
         queued = (item.started_at or item.enqueued_at) - item.enqueued_at
-        meta: dict[str, Any] = {
-            "device": computed.device or self.device,
-            "dtype": self.dtype_name,
-            "model_id": computed.model_id,
-            "cache": "hit" if computed.hit else "miss",
-            "batch_rows": outcome.batch_rows,
-            "converged": status.converged,
-            "starts": status.starts,
-            "starts_agreed": status.starts_agreed,
-            "flags": [*status.flags(), *computed.result.flags],
-            "timings": {
+        meta = ResultMeta(
+            device=computed.device or self.device,
+            dtype=self.dtype_name,
+            model_id=computed.model_id,
+            cache="hit" if computed.hit else "miss",
+            batch_rows=outcome.batch_rows,
+            converged=status.converged,
+            starts=status.starts,
+            starts_agreed=status.starts_agreed,
+            flags=[*status.flags(), *computed.result.flags],
+            timings={
                 **timings,
                 "build_ms": round(computed.build_s * 1000, 3),
                 "queue_ms": round(queued * 1000, 3),
                 "compute_ms": round(outcome.compute_s * 1000, 3),
             },
-        }
+        )
         if computed.worker is not None:
-            meta["worker"] = computed.worker
+            meta.worker = computed.worker
         if computed.worker_s is not None:
-            meta["timings"]["worker_ms"] = round(computed.worker_s * 1000, 3)
+            meta.timings["worker_ms"] = round(computed.worker_s * 1000, 3)
         if row.poi is not None:
-            meta["test_poi"] = row.poi
+            meta.test_poi = row.poi
         if plan.named:
-            meta["patch"] = submission.names[row.element]
+            meta.patch = submission.names[row.element]
         if submission.split_reason is not None:
-            meta["stacked_apart"] = submission.split_reason
+            meta.stacked_apart = submission.split_reason
         return meta
 
     async def combine(

@@ -288,9 +288,9 @@ class ResultFlag(_Declared):
     detail: str = Field(description="what was found, in words: the sentence clients show")
 
 
-def result_flag(kind: FlagKind, detail: str) -> dict[str, str]:
+def result_flag(kind: FlagKind, detail: str) -> ResultFlag:
     """One entry of ``meta.flags`` (validated: ``kind`` is one of :data:`FLAG_KINDS`)."""
-    return ResultFlag(kind=kind, detail=detail).model_dump()
+    return ResultFlag(kind=kind, detail=detail)
 
 
 class ResultMeta(_Declared):
@@ -336,11 +336,16 @@ class ResultMeta(_Declared):
     )
 
 
-class ClsResult(_Declared):
-    """`pyhf cls` output plus meta."""
+class ClsAnswer(_Declared):
+    """`pyhf cls` output."""
 
     CLs_obs: float | None
     CLs_exp: list[float | None]
+
+
+class ClsResult(ClsAnswer):
+    """`pyhf cls` output plus meta."""
+
     meta: ResultMeta
 
 
@@ -364,13 +369,20 @@ class ChannelYields(_Declared):
     channel_data: float
 
 
-class YieldsResult(_Declared):
+class YieldsAnswer(_Declared):
     """Pre-fit (cabinetry's Asimov parameters, pre-fit uncertainties) and post-fit (best
     fit, Hessian covariance) yields per channel, sample and bin, as cabinetry's
     ``model_utils.prediction``."""
 
     prefit: dict[str, ChannelYields]
     postfit: dict[str, ChannelYields]
+
+
+class YieldsResult(YieldsAnswer):
+    """Pre-fit (cabinetry's Asimov parameters, pre-fit uncertainties) and post-fit (best
+    fit, Hessian covariance) yields per channel, sample and bin, as cabinetry's
+    ``model_utils.prediction``."""
+
     meta: ResultMeta
 
 
@@ -384,8 +396,8 @@ class GoodnessOfFit(_Declared):
     ndof: int = Field(description="main bins minus free unconstrained parameters")
 
 
-class FitResult(_Declared):
-    """`pyhf fit --value` output plus uncertainties, correlations and meta."""
+class FitAnswer(_Declared):
+    """`pyhf fit --value` output plus uncertainties and correlations."""
 
     mle_parameters: dict[str, list[float | None]]
     twice_nll: float | None
@@ -394,6 +406,11 @@ class FitResult(_Declared):
     goodness_of_fit: GoodnessOfFit | None = Field(
         None, description="with the goodness_of_fit option"
     )
+
+
+class FitResult(FitAnswer):
+    """`pyhf fit --value` output plus uncertainties, correlations and meta."""
+
     meta: ResultMeta
 
 
@@ -405,7 +422,7 @@ class PoiEstimate(_Declared):
     uncertainty: float | None
 
 
-class RankingResult(_Declared):
+class RankingAnswer(_Declared):
     """cabinetry's ``RankingResults`` fields, per ranked parameter, largest impact first:
     impacts are the POI refit with the parameter fixed at its best fit plus/minus its pre-fit
     and post-fit uncertainty, minus the POI's best fit."""
@@ -422,10 +439,17 @@ class RankingResult(_Declared):
     constraint: list[float | None]
     fits_converged: list[bool]
     poi: PoiEstimate
+
+
+class RankingResult(RankingAnswer):
+    """cabinetry's ``RankingResults`` fields, per ranked parameter, largest impact first:
+    impacts are the POI refit with the parameter fixed at its best fit plus/minus its pre-fit
+    and post-fit uncertainty, minus the POI's best fit."""
+
     meta: ResultMeta
 
 
-class ScanResult(_Declared):
+class ScanAnswer(_Declared):
     """cabinetry's ``ScanResults``: ``-2 delta ln L`` of a parameter over its grid."""
 
     name: str
@@ -433,10 +457,15 @@ class ScanResult(_Declared):
     uncertainty: float | None
     parameter_values: list[float]
     delta_nlls: list[float | None]
+
+
+class ScanResult(ScanAnswer):
+    """cabinetry's ``ScanResults``: ``-2 delta ln L`` of a parameter over its grid."""
+
     meta: ResultMeta
 
 
-class Scan2DResult(_Declared):
+class Scan2DAnswer(_Declared):
     """A 2D scan: ``delta_nlls[i][j]`` at ``(parameter_values[0][i], parameter_values[1][j])``."""
 
     names: list[str]
@@ -445,19 +474,29 @@ class Scan2DResult(_Declared):
     correlation: float | None
     parameter_values: list[list[float]]
     delta_nlls: list[list[float | None]]
+
+
+class Scan2DResult(Scan2DAnswer):
+    """A 2D scan: ``delta_nlls[i][j]`` at ``(parameter_values[0][i], parameter_values[1][j])``."""
+
     meta: ResultMeta
 
 
-class UpperLimitResult(_Declared):
+class UpperLimitAnswer(_Declared):
     """Observed and expected (-2..+2 sigma) upper limits on the POI."""
 
     upper_limit_obs: float | None
     upper_limit_exp: list[float | None]
     level: float
+
+
+class UpperLimitResult(UpperLimitAnswer):
+    """Observed and expected (-2..+2 sigma) upper limits on the POI."""
+
     meta: ResultMeta
 
 
-class SignificanceResult(_Declared):
+class SignificanceAnswer(_Declared):
     """Discovery p-values and significances, observed and expected (median, and the
     -2..+2 sigma band of p0 in pyhf's order)."""
 
@@ -466,6 +505,12 @@ class SignificanceResult(_Declared):
     z_obs: float | None
     z_exp: float | None
     p0_exp_set: list[float | None]
+
+
+class SignificanceResult(SignificanceAnswer):
+    """Discovery p-values and significances, observed and expected (median, and the
+    -2..+2 sigma band of p0 in pyhf's order)."""
+
     meta: ResultMeta
 
 
@@ -634,7 +679,7 @@ class ServerInfo(_Declared):
     dtype: str
     compile: bool
     versions: Versions
-    limits: Limits  # type: ignore[valid-type]  # a model built from the settings
+    limits: Limits  # a model built from the settings
     auth: bool
     queue: QueueDepth
     batches_run: int

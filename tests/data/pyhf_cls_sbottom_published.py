@@ -131,7 +131,8 @@ def engine_minima(spec: dict[str, Any]) -> tuple[dict[str, Any], list[list[float
     from pyhf_gpu_server.inference.hypotest import hypotest
 
     model = HistFactoryModel.from_workspace(spec)
-    answer = hypotest(model, [TEST_POI]).to_pyhf_json(0)
+    result = hypotest(model, [TEST_POI])
+    answer = {"CLs_obs": result.observed().item(), "CLs_exp": result.expected()[0].tolist()}
     starts = [
         mle.fit(model, uncertainties=False).bestfit[0],
         mle.fixed_poi_fit(model, TEST_POI, uncertainties=False).bestfit[0],

@@ -65,6 +65,5 @@ JobView = create_model(
     result=(_ANSWER | None, None),
 )
 JobView.__doc__ = JobViewBase.__doc__
-# JobView is a class built at run time: no static type
-JobList = create_model("JobList", __base__=_Declared, jobs=(list[JobView], ...))  # type: ignore[valid-type]
+JobList = create_model("JobList", __base__=_Declared, jobs=(list[JobView], ...))
 JobList.__doc__ = "GET /jobs: newest first."

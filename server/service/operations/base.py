@@ -23,7 +23,7 @@ from pyhf_gpu_server.engine.layout import ElementLayout
 from pyhf_gpu_server.execution import EngineRows
 from pyhf_gpu_server.inference.toys import TOY_BLOCK
 
-from ..schemas import ModelSelection, PatchError, result_flag
+from ..schemas import ModelSelection, PatchError, ResultFlag, result_flag
 
 OptionsT = TypeVar("OptionsT", bound=BaseModel)
 
@@ -47,7 +47,7 @@ class RowStatus:
             columns.append([None] * rows if value is None else value.tolist())
         return [cls(*values) for values in zip(*columns, strict=True)]
 
-    def flags(self) -> list[dict[str, str]]:
+    def flags(self) -> list[ResultFlag]:
         """The ``meta.flags`` this status calls for: fits that did not converge, starts that
         disagree."""
         found = []
@@ -72,14 +72,14 @@ class RowStatus:
 
 @dataclass(frozen=True)
 class RowResult:
-    """One row's answer: its JSON payload (the operation's result model, without ``meta``)
+    """One row's answer: the operation's answer model (its result model without ``meta``)
     and how its fits went; for a slice of a toy row, ``part``: what
     :meth:`Operation.join` joins into the hypothesis' answer (on the host, picklable)."""
 
-    payload: dict[str, Any]
+    answer: BaseModel
     status: RowStatus
     part: Any = None
-    flags: tuple[dict[str, str], ...] = ()  # the operation's own meta.flags (result_flag)
+    flags: tuple[ResultFlag, ...] = ()  # the operation's own meta.flags
 
 
 class Operation(ABC, Generic[OptionsT]):
@@ -87,7 +87,7 @@ class Operation(ABC, Generic[OptionsT]):
 
     Class attributes: ``name`` (route ``POST /<name>``, job ``operation``), ``summary``,
     ``options_model`` (its pydantic options; the request is the model selection plus these),
-    ``result_model`` (one row's JSON, ``meta`` included) and ``pois_field`` (the option
+    ``result_model`` (one row's JSON: the answer model :meth:`run` makes, and ``meta``) and ``pois_field`` (the option
     whose values multiply the rows, answered as a list when it is one; None: a row per
     element).
     """

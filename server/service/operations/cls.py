@@ -6,8 +6,9 @@ from typing import Any
 
 from pyhf_gpu_server import inference
 from pyhf_gpu_server.engine import HistFactoryModel
+from pyhf_gpu_server.inference.results import HypotestResults
 
-from ..schemas import ClsOptions, ClsResult, PatchError
+from ..schemas import ClsAnswer, ClsOptions, ClsResult, PatchError
 from .base import EngineRows, Operation, RowResult, RowStatus
 
 
@@ -46,10 +47,16 @@ class Cls(Operation[ClsOptions]):
         )
         statuses = RowStatus.of(result, len(rows))
         return [
-            RowResult(result.to_pyhf_json(i), s, None if rows.toys is None else result.row(i))
-            for i, s in enumerate(statuses)
+            RowResult(answer, s, None if rows.toys is None else result.row(i))
+            for i, (answer, s) in enumerate(zip(cls_answers(result), statuses, strict=True))
         ]
 
     def join(self, parts: list[RowResult]) -> RowResult:
         result = inference.join_toy_parts([part.part for part in parts])
-        return RowResult(result.to_pyhf_json(0), RowStatus.of(result, 1)[0])
+        return RowResult(cls_answers(result)[0], RowStatus.of(result, 1)[0])
+
+
+def cls_answers(result: HypotestResults) -> list[ClsAnswer]:
+    """Each row exactly as ``pyhf cls`` prints it: ``CLs_obs``, ``CLs_exp`` (CLsb for q0)."""
+    observed, expected = result.observed().tolist(), result.expected().tolist()
+    return [ClsAnswer(CLs_obs=o, CLs_exp=e) for o, e in zip(observed, expected, strict=True)]

@@ -139,14 +139,19 @@ class PointValue(_Declared):
     twice_nll: float | None
 
 
-class LikelihoodResult(_Declared):
-    """Fits at one tested POI value on the data (and on its Asimov data), plus meta."""
+class LikelihoodAnswer(_Declared):
+    """Fits at one tested POI value on the data (and on its Asimov data)."""
 
     test_poi: float
     data: DataFits
     asimov: DataFits | None = None
     model: ModelDescription | None = None
     at_parameters: PointValue | None = None
+
+
+class LikelihoodResult(LikelihoodAnswer):
+    """Fits at one tested POI value on the data (and on its Asimov data), plus meta."""
+
     meta: ResultMeta
 
 
@@ -166,13 +171,13 @@ def _finite(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def _point(host: dict[str, Any], i: int, columns: list[int]) -> dict[str, Any]:
+def _point(host: dict[str, Any], i: int, columns: list[int]) -> FitPoint:
     """Row ``i`` of fits copied to the host (:func:`_host`), over the element's ``columns``."""
-    return {
-        "twice_nll": _finite(host["nll"][i]),
-        "parameters": [_finite(host["x"][i][c]) for c in columns],
-        "converged": bool(host["converged"][i]),
-    }
+    return FitPoint(
+        twice_nll=_finite(host["nll"][i]),
+        parameters=[_finite(host["x"][i][c]) for c in columns],
+        converged=bool(host["converged"][i]),
+    )
 
 
 def _host(fits: FitResults) -> dict[str, Any]:
@@ -348,19 +353,20 @@ class Likelihood(Operation[LikelihoodOptions]):
         results = []
         for i, status in enumerate(statuses):
             u, columns = unique_of_row[i], rows.columns[i]
-            payload: dict[str, Any] = {"test_poi": pois[i]}
+            found = {}
             for prefix in ("data", "asimov"):
-                if f"fixed_{prefix}" not in fits:
-                    continue
-                entry = {"fixed": _point(host[f"fixed_{prefix}"], i, columns)}
-                if options.free_fit:
-                    entry["free"] = _point(host[f"free_{prefix}"], u, columns)
-                payload[prefix] = entry
+                if f"fixed_{prefix}" in fits:
+                    found[prefix] = DataFits(fixed=_point(host[f"fixed_{prefix}"], i, columns))
+                    if options.free_fit:
+                        found[prefix].free = _point(host[f"free_{prefix}"], u, columns)
+            answer = LikelihoodAnswer(test_poi=pois[i], data=found["data"])
+            if "asimov" in found:
+                answer.asimov = found["asimov"]
             if options.describe:
-                payload["model"] = described[element_of[u]]
+                answer.model = described[element_of[u]]
             if options.parameters is not None:
-                payload["at_parameters"] = at[u]
-            results.append(RowResult(payload, status))
+                answer.at_parameters = at[u]
+            results.append(RowResult(answer, status))
         return results
 
     @staticmethod
@@ -375,19 +381,19 @@ class Likelihood(Operation[LikelihoodOptions]):
         )
 
     @staticmethod
-    def _describe(model: HistFactoryModel, e: int) -> dict[str, Any]:
+    def _describe(model: HistFactoryModel, e: int) -> ModelDescription:
         """Element ``e``'s parameters and auxiliary-data constraints (pyhf's order)."""
         layout = model.elements[e]
-        return {
-            "par_names": layout.par_names,
-            "poi_index": layout.poi_index,
-            "init": layout.init.tolist(),
-            "bounds": [tuple(b) for b in layout.bounds.tolist()],
-            "fixed": layout.fixed.tolist(),
-            "n_main": layout.n_main,
-            "aux_poisson": layout.aux_is_poisson.tolist(),
-            "aux_sigma": layout.aux_sigma.tolist(),
-        }
+        return ModelDescription(
+            par_names=layout.par_names,
+            poi_index=layout.poi_index,
+            init=layout.init.tolist(),
+            bounds=[tuple(b) for b in layout.bounds.tolist()],
+            fixed=layout.fixed.tolist(),
+            n_main=layout.n_main,
+            aux_poisson=layout.aux_is_poisson.tolist(),
+            aux_sigma=layout.aux_sigma.tolist(),
+        )
 
     @staticmethod
     def _at_parameters(
@@ -397,7 +403,7 @@ class Likelihood(Operation[LikelihoodOptions]):
         rows: EngineRows,
         unique_of_row: list[int],
         options: LikelihoodOptions,
-    ) -> dict[int, dict[str, Any]]:
+    ) -> dict[int, PointValue]:
         """Per element: the expected data and ``-2 log L`` of its data at ``parameters``."""
         pars = model.init.index_select(0, elements).clone()
         first_row = {u: i for i, u in reversed(list(enumerate(unique_of_row)))}
@@ -411,8 +417,7 @@ class Likelihood(Operation[LikelihoodOptions]):
             slots = model.stack.aux_slots[e]
             values = expected[u, : model.n_main].tolist()
             values += expected[u, model.n_main :][torch.as_tensor(slots)].tolist()
-            out[u] = {
-                "expected_data": [_finite(v) for v in values],
-                "twice_nll": _finite(twice_nll[u]),
-            }
+            out[u] = PointValue(
+                expected_data=[_finite(v) for v in values], twice_nll=_finite(twice_nll[u])
+            )
         return out

@@ -7,12 +7,20 @@ from __future__ import annotations
 from pyhf_gpu_server import inference
 from pyhf_gpu_server.engine import HistFactoryModel
 from pyhf_gpu_server.engine.layout import ElementLayout
-from pyhf_gpu_server.inference.ranking import RankingResults
+from pyhf_gpu_server.inference.ranking import IMPACTS, RankingResults
 
-from ..schemas import RankingOptions, RankingResult, result_flag
+from ..schemas import (
+    PoiEstimate,
+    RankingAnswer,
+    RankingOptions,
+    RankingResult,
+    ResultFlag,
+    result_flag,
+)
 from .base import EngineRows, Operation, RowResult, RowStatus
 
-STATUS_KEYS = ("converged", "starts", "starts_agreed")  # in meta, not the payload
+#: the per-parameter columns of a ranking answer, in its order
+RANKED = ("bestfit", "uncertainty", "prefit_uncertainty", *IMPACTS, "pull", "constraint")
 
 
 class Ranking(Operation[RankingOptions]):
@@ -47,19 +55,44 @@ class Ranking(Operation[RankingOptions]):
             model, element=rows.element, parameters=options.parameters, options=rows.fit
         )
         statuses = RowStatus.of(result, len(rows))
-        payloads = [result.to_json(i, top=options.top) for i in range(len(rows))]
         flags = ranking_flags(result)
         return [
-            RowResult({k: v for k, v in p.items() if k not in STATUS_KEYS}, s, flags=f)
-            for p, s, f in zip(payloads, statuses, flags, strict=True)
+            RowResult(ranking_answer(result, i, options.top), s, flags=f)
+            for i, (s, f) in enumerate(zip(statuses, flags, strict=True))
         ]
 
 
-def ranking_flags(result: RankingResults) -> list[tuple[dict[str, str], ...]]:
+def ranking_answer(result: RankingResults, i: int = 0, top: int | None = None) -> RankingAnswer:
+    """Row ``i`` with cabinetry's ``RankingResults`` field names (``bestfit``,
+    ``uncertainty``, ``labels``, ``prefit_up``, ``prefit_down``, ``postfit_up``,
+    ``postfit_down``), plus ``prefit_uncertainty``, ``pull``, ``constraint`` and
+    ``fits_converged`` per parameter, sorted by :meth:`RankingResults.order` (cabinetry's
+    ``ranking`` itself keeps pyhf's order; its plot sorts so), the ``top`` first only if
+    given; and the POI's best fit."""
+    order = result.order(i)[:top]
+    columns = {}
+    for name in RANKED:
+        row = getattr(result, name)[i].tolist()
+        columns[name] = [row[c] for c in order]
+    converged = result.fits_converged[i].tolist()
+    k = result.poi_index
+    return RankingAnswer(
+        labels=[result.labels[c] for c in order],
+        **columns,
+        fits_converged=[bool(converged[c]) for c in order],
+        poi=PoiEstimate(
+            name=result.poi_name,
+            bestfit=float(result.bestfit[i, k]),
+            uncertainty=float(result.uncertainty[i, k]),
+        ),
+    )
+
+
+def ranking_flags(result: RankingResults) -> list[tuple[ResultFlag, ...]]:
     """Per row, ``poi_at_bound`` where the free fit's POI, or some refit's, lies on a bound
     of the POI: the impacts pushing it past the bound are 0 or truncated there."""
     poi = result.poi_name
-    out: list[tuple[dict[str, str], ...]] = []
+    out: list[tuple[ResultFlag, ...]] = []
     for bound, held, refits in zip(
         result.poi_bound.tolist(),
         result.refits_at_bound.tolist(),

@@ -13,11 +13,19 @@ from torch import Tensor
 from pyhf_gpu_server import inference
 from pyhf_gpu_server.engine import HistFactoryModel
 from pyhf_gpu_server.engine.layout import ElementLayout
-from pyhf_gpu_server.inference.scan import grid_problem
+from pyhf_gpu_server.inference.scan import Scan2DResults, ScanResults, grid_problem
 
-from ..schemas import PatchError, Scan2DResult, ScanOptions, ScanResult, result_flag
+from ..schemas import (
+    PatchError,
+    ResultFlag,
+    Scan2DAnswer,
+    Scan2DResult,
+    ScanAnswer,
+    ScanOptions,
+    ScanResult,
+    result_flag,
+)
 from .base import EngineRows, Operation, RowResult, RowStatus
-from .ranking import STATUS_KEYS
 
 
 class Scan(Operation[ScanOptions]):
@@ -86,16 +94,35 @@ class Scan(Operation[ScanOptions]):
         statuses = RowStatus.of(result, len(rows))
         flags = scan_flags(result.poi_bound, model.poi_name, len(rows))
         return [
-            RowResult(
-                {k: v for k, v in result.to_json(i).items() if k not in STATUS_KEYS}, s, flags=f
-            )
+            RowResult(scan_answer(result, i), s, flags=f)
             for i, (s, f) in enumerate(zip(statuses, flags, strict=True))
         ]
 
 
+def scan_answer(result: ScanResults | Scan2DResults, i: int = 0) -> ScanAnswer | Scan2DAnswer:
+    """Row ``i`` with cabinetry's scan field names (a 2D scan's per axis, its ``delta_nlls``
+    ``[G_x][G_y]``)."""
+    if isinstance(result, ScanResults):
+        return ScanAnswer(
+            name=result.name,
+            bestfit=float(result.bestfit[i]),
+            uncertainty=float(result.uncertainty[i]),
+            parameter_values=result.parameter_values[i].tolist(),
+            delta_nlls=result.delta_nlls[i].tolist(),
+        )
+    return Scan2DAnswer(
+        names=list(result.names),
+        bestfit=result.bestfit[i].tolist(),
+        uncertainty=result.uncertainty[i].tolist(),
+        correlation=float(result.correlation[i]),
+        parameter_values=[v[i].tolist() for v in result.parameter_values],
+        delta_nlls=result.delta_nlls[i].tolist(),
+    )
+
+
 def scan_flags(
     poi_bound: Tensor | None, poi: str | None, rows: int
-) -> list[tuple[dict[str, str], ...]]:
+) -> list[tuple[ResultFlag, ...]]:
     """Per row, ``poi_at_bound`` where the free fit's POI lies on its bound (``poi_bound``
     finite): the profile is measured from that bounded minimum."""
     if poi_bound is None:

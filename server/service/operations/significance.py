@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pyhf_gpu_server import inference
 from pyhf_gpu_server.engine import HistFactoryModel
+from pyhf_gpu_server.inference.results import SignificanceResults
 
-from ..schemas import SignificanceOptions, SignificanceResult
+from ..schemas import SignificanceAnswer, SignificanceOptions, SignificanceResult
 from .base import EngineRows, Operation, RowResult, RowStatus
 
 
@@ -34,10 +35,21 @@ class Significance(Operation[SignificanceOptions]):
         result = inference.significance_of(tests)
         statuses = RowStatus.of(result, len(rows))
         return [
-            RowResult(result.to_json(i), s, None if rows.toys is None else tests.row(i))
-            for i, s in enumerate(statuses)
+            RowResult(answer, s, None if rows.toys is None else tests.row(i))
+            for i, (answer, s) in enumerate(
+                zip(significance_answers(result), statuses, strict=True)
+            )
         ]
 
     def join(self, parts: list[RowResult]) -> RowResult:
         result = inference.significance_of(inference.join_toy_parts([p.part for p in parts]))
-        return RowResult(result.to_json(0), RowStatus.of(result, 1)[0])
+        return RowResult(significance_answers(result)[0], RowStatus.of(result, 1)[0])
+
+
+def significance_answers(result: SignificanceResults) -> list[SignificanceAnswer]:
+    """Each row's p-values and significances."""
+    columns = (result.p0_obs, result.p0_exp, result.z_obs, result.z_exp, result.p0_exp_set)
+    return [
+        SignificanceAnswer(p0_obs=p0, p0_exp=p0_exp, z_obs=z, z_exp=z_exp, p0_exp_set=band)
+        for p0, p0_exp, z, z_exp, band in zip(*(t.tolist() for t in columns), strict=True)
+    ]

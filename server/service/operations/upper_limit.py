@@ -9,7 +9,13 @@ from pyhf_gpu_server import inference
 from pyhf_gpu_server.engine import HistFactoryModel
 from pyhf_gpu_server.inference.results import UpperLimitResults
 
-from ..schemas import UpperLimitOptions, UpperLimitResult, result_flag
+from ..schemas import (
+    ResultFlag,
+    UpperLimitAnswer,
+    UpperLimitOptions,
+    UpperLimitResult,
+    result_flag,
+)
 from .base import EngineRows, Operation, RowResult, RowStatus
 
 SEARCH_HYPOTESTS = 12  # about how many POI values a limit search without a scan tests
@@ -44,9 +50,17 @@ class UpperLimit(Operation[UpperLimitOptions]):
         statuses = RowStatus.of(result, len(rows))
         flags = limit_flags(result, model.poi_name, options.scan)
         return [
-            RowResult(result.to_json(i), s, flags=f)
-            for i, (s, f) in enumerate(zip(statuses, flags, strict=True))
+            RowResult(answer, s, flags=f)
+            for answer, s, f in zip(limit_answers(result), statuses, flags, strict=True)
         ]
+
+
+def limit_answers(result: UpperLimitResults) -> list[UpperLimitAnswer]:
+    """Each row's observed and expected limits, at its level."""
+    return [
+        UpperLimitAnswer(upper_limit_obs=obs, upper_limit_exp=exp, level=result.level)
+        for obs, exp in zip(result.obs.tolist(), result.exp.tolist(), strict=True)
+    ]
 
 
 CURVES = (
@@ -61,13 +75,13 @@ CURVES = (
 
 def limit_flags(
     result: UpperLimitResults, poi: str, scan: list[float] | None
-) -> list[tuple[dict[str, str], ...]]:
+) -> list[tuple[ResultFlag, ...]]:
     """Per row, the ``meta.flags`` of its limits: those past the POI's upper bound (root
     search; pyhf raises ValueError there) and those a ``scan`` does not bracket (answered as
     the scan's end)."""
     level = result.level
     limits = torch.cat([result.obs.unsqueeze(-1), result.exp], dim=-1).tolist()
-    out: list[tuple[dict[str, str], ...]] = []
+    out: list[tuple[ResultFlag, ...]] = []
     if scan is None:
         for values, beyond, (_, hi) in zip(
             limits, result.beyond_bounds.tolist(), result.bounds.tolist(), strict=True

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from pyhf_gpu_server import inference
 from pyhf_gpu_server.engine import HistFactoryModel
+from pyhf_gpu_server.inference.yields import YieldSet, YieldsResults
 
-from ..schemas import YieldsOptions, YieldsResult
+from ..schemas import ChannelYields, SampleYields, YieldsAnswer, YieldsOptions, YieldsResult
 from .base import EngineRows, Operation, RowResult, RowStatus
 
 
@@ -26,8 +27,48 @@ class Yields(Operation[YieldsOptions]):
     ) -> list[RowResult]:
         result = inference.yields(model, element=rows.element, options=rows.fit)
         statuses = RowStatus.of(result, len(rows))
-        payloads = [result.to_json(i) for i in range(len(rows))]
         return [
-            RowResult({"prefit": p["prefit"], "postfit": p["postfit"]}, s)
-            for p, s in zip(payloads, statuses, strict=True)
+            RowResult(
+                YieldsAnswer(
+                    prefit=channel_yields(result, result.prefit, i),
+                    postfit=channel_yields(result, result.postfit, i),
+                ),
+                s,
+            )
+            for i, s in enumerate(statuses)
         ]
+
+
+def channel_yields(result: YieldsResults, part: YieldSet, i: int) -> dict[str, ChannelYields]:
+    """Row ``i`` of ``part`` (pre- or post-fit) by channel: each sample's and the total's
+    per-bin yields and uncertainties with their channel sums, and the data."""
+    names = result.samples[int(result.element[i])]
+    per_sample = [
+        t[i].tolist() for t in (part.yields, part.stdev, part.channel_yields, part.channel_stdev)
+    ]
+    total = [
+        t[i].tolist()
+        for t in (part.total, part.total_stdev, part.channel_total, part.channel_total_stdev)
+    ]
+    data, channel_data = result.data[i].tolist(), result.channel_data[i].tolist()
+    out, start = {}, 0
+    for c, (channel, bins) in enumerate(result.channels):
+        stop = start + bins
+
+        def entry(values, stdevs, sums, sum_stdevs, start=start, stop=stop, c=c) -> SampleYields:
+            return SampleYields(
+                yields=values[start:stop],
+                stdev=stdevs[start:stop],
+                channel_yield=sums[c],
+                channel_stdev=sum_stdevs[c],
+            )
+
+        out[channel] = ChannelYields(
+            bins=bins,
+            samples={name: entry(*(t[s] for t in per_sample)) for s, name in enumerate(names)},
+            total=entry(*total),
+            data=data[start:stop],
+            channel_data=channel_data[c],
+        )
+        start = stop
+    return out
