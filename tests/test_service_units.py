@@ -152,6 +152,22 @@ def test_engine_calls_run_in_inference_mode_with_the_numbers_of_plain_mode(
     assert all(math.isfinite(u) for u in errors) and max(errors) > 0  # the Hessian was taken
 
 
+def test_each_result_model_is_the_answer_its_operation_makes_plus_meta() -> None:
+    """A result's shape is declared once: its ``*Answer`` (what ``Operation.run`` makes per
+    row), which the result model extends by ``meta`` alone."""
+    from pydantic import BaseModel
+
+    from pyhf_gpu_server.service import operations, schemas
+    from pyhf_gpu_server.service.operations.scan import Scan2DResult
+
+    results = {op.result_model for op in operations.OPERATIONS.values()} | {Scan2DResult}
+    for result in results:
+        (answer,) = [b for b in result.__bases__ if b.__name__.endswith("Answer")]
+        assert issubclass(answer, BaseModel) and result.__bases__ == (answer,)
+        assert list(result.model_fields) == [*answer.model_fields, "meta"]
+        assert result.model_fields["meta"].annotation is schemas.ResultMeta
+
+
 def test_job_store_lifecycle_in_sqlite_wal(tmp_path: Path) -> None:
     store = JobStore(tmp_path / "jobs.sqlite3")
     first = store.create("cls", {"workspace_id": "x"}, total=3)

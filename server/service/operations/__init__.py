@@ -57,12 +57,12 @@ def operation_named(name: str) -> Operation:
     return OPERATIONS[name]
 
 
-_ANSWER: Any = functools.reduce(operator.or_, (op.answer_model for op in OPERATIONS.values()))
+_RESPONSE: Any = functools.reduce(operator.or_, (op.response_model for op in OPERATIONS.values()))
 JobView = create_model(
     "JobView",
     __base__=JobViewBase,
     operation=(Literal[tuple(OPERATIONS)], ...),  # type: ignore[arg-type]  # names at run time
-    result=(_ANSWER | None, None),
+    result=(_RESPONSE | None, None),
 )
 JobView.__doc__ = JobViewBase.__doc__
 JobList = create_model("JobList", __base__=_Declared, jobs=(list[JobView], ...))

@@ -87,9 +87,9 @@ class Operation(ABC, Generic[OptionsT]):
 
     Class attributes: ``name`` (route ``POST /<name>``, job ``operation``), ``summary``,
     ``options_model`` (its pydantic options; the request is the model selection plus these),
-    ``result_model`` (one row's JSON: the answer model :meth:`run` makes, and ``meta``) and ``pois_field`` (the option
-    whose values multiply the rows, answered as a list when it is one; None: a row per
-    element).
+    ``result_model`` (one row's JSON: the answer :meth:`run` makes, a model of its only
+    ``*Answer`` base, plus ``meta``) and ``pois_field`` (the option whose values multiply the
+    rows, answered as a list when it is one; None: a row per element).
     """
 
     name: ClassVar[str]
@@ -106,9 +106,9 @@ class Operation(ABC, Generic[OptionsT]):
             __base__=(ModelSelection, self.options_model),  # type: ignore[arg-type]
             __doc__=f"POST /{self.name} envelope: a model selection and the options.",
         )
-        self.answer_model: Any = self._answer_model()
+        self.response_model: Any = self._response_model()
 
-    def _answer_model(self) -> Any:
+    def _response_model(self) -> Any:
         """One result, or ``{patch_name: result | error}`` for a patchset."""
         result = self.result_model
         # a union built at run time from the class attribute: no static type

@@ -21,7 +21,7 @@ class Cls(Operation[ClsOptions]):
     result_model = ClsResult
     pois_field = "test_poi"
 
-    def _answer_model(self) -> Any:
+    def _response_model(self) -> Any:
         return ClsResult | list[ClsResult] | dict[str, ClsResult | list[ClsResult] | PatchError]
 
     def tested_values(self, options: ClsOptions) -> tuple[str, list[float]]:

@@ -202,7 +202,7 @@ class Likelihood(Operation[LikelihoodOptions]):
     result_model = LikelihoodResult
     pois_field = "test_poi"
 
-    def _answer_model(self) -> Any:
+    def _response_model(self) -> Any:
         return (
             LikelihoodResult
             | list[LikelihoodResult]

@@ -36,7 +36,7 @@ class Scan(Operation[ScanOptions]):
     options_model = ScanOptions
     result_model = ScanResult
 
-    def _answer_model(self) -> Any:
+    def _response_model(self) -> Any:
         result = ScanResult | Scan2DResult
         return result | dict[str, result | PatchError]
 

@@ -191,7 +191,7 @@ for _operation in OPERATIONS.values():
         methods=["POST"],
         summary=_operation.summary,
         description=_SHAPES,
-        response_model=_operation.answer_model,
+        response_model=_operation.response_model,
         response_model_exclude_unset=True,  # keys a result does not have stay absent
         responses=_responses(_operation),
         openapi_extra=_openapi(_operation),
