@@ -177,8 +177,9 @@ class DoubtfulResultWarning(UserWarning):
 
 class BeyondBoundsWarning(DoubtfulResultWarning):
     """A result whose answer lies past its model's limits (``meta.flags`` of kind
-    ``limit_beyond_bounds``, ``limit_outside_scan``, ``poi_at_bound``): an upper limit or band
-    past the POI's bounds (pyhf's ``upper_limit`` raises ValueError there) or outside the given
-    scan, a ranking or scan whose POI's best fit lies on its bound. A
+    ``limit_beyond_bounds``, ``limit_outside_scan``, ``poi_at_bound``, ``qtilde_poi_bound``): an
+    upper limit or band past the POI's bounds (pyhf's ``upper_limit`` raises ValueError there)
+    or outside the given scan, a ranking or scan whose POI's best fit lies on its bound, a q~
+    test of a POI whose lower bound is not 0 (pyhf warns there). A
     :class:`DoubtfulResultWarning`, so filters on that cover it; filter this one alone to
     accept, say, limits extrapolated past the bounds."""

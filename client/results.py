@@ -845,9 +845,12 @@ def _single_class(operation: str, data: Any) -> type[_ResultClass] | None:
 
 
 #: the kinds of ``meta.flags`` that say an answer lies past its model's limits (a limit past
-#: the POI's bounds or the scan's ends, the POI's best fit on its bound) rather than a fit
-#: that failed: warned as :class:`~pyhf_gpu_client.exceptions.BeyondBoundsWarning`
-BOUNDS_FLAGS = frozenset({"limit_beyond_bounds", "limit_outside_scan", "poi_at_bound"})
+#: the POI's bounds or the scan's ends, the POI's best fit on its bound, q~ of a POI not
+#: bounded at 0) rather than a fit that failed: warned as
+#: :class:`~pyhf_gpu_client.exceptions.BeyondBoundsWarning`
+BOUNDS_FLAGS = frozenset(
+    {"limit_beyond_bounds", "limit_outside_scan", "poi_at_bound", "qtilde_poi_bound"}
+)
 
 
 @dataclass(frozen=True)

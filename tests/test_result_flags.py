@@ -17,6 +17,7 @@ warning on stderr names the patch and what, ``--strict`` exits 1, the Python cli
 from __future__ import annotations
 
 import json
+import logging
 import math
 import subprocess
 import sys
@@ -270,6 +271,46 @@ def assert_strict_fails(server: str, args: list[str], stdout: str) -> None:
     assert strict.returncode == 1, strict.stderr
     assert strict.stdout == stdout
     assert "on the results (the warnings above)" in strict.stderr
+
+
+@pytest.mark.parametrize("low", [-5.0, 0.0, 0.5])
+def test_qtilde_of_a_poi_not_bounded_at_zero_warns_where_pyhf_warns(
+    server, tmp_path, caplog, low
+) -> None:
+    """q~ (``cls``' default, every upper limit's) of a POI whose lower bound is not 0: pyhf's
+    ``qmu_tilde`` logs a warning (above 0 it then raises ValueError); the client warns on
+    stderr, ``--strict`` exits 1; ``q`` does not."""
+    spec = workspace(12.0, bounds=[low, 10.0])
+    path = tmp_path / "ws.json"
+    path.write_text(json.dumps(spec))
+    model, data = pyhf_model(spec)
+    raised = None
+    with caplog.at_level(logging.WARNING, logger="pyhf"):
+        try:
+            pyhf.infer.hypotest(1.0, data, model, test_stat="qtilde")
+        except ValueError as exc:
+            raised = str(exc)
+    assert (raised is not None) == (low > 0.0)
+    assert raised is None or "(index: 0, value: 0.0) lies outside of its bounds" in raised
+    pyhf_warns = "not bounded at zero" in caplog.text
+    assert pyhf_warns == (low != 0.0)
+    for args in (["cls", str(path)], ["upper-limit", str(path)]):
+        run = client_command(server, *args)
+        assert run.returncode == 0, run.stderr
+        said = [w for w in warnings_of(run.stderr) if "q~" in w]
+        if not pyhf_warns:
+            assert said == []
+            continue
+        (warning,) = said
+        assert f"the POI 'mu' has the lower bound {low:g}" in warning
+        assert ("raise it to 0" in warning) == (low < 0.0)
+        assert ("raises ValueError" in warning) == (low > 0.0)
+        assert_strict_fails(server, args, run.stdout)
+    if pyhf_warns:
+        with pgc.Client(server) as client, pytest.warns(pgc.BeyondBoundsWarning, match="q~"):
+            client.cls(spec)
+    run = client_command(server, "cls", str(path), "--test-stat", "q")
+    assert run.returncode == 0 and not [w for w in warnings_of(run.stderr) if "q~" in w]
 
 
 @pytest.mark.slow

@@ -248,12 +248,6 @@ class HypotestResults:
         """pyhf's expected set ``[B, 5]``: CLs bands, or CLsb bands for ``q0``."""
         return self.clsb_exp if get_test_stat(self.test_stat).discovery else self.cls_exp
 
-    def tail_probs(self, i: int = 0) -> list[float]:
-        """pyhf's ``return_tail_probs``: ``[CLsb, CLb]`` (``[CLb]`` for ``q0``)."""
-        if get_test_stat(self.test_stat).discovery:
-            return [float(self.clb_obs[i])]
-        return [float(self.clsb_obs[i]), float(self.clb_obs[i])]
-
 
 @dataclass
 class UpperLimitResults:

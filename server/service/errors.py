@@ -82,12 +82,6 @@ class Conflict(ServiceError):
     status_code = 409
 
 
-class PayloadTooLarge(ServiceError):
-    """The body (or its decompressed form) is over the limit (413)."""
-
-    status_code = 413
-
-
 class Unprocessable(ServiceError):
     """Readable JSON that is not a valid request, workspace or model (422)."""
 

@@ -17,6 +17,7 @@ from typing import Any, ClassVar, Generic, TypeVar, cast
 
 import pydantic
 from pydantic import BaseModel
+from torch import Tensor
 
 from pyhf_gpu_server.engine import HistFactoryModel
 from pyhf_gpu_server.engine.layout import ElementLayout
@@ -68,6 +69,36 @@ class RowStatus:
                 )
             )
         return found
+
+
+def qtilde_bound_flags(model: HistFactoryModel, element: Tensor) -> list[tuple[ResultFlag, ...]]:
+    """Per row of a ``q~`` test on elements ``element [B]``, ``qtilde_poi_bound`` where its
+    POI's lower bound is not 0 (pyhf's ``qmu_tilde`` warns there): below 0 the fits raise it
+    to 0 (:attr:`Operation.floors_poi`), above 0 they never reach 0, where q~'s asymptotic
+    formulae put the boundary."""
+    poi = model.poi_index
+    if poi is None:
+        return [()] * element.shape[0]
+    lows = model.bounds[:, poi, 0].tolist()  # per element, the model's (not floored) bound
+    flags: dict[int, tuple[ResultFlag, ...]] = {}
+    for e, low in enumerate(lows):
+        if low == 0.0:
+            flags[e] = ()
+            continue
+        why = (
+            "the fits here raise it to 0 (pyhf warns and fits within it)"
+            if low < 0.0
+            else "the free fits never reach 0, where q~'s asymptotic formulae put the boundary "
+            "(pyhf warns, then raises ValueError: its Asimov fit at POI 0 lies outside the bounds)"
+        )
+        flags[e] = (
+            result_flag(
+                "qtilde_poi_bound",
+                f"q~ assumes the POI bounded below at 0, and the POI {model.poi_name!r} has the "
+                f"lower bound {low:g}: {why}; test_stat 'q' suits such bounds",
+            ),
+        )
+    return [flags[e] for e in element.tolist()]
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,8 @@ from pyhf_gpu_server import inference
 from pyhf_gpu_server.engine import HistFactoryModel
 from pyhf_gpu_server.inference.results import HypotestResults
 
-from ..schemas import ClsAnswer, ClsOptions, ClsResult, PatchError
-from .base import EngineRows, Operation, RowResult, RowStatus
+from ..schemas import ClsAnswer, ClsOptions, ClsResult, PatchError, ResultFlag
+from .base import EngineRows, Operation, RowResult, RowStatus, qtilde_bound_flags
 
 
 class Cls(Operation[ClsOptions]):
@@ -46,14 +46,19 @@ class Cls(Operation[ClsOptions]):
             toys=rows.toys,
         )
         statuses = RowStatus.of(result, len(rows))
+        flags: list[tuple[ResultFlag, ...]] = [()] * len(rows)
+        if options.test_stat == "qtilde":
+            flags = qtilde_bound_flags(model, rows.element)
         return [
-            RowResult(answer, s, None if rows.toys is None else result.row(i))
-            for i, (answer, s) in enumerate(zip(cls_answers(result), statuses, strict=True))
+            RowResult(answer, s, None if rows.toys is None else result.row(i), f)
+            for i, (answer, s, f) in enumerate(
+                zip(cls_answers(result), statuses, flags, strict=True)
+            )
         ]
 
     def join(self, parts: list[RowResult]) -> RowResult:
         result = inference.join_toy_parts([part.part for part in parts])
-        return RowResult(cls_answers(result)[0], RowStatus.of(result, 1)[0])
+        return RowResult(cls_answers(result)[0], RowStatus.of(result, 1)[0], flags=parts[0].flags)
 
 
 def cls_answers(result: HypotestResults) -> list[ClsAnswer]:

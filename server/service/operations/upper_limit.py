@@ -16,7 +16,7 @@ from ..schemas import (
     UpperLimitResult,
     result_flag,
 )
-from .base import EngineRows, Operation, RowResult, RowStatus
+from .base import EngineRows, Operation, RowResult, RowStatus, qtilde_bound_flags
 
 SEARCH_HYPOTESTS = 12  # about how many POI values a limit search without a scan tests
 
@@ -48,7 +48,14 @@ class UpperLimit(Operation[UpperLimitOptions]):
             model, element=rows.element, scan=scan, level=options.level, options=rows.fit
         )
         statuses = RowStatus.of(result, len(rows))
-        flags = limit_flags(result, model.poi_name, options.scan)
+        flags = [
+            bound + limits
+            for bound, limits in zip(
+                qtilde_bound_flags(model, rows.element),
+                limit_flags(result, model.poi_name, options.scan),
+                strict=True,
+            )
+        ]
         return [
             RowResult(answer, s, flags=f)
             for answer, s, f in zip(limit_answers(result), statuses, flags, strict=True)
