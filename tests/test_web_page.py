@@ -200,6 +200,53 @@ def store_finished_job(server, job_id: str, operation: str, result: Any, rows: i
         )
 
 
+SLICES = {
+    60.0: [
+        "sbottom_600_205_60",
+        "sbottom_600_400_60",
+        "sbottom_800_205_60",
+        "sbottom_800_450_60",
+        "sbottom_900_250_60",
+    ],
+    200.0: ["sbottom_900_330_200", "sbottom_1000_330_200", "sbottom_1100_330_200"],
+}
+
+
+def test_report_page_draws_the_exclusion_slice_chosen(browser, server) -> None:
+    """A published patchset's points span three masses: the exclusion plot draws the most
+    populated slice of m_neutralino1, and the page offers the others (the server lists them
+    in GET /jobs/{id}/plots) and draws the one chosen."""
+    published = read_json(ANALYSIS / "patchset.hepdata.json")
+    wanted = {name for names in SLICES.values() for name in names}
+    published["patches"] = [p for p in published["patches"] if p["metadata"]["name"] in wanted]
+    assert len(published["patches"]) == len(wanted)
+    with server.client() as client:
+        body = {"operation": "cls", "workspace": read_json(WORKSPACE), "patchset": published}
+        job_id = client.post("/jobs", json=body).json()["id"]
+        assert wait_for_job(client, job_id)["status"] == "succeeded"
+        (link,) = client.get(f"/jobs/{job_id}/plots").json()["plots"]
+    assert [(s["values"], s["points"], s["label"]) for s in link["slices"]] == [
+        ([60.0], 5, "m_neutralino1 = 60 GeV"),
+        ([200.0], 3, "m_neutralino1 = 200 GeV"),
+    ]
+    browser.get(f"{server.url}/jobs/{job_id}/report")
+    drawn = PLOT_DRAWN.replace(
+        "return ", "return image !== null && image.dataset.slice === '{}' && "
+    )
+    wait_until(browser, drawn.format("60"), "the exclusion plot of the slice m_neutralino1 = 60")
+    select = Select(browser.find_element(By.ID, "slice-exclusion"))
+    assert [o.text for o in select.options] == [
+        "m_neutralino1 = 60 GeV (5 points)",
+        "m_neutralino1 = 200 GeV (3 points)",
+    ]
+    label = browser.find_element(By.CSS_SELECTOR, "label[for='slice-exclusion']")
+    assert label.text.strip() == "Slice"
+    select.select_by_value("200")
+    wait_until(browser, drawn.format("200"), "the exclusion plot of the slice m_neutralino1 = 200")
+    assert browser.find_elements(By.CSS_SELECTOR, "#plots .message") == []
+    assert severe(browser) == []
+
+
 def test_report_page_flags_a_doubtful_result(browser, server) -> None:
     """A result whose fits the server flagged in its meta (a job row written into the server's
     real SQLite file, as a finished job would be) is said above the table, in an alert."""

@@ -4,7 +4,6 @@ signal-model parameters, from a patchset's answer)."""
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +27,7 @@ from ._base import (
     register,
     strings,
 )
+from .slices import axis_label, describe, off_axes, ranked_slices, slice_key
 
 CLS_LABEL = "CL$_s$"
 _LOG_FLOOR = 1e-12
@@ -374,39 +374,6 @@ def _pick_entry(kind: str, name: str, entry: Any, test_poi: float) -> Any:
     return entry
 
 
-#: a label of the patchset's metadata that names a mass (``m_sbottom``, ``m(N1)``)
-_MASS_LABEL = re.compile(r"^m(_|\()")
-#: a unit in square brackets at the end of a label: ``m_stop [GeV]``
-_UNIT = re.compile(r"^(.*?)\s*\[\s*([^\[\]]+?)\s*\]\s*$")
-
-
-def split_unit(label: str) -> tuple[str, str | None]:
-    """A patchset label's name and unit: the unit it carries in square brackets
-    (``m_stop [TeV]``), else GeV for a mass (a label starting ``m_`` or ``m(``, as HEPData's
-    ``m_sbottom``), else none (``shape``, ``scale``).
-
-    >>> split_unit("m_sbottom"), split_unit("m_stop [TeV]"), split_unit("scale")
-    (('m_sbottom', 'GeV'), ('m_stop', 'TeV'), ('scale', None))
-    """
-    match = _UNIT.match(label)
-    if match:
-        return match.group(1), match.group(2)
-    if _MASS_LABEL.match(label):
-        return label, "GeV"
-    return label, None
-
-
-def axis_label(label: str) -> str:
-    """A patchset label as an axis label, with its unit: ``m_sbottom [GeV]``."""
-    name, unit = split_unit(label)
-    return f"{name} [{unit}]" if unit else name
-
-
-def _value_text(label: str, value: float) -> str:
-    name, unit = split_unit(label)
-    return f"{name} = {value:g}{' ' + unit if unit else ''}"
-
-
 @dataclass
 class _Slice:
     """The points of one slice of a patchset's values: the other coordinates held at
@@ -428,22 +395,15 @@ def _slice(
     when the values have no other coordinate. A slice too small to draw is refused, naming
     the slices there are: slices are never mixed on one plane."""
     n, dim = coords.shape
-    others = [a for a in range(dim) if a not in axes]
+    others = off_axes(dim, axes)
     if not others:
         if wanted is not None:
             raise fail(kind, "slice: the plotted axes are all of the patches' values")
         return _Slice(np.ones(n, bool), None)
-    keys = [tuple(float(v) for v in row) for row in np.round(coords[:, others], 9)]
-    counts: dict[tuple[float, ...], int] = {}
-    for key in keys:
-        counts[key] = counts.get(key, 0) + 1
-    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
-    other_names = [names[a] for a in others]
-
-    def describe(key: tuple[float, ...]) -> str:
-        return ", ".join(_value_text(lab, v) for lab, v in zip(other_names, key, strict=True))
-
-    listed = "; ".join(f"{describe(k)} ({c})" for k, c in ranked[:8])
+    points = coords.tolist()
+    ranked = ranked_slices(points, axes)
+    counts = dict(ranked)
+    listed = "; ".join(f"{describe(names, axes, k)} ({c})" for k, c in ranked[:8])
     more = f"; and {len(ranked) - 8} more" if len(ranked) > 8 else ""
     needed = 3 if len(axes) == 2 else 2
     if wanted is not None:
@@ -453,13 +413,15 @@ def _slice(
             raise fail(
                 kind,
                 f"slice gives the values of the coordinates off the axes, "
-                f"{', '.join(other_names)}: {len(others)} number(s), not {len(values)}",
+                f"{', '.join(names[a] for a in others)}: {len(others)} number(s), not "
+                f"{len(values)}",
             )
-        chosen = tuple(float(v) for v in np.round(values, 9))
+        chosen = tuple(round(float(v), 9) for v in values)
         if chosen not in counts:
             raise fail(
                 kind,
-                f"no tested point at {describe(chosen)}; the slices (points): {listed}{more}",
+                f"no tested point at {describe(names, axes, chosen)}; the slices (points): "
+                f"{listed}{more}",
             )
     else:
         chosen = ranked[0][0]
@@ -468,13 +430,13 @@ def _slice(
         what = "the most populated slice" if wanted is None else "the slice"
         raise fail(
             kind,
-            f"{what}, {describe(chosen)}, has {count} of {n} points: too few for "
+            f"{what}, {describe(names, axes, chosen)}, has {count} of {n} points: too few for "
             f"{'a contour (3)' if needed == 3 else 'a curve (2)'}; the points are not on "
             f"common planes of {', '.join(names[a] for a in axes)}, so they cannot be drawn "
             f"as one without mixing slices (choose other axes, or a slice: {listed}{more})",
         )
-    mask = np.array([key == chosen for key in keys])
-    caption = f"{describe(chosen)} ({count} of {n} points)"
+    mask = np.array([slice_key(point, axes) == chosen for point in points])
+    caption = f"{describe(names, axes, chosen)} ({count} of {n} points)"
     return _Slice(mask, caption)
 
 

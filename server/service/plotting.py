@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pyhf_gpu_client import tables
 from pyhf_gpu_server import plots
 from pyhf_gpu_server.plots.errors import PlotBusyError, PlotInputError, PlotsNotInstalledError
+from pyhf_gpu_server.plots.slices import describe, ranked_slices
 
 from .errors import NotFound, NotImplementedHere, ServiceError, Unavailable, Unprocessable
 
@@ -68,6 +69,16 @@ class PlotRequest:
         return MEDIA_TYPES[self.fmt]
 
 
+class PlotSlice(BaseModel):
+    """One slice of a patchset's signal coordinates an exclusion plot can draw."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    values: list[float] = Field(description="the ``slice`` option: the coordinates off the axes")
+    points: int = Field(description="how many of the patchset's points it holds")
+    label: str = Field(description="the values in words, with units: m_neutralino1 = 60 GeV")
+
+
 class PlotLink(BaseModel):
     """One plot kind that fits a job, and where to get it."""
 
@@ -78,6 +89,12 @@ class PlotLink(BaseModel):
     options: list[str] = Field(description="the kind's own options (besides dpi, figsize, ...)")
     png: str = Field(description="URL of the PNG")
     svg: str = Field(description="URL of the SVG")
+    slices: list[PlotSlice] | None = Field(
+        None,
+        description="exclusion of a patchset with more than two coordinates: the slices of "
+        "the default axes' plane, the most populated (drawn by default) first; add "
+        "`?slice=<values>` to draw another",
+    )
 
 
 class JobPlots(BaseModel):
@@ -101,14 +118,44 @@ def kinds_for(operation: str, request: Mapping[str, Any]) -> tuple[str, ...]:
 
 def links(job_id: str, operation: str, request: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The :class:`PlotLink` entries of a job."""
-    return [
-        {
+    out = []
+    for kind in kinds_for(operation, request):
+        link = {
             "kind": kind,
             "description": tables.PLOTS[kind]["description"],
             "options": list(tables.PLOTS[kind]["options"]),
             **{fmt: f"/jobs/{job_id}/plots/{kind}.{fmt}" for fmt in FORMATS},
         }
-        for kind in kinds_for(operation, request)
+        if kind == tables.EXCLUSION:
+            found = patchset_slices(request.get("patchset"))
+            if len(found) > 1:
+                link["slices"] = found
+        out.append(link)
+    return out
+
+
+def patchset_slices(patchset: Any) -> list[dict[str, Any]]:
+    """The slices (:class:`PlotSlice`) of the default exclusion plane (the first two
+    coordinates) of ``patchset``'s points, the most populated first; none where its points
+    have at most two coordinates (or no patchset's shape).
+
+    >>> patchset = {"metadata": {"labels": ["m_sbottom", "m_neutralino2", "m_neutralino1"]},
+    ...             "patches": [{"metadata": {"values": v}} for v in
+    ...                         ([500, 200, 60], [600, 200, 60], [700, 330, 200])]}
+    >>> patchset_slices(patchset)[1]
+    {'values': [200.0], 'points': 1, 'label': 'm_neutralino1 = 200 GeV'}
+    """
+    try:
+        points = [[float(v) for v in p["metadata"]["values"]] for p in patchset["patches"]]
+        labels = [str(label) for label in patchset["metadata"]["labels"]]
+    except (KeyError, TypeError, ValueError):
+        return []
+    if not points or any(len(p) != len(labels) for p in points) or len(labels) <= 2:
+        return []
+    axes = [0, 1]
+    return [
+        {"values": list(key), "points": count, "label": describe(labels, axes, key)}
+        for key, count in ranked_slices(points, axes)
     ]
 
 

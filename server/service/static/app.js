@@ -416,29 +416,46 @@
     $("plots-heading").hidden = shown.plots.length === 0;
     const loads = shown.plots.map(async (plot) => {
       const perPatch = shown.patch !== null && drawsOnePatch(plot.kind);
-      const query = new URLSearchParams({ dpi: String(PLOT_DPI) });
-      if (perPatch) query.set("patch", shown.patch);
+      const chosen = new URLSearchParams();
+      if (perPatch) chosen.set("patch", shown.patch);
       const what = perPatch ? `${plot.kind} plot of ${shown.patch}` : `${plot.kind} plot`;
       const image = element("img", { alt: `${what}: ${plot.description}`, "data-kind": plot.kind });
       const svg = element("button", { type: "button", class: "link", text: "SVG" });
       const png = element("button", { type: "button", class: "link", text: "PNG" });
-      const figure = element(
-        "figure",
-        { class: "plot" },
-        image,
-        element("figcaption", {}, element("strong", { text: plot.kind }), ` — ${plot.description} `, svg, " ", png),
-      );
-      box.append(figure);
-      const suffix = perPatch ? `?patch=${encodeURIComponent(shown.patch)}` : "";
-      svg.addEventListener("click", () => download(plot.svg + suffix, `${shown.id}-${plot.kind}.svg`));
-      png.addEventListener("click", () => download(plot.png + suffix, `${shown.id}-${plot.kind}.png`));
-      try {
-        const blob = await (await api(`${plot.png}?${query}`)).blob();
-        image.src = URL.createObjectURL(blob);
-        await image.decode();
-      } catch (error) {
-        figure.append(element("p", { class: "message", text: `Could not draw it: ${error.detail || error}` }));
+      const caption = element("figcaption", {}, element("strong", { text: plot.kind }), ` — ${plot.description} `, svg, " ", png);
+      const figure = element("figure", { class: "plot" }, image, caption);
+      // a patchset with more coordinates than the plane: the slice drawn, chosen here
+      let slice = null;
+      if ((plot.slices || []).length > 1) {
+        slice = element(
+          "select",
+          { id: `slice-${plot.kind}` },
+          ...plot.slices.map((s) => element("option", { value: s.values.join(","), text: `${s.label} (${s.points} points)` })),
+        );
+        caption.append(" ", element("label", { for: slice.id, text: "Slice " }), slice);
       }
+      box.append(figure);
+      const query = () => {
+        const q = new URLSearchParams(chosen);
+        if (slice) q.set("slice", slice.value);
+        return q.toString() ? `?${q}` : "";
+      };
+      svg.addEventListener("click", () => download(plot.svg + query(), `${shown.id}-${plot.kind}.svg`));
+      png.addEventListener("click", () => download(plot.png + query(), `${shown.id}-${plot.kind}.png`));
+      const draw = async () => {
+        figure.querySelector(".message")?.remove();
+        try {
+          const sep = query() ? "&" : "?";
+          const blob = await (await api(`${plot.png}${query()}${sep}dpi=${PLOT_DPI}`)).blob();
+          image.src = URL.createObjectURL(blob);
+          await image.decode();
+          image.dataset.slice = slice ? slice.value : "";
+        } catch (error) {
+          figure.append(element("p", { class: "message", text: `Could not draw it: ${error.detail || error}` }));
+        }
+      };
+      if (slice) slice.addEventListener("change", draw);
+      await draw();
     });
     await Promise.all(loads);
   }
