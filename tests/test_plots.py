@@ -641,8 +641,8 @@ def test_the_examples_in_the_docstrings():
     docstrings show them."""
     import doctest
 
-    from pyhf_gpu_server.plots import limits, yields
+    from pyhf_gpu_server.plots import slices, yields
 
-    for module in (limits, yields, plotting, plots):
+    for module in (slices, yields, plotting, plots):
         failures, attempted = doctest.testmod(module)
         assert failures == 0 and attempted > 0, module.__name__
