@@ -282,6 +282,9 @@ def test_cancel_a_queued_job(client: httpx.Client) -> None:
 
 
 def test_info_and_metrics(client: httpx.Client, workspace_id: str) -> None:
+    for _ in range(2):  # a warm model and a hit on it, whichever tests ran before
+        body = {"workspace": simple_workspace(), "test_poi": 1.0}
+        assert client.post("/cls", json=body).status_code == 200
     info = client.get("/info").json()
     assert info["device"] == "cpu" and info["versions"]["pyhf"] == pyhf.__version__
     assert info["models"], "warm models are listed"

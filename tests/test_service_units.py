@@ -168,13 +168,15 @@ def test_each_result_model_is_the_answer_its_operation_makes_plus_meta() -> None
         assert result.model_fields["meta"].annotation is schemas.ResultMeta
 
 
-def test_docstring_examples_of_the_operations() -> None:
+def test_docstring_examples_of_the_operations_and_the_dispatcher() -> None:
     import doctest
 
+    from pyhf_gpu_server.service import dispatch
     from pyhf_gpu_server.service.operations import fit
 
-    failures, attempted = doctest.testmod(fit)
-    assert attempted > 0 and failures == 0
+    for module in (fit, dispatch):
+        failures, attempted = doctest.testmod(module)
+        assert attempted > 0 and failures == 0, module.__name__
 
 
 def test_job_store_lifecycle_in_sqlite_wal(tmp_path: Path) -> None:

@@ -127,9 +127,18 @@ def _ignored_observations(plan: Plan, elements: Sequence[Element]) -> dict[str, 
 
 
 def finite_json(value: Any) -> Any:
-    """``value`` with NaN/inf floats as ``null`` (JSON has no such numbers)."""
+    """``value`` as JSON, with NaN/inf floats as ``null`` (JSON has no such numbers); a
+    pydantic model as its fields that were set, in their order (``model_dump(exclude_unset=
+    True)``, in the same one pass).
+
+    >>> finite_json({"a": [1.0, float("nan")], "b": ResultMeta.model_construct(dtype="f")})
+    {'a': [1.0, None], 'b': {'dtype': 'f'}}
+    """
     if isinstance(value, float):
         return value if math.isfinite(value) else None
+    if isinstance(value, BaseModel):
+        given = value.model_fields_set
+        return {k: finite_json(getattr(value, k)) for k in type(value).model_fields if k in given}
     if isinstance(value, dict):
         return {k: finite_json(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -340,12 +349,7 @@ class Dispatcher:
                     meta.ignored_observations = ignored[row.element]
                 answer = outcome.value.result.answer
                 by_element.setdefault(row.element, []).append(  # JSON here, at the edge
-                    finite_json(
-                        {
-                            **answer.model_dump(exclude_unset=True),
-                            "meta": meta.model_dump(exclude_unset=True),
-                        }
-                    )
+                    {**finite_json(answer), "meta": finite_json(meta)}
                 )
         results = []
         per_element = len(plan.pois or (None,))
