@@ -13,9 +13,10 @@ and conditional fits to the data, the conditional fit at ``asimov_mu`` (0 for ``
   e.g. while root-finding an upper limit) run their conditional fits in one call, each
   starting at the minimum of the conditional fit at the nearest POI value tested before on
   its dataset (pyhf starts every fit at the model's init; the minima are the same);
-- the first call's conditional fits to the Asimov data run again from the conditional
-  minima on the data at the same POI values (the lower minimum kept, the starts' agreement
-  reported), where a nuisance parameter has two minima.
+- the first call's conditional fits to the Asimov data run again, in the same minimiser
+  call, from the conditional minima on the data at the same POI values as each is found
+  (the lower minimum kept, the starts' agreement reported), where a nuisance parameter has
+  two minima.
 
 The p-values follow pyhf's ``AsymptoticTestStatDistribution`` (``normal`` or
 ``clipped_normal`` base distribution) and ``expected_pvalues`` (n_sigma = 2, 1, 0, -1, -2).
@@ -204,30 +205,25 @@ class AsymptoticCalculator:
             # converges in a few iterations where the POI's estimate is near the Asimov POI
             # (an excluded signal), leaving the slow conditional fits to run with fewer rows
             # The conditional fits to the Asimov data start there too; unless one start is
-            # asked for, they are run again from the conditional minimum on the data at the
-            # same POI value (one more batched call), the lower kept: where a nuisance
-            # parameter has two minima, the Asimov minimum can lead to the higher one
-            # (published sbottom points: 112.9844 against pyhf's 112.9714, CLs_exp 7.6e-4 off)
-            self.free_data, fixed_data, self.free_asimov, fixed_asimov = fit_requests(
-                model,
-                [
-                    FitRequest(self.data, self.element, nan, self.asimov_fit.bestfit),
-                    FitRequest(data, element, tested),
-                    FitRequest(self.asimov_data, self.element, nan, self.asimov_fit.bestfit),
-                    FitRequest(
-                        self.asimov_data[index], element, tested, self.asimov_fit.bestfit[index]
-                    ),
-                ],
-                self.spec,
-            )
+            # asked for, they are run again, in the same call, from the conditional minimum
+            # on the data at the same POI value as soon as it is found, the lower kept: where
+            # a nuisance parameter has two minima, the Asimov minimum can lead to the higher
+            # one (published sbottom points: 112.9844 against pyhf's 112.9714)
+            requests = [
+                FitRequest(self.data, self.element, nan, self.asimov_fit.bestfit),
+                FitRequest(data, element, tested),
+                FitRequest(self.asimov_data, self.element, nan, self.asimov_fit.bestfit),
+                FitRequest(
+                    self.asimov_data[index], element, tested, self.asimov_fit.bestfit[index]
+                ),
+            ]
             starts = self.options.starts
             if starts is not None:
-                (again,) = fit_requests(
-                    model,
-                    [FitRequest(self.asimov_data[index], element, tested, fixed_data.bestfit)],
-                    self.spec,
-                )
-                fixed_asimov = fixed_asimov.lower_of(again, starts.agree_twice_nll)
+                requests.append(FitRequest(self.asimov_data[index], element, tested, follows=1))
+            fitted = fit_requests(model, requests, self.spec)
+            self.free_data, fixed_data, self.free_asimov, fixed_asimov = fitted[:4]
+            if starts is not None:
+                fixed_asimov = fixed_asimov.lower_of(fitted[4], starts.agree_twice_nll)
         else:
             assert self.asimov_data is not None  # made by the first call
             data_start, asimov_start = self._warm_starts(tested, index)

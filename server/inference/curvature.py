@@ -179,6 +179,11 @@ class DenseCurvature:
         optional = (None if v is None else v[keep] for v in (self.S, self.J, self.r))
         return DenseCurvature(self.H[keep], *optional)
 
+    def cat(self, more) -> DenseCurvature:
+        """This curvature's rows, then ``more``'s (rows that start later)."""
+        S, J, r = (_cat(v, w) for v, w in ((self.S, more.S), (self.J, more.J), (self.r, more.r)))
+        return DenseCurvature(torch.cat([self.H, more.H]), S, J, r)
+
     exact_step = True  # the exact curvature's Newton step may be tried (see minimize)
 
 
@@ -284,6 +289,17 @@ class _SecantMemory:
 
     def select(self, keep: Tensor):
         return self._map_rows(lambda v: v[keep])
+
+    def cat(self, more):
+        """This curvature's rows, then ``more``'s (rows that start later)."""
+        return type(self)(
+            **{
+                f.name: torch.cat([v, w])
+                if isinstance(v, Tensor) and f.name not in self._not_per_row
+                else v
+                for f, (v, w) in zip(fields(self), _pairs(self, more), strict=True)
+            }
+        )
 
 
 @dataclass
@@ -525,6 +541,15 @@ class BlockCurvature(_SecantMemory):
         self.jb = torch.where(a1, new.bin_jacobian, self.jb)
         self.w = torch.where(a1, new.weight, self.w)
         self.d = torch.where(a1, new.diagonal, self.d)
+
+
+def _cat(a: Tensor | None, b: Tensor | None) -> Tensor | None:
+    return None if a is None or b is None else torch.cat([a, b])
+
+
+def _pairs(mine, fresh) -> list[tuple]:
+    """The field values of two curvatures of one kind, side by side."""
+    return [(getattr(mine, f.name), getattr(fresh, f.name)) for f in fields(mine)]
 
 
 def _names(obj) -> list[str]:

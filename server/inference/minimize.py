@@ -57,7 +57,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal, NamedTuple, Protocol, TypeGuard
 
@@ -198,6 +198,35 @@ class MinimizeOptions:
     exact_newton_after: int | None = 30
 
 
+class Follow(NamedTuple):
+    """Rows ``start .. start + length`` of a batch start from the end points of rows ``lead ..
+    lead + length`` (rows that follow none), in order (see :func:`minimize`)."""
+
+    start: int
+    lead: int
+    length: int
+
+
+def follow_rows(follows: Sequence[Follow], B: int, device) -> tuple[Tensor, Tensor, Tensor]:
+    """The rows of a batch of ``B`` that follow none, those that follow, and the row each of
+    those follows, as index tensors on ``device`` (built on the host: no data-dependent
+    shape on the device).
+
+    >>> [t.tolist() for t in follow_rows([Follow(4, 1, 2)], 6, "cpu")]
+    [[0, 1, 2, 3], [4, 5], [1, 2]]
+    """
+    if not follows:
+        none = torch.zeros(0, dtype=torch.long, device=device)
+        return torch.arange(B, device=device), none, none
+    after = [f.start + i for f in follows for i in range(f.length)]
+    lead = sorted(set(range(B)) - set(after))
+    parent = [f.lead + i for f in follows for i in range(f.length)]
+    lead_, after_, parent_ = (
+        torch.tensor(t, dtype=torch.long, device=device) for t in (lead, after, parent)
+    )
+    return lead_, after_, parent_
+
+
 class _Candidates(NamedTuple):
     """The trial steps of an iteration: the candidates' damping factors ``[K]`` (pure
     Newton's 0 first) and step lengths as device tensors, and the index of the candidate
@@ -269,6 +298,18 @@ class _State:
             **{k: v.select(keep) if k == "curvature" else v[keep] for k, v in fields.items()}
         )
 
+    def ended(self, max_iter: int) -> Tensor:
+        """``[R]`` rows that stand still: converged, failed or out of iterations."""
+        return self.converged | self.failed | (self.iterations >= max_iter)
+
+    def cat(self, more: _State) -> _State:
+        """This state's rows, then ``more``'s."""
+        tensors = [k for k in self.__dataclass_fields__ if k != "curvature"]
+        return _State(
+            curvature=self.curvature.cat(more.curvature),
+            **{k: torch.cat([getattr(self, k), getattr(more, k)]) for k in tensors},
+        )
+
 
 def decrement_tolerance(f: Tensor, tol: float, scale: Tensor | float = 0.0) -> Tensor:
     """The Newton decrement ``-g.p`` under which a row has converged: ``tol``, or where that
@@ -314,7 +355,7 @@ def _iterate(
     ``constants``: the candidate steps (:func:`_candidates`); ``exact``: the grid also tries the exact curvature's Newton
     step (see ``exact_newton_after``)."""
     factors, alphas, own_candidate = constants
-    running = torch.logical_not(s.converged | s.failed)
+    running = torch.logical_not(s.ended(options.max_iter))
     movable = _movable(s.x, s.g, lo, hi, free, BOUND_TOL)
     lams = factors.unsqueeze(1) * s.lam.unsqueeze(0)  # [K, R]
     steps, ok = s.curvature.steps(s.g, movable, lams)
@@ -364,6 +405,56 @@ def _iterate(
         d = _as_derivatives(objective.derivatives(s.x, s.rows))
     _adopt(s, d, accept, s.x - x_old)
     return s
+
+
+def _first_state(
+    objective: BatchedObjective, x: Tensor, rows: Tensor, options: MinimizeOptions
+) -> _State:
+    """The state of ``rows`` starting at ``x``: their derivatives there, their first damping."""
+    d = _as_derivatives(objective.derivatives(x, rows))
+    R = rows.shape[0]
+    return _State(
+        rows=rows,
+        x=x,
+        f=d.f,
+        g=d.g,
+        curvature=curvature_of(d, options.secant, options.solver, options.secant_memory),
+        lam=torch.full((R,), DAMPING, dtype=x.dtype, device=x.device),
+        iterations=torch.zeros(R, dtype=torch.long, device=x.device),
+        decrement=torch.full((R,), torch.inf, dtype=x.dtype, device=x.device),
+        converged=torch.zeros(R, dtype=torch.bool, device=x.device),
+        failed=torch.logical_not(torch.isfinite(d.f)),
+        scale=objective.rounding_scale(rows)
+        if hasattr(objective, "rounding_scale")
+        else torch.zeros_like(d.f),
+    )
+
+
+def _start_followers(
+    objective: BatchedObjective,
+    s: _State,
+    waiting: Tensor,
+    parent: Tensor,
+    x0: Tensor,
+    lo: Tensor,
+    hi: Tensor,
+    options: MinimizeOptions,
+) -> tuple[_State, Tensor, Tensor]:
+    """``s`` with the rows of ``waiting`` (following the rows ``parent``) whose row to follow
+    has ended added, started from its point (their free parameters, clipped to their
+    bounds); and the rows still waiting, with their parents. A row to follow is still in
+    ``s`` when it ends: rows are dropped after this look."""
+    position = torch.full_like(x0[:, 0], -1, dtype=torch.long)
+    position[s.rows] = torch.arange(s.rows.shape[0], device=x0.device)
+    lead = position.index_select(0, parent)
+    ended = s.ended(options.max_iter).index_select(0, lead.clamp(min=0)) & (lead >= 0)
+    if not bool(ended.any()):
+        return s, waiting, parent
+    rows, lead, wait = waiting[ended], lead[ended], torch.logical_not(ended)
+    x = s.x.index_select(0, lead)
+    lo_, hi_, start = (t.index_select(0, rows) for t in (lo, hi, x0))
+    x = torch.where(lo_ == hi_, start, torch.minimum(torch.maximum(x, lo_), hi_))
+    return s.cat(_first_state(objective, x, rows, options)), waiting[wait], parent[wait]
 
 
 def _exact_newton_step(
@@ -423,11 +514,18 @@ def minimize(
     fixed: Tensor | None = None,
     options: MinimizeOptions | None = None,
     stop: Callable[[], bool] | None = None,
+    follows: Sequence[Follow] = (),
 ) -> MinimizeResult:
     """Minimise ``B`` independent objectives at once; every tensor stays on ``init.device``.
 
     ``stop`` (a host-side predicate, no device sync) is asked before every iteration; when it
     answers true the call raises :class:`~pyhf_gpu_server.inference.errors.FitStopped`.
+
+    ``follows``: blocks of rows (:class:`Follow`) that start, their free parameters, from the
+    end points of other rows, when the host sees each end; the others start at once from
+    their ``init``. A second fit of a minimum from another objective runs in the same call
+    as the fit that finds that minimum, instead of in a call after it. Needs host looks
+    (``check_every`` not 0).
 
     Args:
         objective: the batched objective (:class:`BatchedObjective`).
@@ -435,6 +533,7 @@ def minimize(
         bounds: ``[B, P, 2]`` (or broadcastable ``[P, 2]``) box bounds ``[lo, hi]``.
         fixed: ``[B, P]`` bool (or ``[P]``); ``None`` means nothing fixed.
         options: :class:`MinimizeOptions`.
+        stop, follows: as above.
 
     Returns:
         :class:`MinimizeResult` with one entry per row.
@@ -468,31 +567,14 @@ def minimize(
     x0 = torch.where(free, torch.minimum(torch.maximum(init, lower), upper), init)
     lo = torch.where(free, lower, x0)  # a fixed parameter may sit outside its bounds
     hi = torch.where(free, upper, x0)
-    rows = torch.arange(B, device=device)
-
-    d = _as_derivatives(objective.derivatives(x0, rows))
-    f = d.f
-    s = _State(
-        rows=rows,
-        x=x0,
-        f=f,
-        g=d.g,
-        curvature=curvature_of(d, options.secant, options.solver, options.secant_memory),
-        lam=torch.full((B,), DAMPING, dtype=dtype, device=device),
-        iterations=torch.zeros(B, dtype=torch.long, device=device),
-        decrement=torch.full((B,), torch.inf, dtype=dtype, device=device),
-        converged=torch.zeros(B, dtype=torch.bool, device=device),
-        failed=torch.logical_not(torch.isfinite(f)),
-        scale=objective.rounding_scale(rows)
-        if hasattr(objective, "rounding_scale")
-        else torch.zeros_like(f),
-    )
+    rows, waiting, parent = follow_rows(follows, B, device)
+    s = _first_state(objective, x0.index_select(0, rows), rows, options)
     out = MinimizeResult(
         x=x0.clone(),
-        fun=f.clone(),
+        fun=torch.full((B,), torch.nan, dtype=dtype, device=device).index_copy(0, rows, s.f),
         converged=torch.zeros(B, dtype=torch.bool, device=device),
         iterations=torch.zeros(B, dtype=torch.long, device=device),
-        decrement=s.decrement.clone(),
+        decrement=torch.full((B,), torch.inf, dtype=dtype, device=device),
     )
 
     def flush(st: _State) -> None:
@@ -505,9 +587,13 @@ def minimize(
     check_every = options.check_every
     if check_every is None:
         check_every = 1 if device.type == "cpu" else 4
+    if follows and not check_every:
+        raise ValueError("rows that follow others start at a host look: check_every must not be 0")
     step_options = options
     constants = _candidates(options.trials, device, dtype)
-    for it in range(1, options.max_iter + 1):
+    # a follower starts by the time its row runs out of iterations, and has as many
+    last = 2 * options.max_iter if follows else options.max_iter
+    for it in range(1, last + 1):
         if stop is not None and stop():
             raise FitStopped(f"stopped by its caller after {it - 1} iterations")
         sel = s.rows
@@ -522,8 +608,12 @@ def minimize(
             constants,
             exact,
         )
-        if check_every and (it % check_every == 0 or it == options.max_iter):
-            finished = s.converged | s.failed
+        if check_every and (it % check_every == 0 or it in (options.max_iter, last)):
+            if waiting.numel():
+                s, waiting, parent = _start_followers(
+                    objective, s, waiting, parent, x0, lo, hi, options
+                )
+            finished = s.ended(options.max_iter)
             done = int(finished.sum())
             if done == finished.numel():
                 break

@@ -26,14 +26,14 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from .minimize import MinimizeOptions, MinimizeResult, minimize
+from .minimize import Follow, MinimizeOptions, MinimizeResult, follow_rows, minimize
 from .objective import Curvature, TwiceNLL
 from .results import FitResults
 from .rows import as_float, rows_of
@@ -109,12 +109,18 @@ class FitSpec:
 class FitRequest:
     """A block of rows for :func:`fit_requests`: datasets ``[R, N + A]``, elements ``[R]``,
     POI values ``[R]`` (NaN: free POI) and optional start points ``[R, P]`` (warm starts;
-    else, and in rows of NaN, the ``init`` given to :func:`fit_requests`, else the model's)."""
+    else, and in rows of NaN, the ``init`` given to :func:`fit_requests`, else the model's),
+    optional bounds ``[R, P, 2]`` (else the ``bounds`` given, else the model's), and
+    ``follows``: the position of an earlier block (of as many rows, following none) whose
+    rows' first minima these rows start from, in the same minimiser call (see
+    :func:`~.minimize.minimize`)."""
 
     data: Tensor
     element: Tensor
     poi: Tensor
     init: Tensor | None = None
+    bounds: Tensor | None = None
+    follows: int | None = None
 
 
 def _start(
@@ -157,9 +163,20 @@ def _start(
 
 
 def _minimize(
-    model: HistFactoryModel, data, element, init, bounds, fixed, options: FitOptions
+    model: HistFactoryModel,
+    data,
+    element,
+    init,
+    bounds,
+    fixed,
+    options: FitOptions,
+    follows: Sequence[Follow] = (),
 ) -> MinimizeResult:
-    """One minimiser run per chunk of ``options.max_rows`` rows, concatenated."""
+    """One minimiser run per chunk of ``options.max_rows`` rows, concatenated. Rows that
+    follow others (``follows``, see :func:`~.minimize.minimize`) run in the same call as
+    theirs when they fit in one chunk and the host looks; else in calls after them."""
+    if follows and (init.shape[0] > options.max_rows or options.minimize.check_every == 0):
+        return _minimize_after(model, data, element, init, bounds, fixed, options, follows)
     parts = []
     for start in range(0, init.shape[0], options.max_rows):
         length = min(options.max_rows, init.shape[0] - start)
@@ -174,10 +191,45 @@ def _minimize(
             solver=options.minimize.solver,
             secant_memory=options.minimize.secant_memory,
         )
-        parts.append(minimize(objective, init_, bounds_, fixed_, options.minimize, options.stop))
+        parts.append(
+            minimize(objective, init_, bounds_, fixed_, options.minimize, options.stop, follows)
+        )
     if len(parts) == 1:
         return parts[0]
     return MinimizeResult(*(torch.cat(c) for c in zip(*map(_columns, parts), strict=True)))
+
+
+def _minimize_after(
+    model: HistFactoryModel, data, element, init, bounds, fixed, options: FitOptions, follows
+) -> MinimizeResult:
+    """:func:`_minimize` of the rows that follow none, then of the others from their ends."""
+    lead, after, parent = follow_rows(follows, init.shape[0], init.device)
+    data_, element_, init_, bounds_, fixed_ = (
+        t.index_select(0, lead) for t in (data, element, init, bounds, fixed)
+    )
+    first = _minimize(model, data_, element_, init_, bounds_, fixed_, options)
+    position = torch.zeros(init.shape[0], dtype=torch.long, device=init.device)
+    position = position.index_copy(0, lead, torch.arange(len(lead), device=init.device))
+    start = first.x.index_select(0, position.index_select(0, parent))
+    fixed_after = fixed.index_select(0, after)
+    start = torch.where(fixed_after, init.index_select(0, after), start)
+    second = _minimize(
+        model,
+        data.index_select(0, after),
+        element.index_select(0, after),
+        start,
+        bounds.index_select(0, after),
+        fixed_after,
+        options,
+    )
+    return MinimizeResult(
+        *(
+            torch.empty((init.shape[0], *a.shape[1:]), dtype=a.dtype, device=a.device)
+            .index_copy(0, lead, a)
+            .index_copy(0, after, b)
+            for a, b in zip(_columns(first), _columns(second), strict=True)
+        )
+    )
 
 
 def _columns(result: MinimizeResult) -> list[Tensor]:
@@ -300,12 +352,14 @@ def fit_rows(
     options: FitOptions | None = None,
     uncertainties: bool = False,
     poi_floor: float | None = None,
+    follows: Sequence[Follow] = (),
 ) -> FitResults:
     """Fit ``B`` rows (``data [B, N + A]``, ``element [B]``) in batched minimiser calls.
 
     ``poi [B]``: the fixed POI value per row, NaN for a free POI, so that conditional and
     unconditional fits share one call. ``poi_floor``: raise the POI's lower bound to it
-    (``q~`` bounds the POI at 0). Rows are split in chunks of ``options.max_rows``. Where
+    (``q~`` bounds the POI at 0). ``follows``: rows that start from others' first minima
+    (:func:`~.minimize.minimize`). Rows are split in chunks of ``options.max_rows``. Where
     the model has kinked parameters, every row is fitted again from extra start points and
     keeps its lowest minimum (:mod:`~pyhf_gpu_server.inference.starts`).
     """
@@ -315,7 +369,7 @@ def fit_rows(
         symmetric = model.symmetric_params.index_select(0, element)
         init = off_symmetric_points(init, symmetric, fixed, options.starts.symmetric_offset)
     B, P = init.shape
-    first = _minimize(model, data, element, init, bounds, fixed, options)
+    first = _minimize(model, data, element, init, bounds, fixed, options, follows)
     result, status = _global_minima(model, data, element, bounds, fixed, first, options)
     x = result.x
     if uncertainties:
@@ -412,26 +466,41 @@ def fit_requests(
     """
     spec = spec or FitSpec()
     sizes = [r.element.shape[0] for r in requests]
-    init = spec.init
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    init, bounds = spec.init, spec.bounds
     if any(r.init is not None for r in requests):
         starts = []
         for r in requests:
             start = _start(model, r.element, None, spec.init, None, None)[0]
             starts.append(start if r.init is None else torch.where(r.init.isnan(), start, r.init))
         init = torch.cat(starts)
+    if any(r.bounds is not None for r in requests):
+        bounds = torch.cat(
+            [
+                _start(model, r.element, None, None, spec.bounds, None)[1]
+                if r.bounds is None
+                else r.bounds
+                for r in requests
+            ]
+        )
+    follows = [
+        Follow(offsets[i], offsets[r.follows], size)
+        for i, (r, size) in enumerate(zip(requests, sizes, strict=True))
+        if r.follows is not None
+    ]
     merged = fit_rows(
         model,
         torch.cat([r.data for r in requests]),
         torch.cat([r.element for r in requests]),
         torch.cat([r.poi for r in requests]),
         init=init,
-        bounds=spec.bounds,
+        bounds=bounds,
         fixed=spec.fixed,
         options=spec.options,
         poi_floor=spec.poi_floor,
+        follows=follows,
     )
-    out, offset = [], 0
-    for size in sizes:
-        out.append(merged.select(slice(offset, offset + size)))
-        offset += size
-    return out
+    return [
+        merged.select(slice(offset, offset + size))
+        for offset, size in zip(offsets, sizes, strict=True)
+    ]

@@ -44,7 +44,7 @@ from torch import Tensor
 
 from pyhf_gpu_server.engine import HistFactoryModel
 from pyhf_gpu_server.engine.layout import ElementLayout
-from pyhf_gpu_server.inference.mle import fit_rows
+from pyhf_gpu_server.inference.mle import FitRequest, FitSpec, fit_requests, fit_rows
 from pyhf_gpu_server.inference.results import FitResults
 
 from ..schemas import MAX_POIS, FiniteFloat, PatchError, ResultMeta, _Declared, _Strict
@@ -52,8 +52,6 @@ from .base import EngineRows, Operation, RowResult, RowStatus
 
 ASIMOV_POI = {"q": 0.0, "qtilde": 0.0, "q0": 1.0}
 MAX_VALUES = 1_000_000  # numbers in a given dataset or parameter point
-#: rows fitted together: (name, data, element, POI (NaN: free), start, bounds)
-_Block = tuple[str, Tensor, Tensor, Tensor, Tensor, Tensor]
 
 
 class LikelihoodOptions(_Strict):
@@ -246,19 +244,18 @@ class Likelihood(Operation[LikelihoodOptions]):
         free_bounds = model.bounds.index_select(0, elements).clone()
         if options.poi_bounds is not None:
             free_bounds[:, k, 0], free_bounds[:, k, 1] = options.poi_bounds
-        blocks: list[_Block] = []
+        requests: dict[str, FitRequest] = {}
 
-        def fixed_block(name: str, dataset: Tensor, start: Tensor) -> None:
+        def fixed_request(dataset: Tensor, start: Tensor, follows: int | None = None):
             """Rows with the POI fixed: its bounds widened to the tested value."""
             bounds = model.bounds.index_select(0, element).clone()
             bounds[:, k, 0] = torch.minimum(bounds[:, k, 0], poi)
             bounds[:, k, 1] = torch.maximum(bounds[:, k, 1], poi)
-            blocks.append((name, dataset[index], element, poi, start[index], bounds))
+            return FitRequest(dataset[index], element, poi, start[index], bounds, follows)
 
         if options.free_fit:
-            blocks.append(("free_data", data, elements, nan, init, free_bounds))
-        fixed_block("fixed_data", data, init)
-        asimov_fit = asimov = None
+            requests["free_data"] = FitRequest(data, elements, nan, init, free_bounds)
+        requests["fixed_data"] = fixed_request(data, init)
         if options.asimov is not None:
             mu = torch.full_like(nan, ASIMOV_POI[options.asimov])
             bounds = model.bounds.index_select(0, elements).clone()
@@ -269,27 +266,20 @@ class Likelihood(Operation[LikelihoodOptions]):
             )
             asimov = model.expected_data(asimov_fit.bestfit, elements)
             if options.free_fit:
-                blocks.append(
-                    ("free_asimov", asimov, elements, nan, asimov_fit.bestfit, free_bounds)
+                requests["free_asimov"] = FitRequest(
+                    asimov, elements, nan, asimov_fit.bestfit, free_bounds
                 )
-            fixed_block("fixed_asimov", asimov, asimov_fit.bestfit)
-        fits = self._fit_blocks(model, blocks, rows)
-        if asimov is not None:
+            requests["fixed_asimov"] = fixed_request(asimov, asimov_fit.bestfit)
             # from the conditional minimum on the data at the same POI too, the lower kept:
             # where a nuisance parameter has two minima, the Asimov start can find the higher
-            (_, dataset, el, p, _, bounds) = blocks[-1]
-            again = fit_rows(
-                model,
-                dataset,
-                el,
-                p,
-                init=fits["fixed_data"].bestfit,
-                bounds=bounds,
-                options=rows.fit,
-            )
+            follows = list(requests).index("fixed_data")
+            requests["again"] = fixed_request(asimov, asimov_fit.bestfit, follows)
+        fitted = fit_requests(model, list(requests.values()), FitSpec(options=rows.fit))
+        fits = dict(zip(requests, fitted, strict=True))
+        if "again" in fits:
             starts = rows.fit.starts
             agree = 1e-6 if starts is None else starts.agree_twice_nll
-            fits["fixed_asimov"] = fits["fixed_asimov"].lower_of(again, agree)
+            fits["fixed_asimov"] = fits["fixed_asimov"].lower_of(fits.pop("again"), agree)
         return self._results(model, rows, options, fits, index, elements, data)
 
     @staticmethod
@@ -314,20 +304,6 @@ class Likelihood(Operation[LikelihoodOptions]):
             slots = torch.as_tensor(model.stack.aux_slots[e], device=model.device)
             data[row, n_main + slots] = given[n_main:]
         return data
-
-    @staticmethod
-    def _fit_blocks(
-        model: HistFactoryModel, blocks: list[_Block], rows: EngineRows
-    ) -> dict[str, FitResults]:
-        """Every block's rows in ONE batched fit; the fits by block name."""
-        columns = zip(*(block[1:] for block in blocks), strict=True)
-        data, element, poi, init, bounds = (torch.cat(column) for column in columns)
-        merged = fit_rows(model, data, element, poi, init=init, bounds=bounds, options=rows.fit)
-        out, start = {}, 0
-        for name, _, el, *_ in blocks:
-            out[name] = merged.select(slice(start, start + el.shape[0]))
-            start += el.shape[0]
-        return out
 
     def _results(
         self,
