@@ -294,10 +294,8 @@ class _SecantMemory:
         """This curvature's rows, then ``more``'s (rows that start later)."""
         return type(self)(
             **{
-                f.name: torch.cat([v, w])
-                if isinstance(v, Tensor) and f.name not in self._not_per_row
-                else v
-                for f, (v, w) in zip(fields(self), _pairs(self, more), strict=True)
+                k: torch.cat([v, w]) if isinstance(v, Tensor) and k not in self._not_per_row else v
+                for k, v, w in zip(_names(self), _values(self), _values(more), strict=True)
             }
         )
 
@@ -545,11 +543,6 @@ class BlockCurvature(_SecantMemory):
 
 def _cat(a: Tensor | None, b: Tensor | None) -> Tensor | None:
     return None if a is None or b is None else torch.cat([a, b])
-
-
-def _pairs(mine, fresh) -> list[tuple]:
-    """The field values of two curvatures of one kind, side by side."""
-    return [(getattr(mine, f.name), getattr(fresh, f.name)) for f in fields(mine)]
 
 
 def _names(obj) -> list[str]:
