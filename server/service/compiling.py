@@ -6,8 +6,8 @@ data with its Jacobian (the minimiser's derivatives, once per iteration).
 :meth:`BackgroundCompiler.submit` warms both on a separate thread and then switches the model
 over on the device thread, between batches; a kernel that fails to compile leaves the model
 eager. Whether the service compiles at all is ``Settings.compile_enabled``: by default on CUDA
-only (on two CPU cores, compiled fits measured only 1.1-1.3x faster for 10-20 s of compiling
-per structure: BENCHMARKS.md, "Engine").
+only (on the CPU a compiled fit gains little for its seconds of compiling per structure:
+BENCHMARKS.md, "Engine").
 """
 
 from __future__ import annotations
