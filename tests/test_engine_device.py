@@ -157,6 +157,33 @@ def test_uncertainties_and_gradients_run_on_fake_cuda():
             assert tensor.device == torch.device("cuda:0")
 
 
+def test_fits_that_follow_others_run_on_fake_cuda():
+    """A block of fits started from another block's minima (``FitRequest.follows``, the
+    asymptotic calculator's second start of its Asimov fits): without host looks
+    (``check_every=0``) it runs in a call after the block it follows, on the device, with no
+    data-dependent shapes."""
+    from pyhf_gpu_server.inference.minimize import MinimizeOptions
+    from pyhf_gpu_server.inference.mle import FitOptions, FitRequest, FitSpec, fit_requests
+
+    with FakeTensorMode():
+        model = small_patchset_model("cuda")
+        element = torch.arange(model.n_elements, device="cuda")
+        nan = torch.full((model.n_elements,), torch.nan, dtype=model.dtype, device="cuda")
+        one = torch.ones_like(nan)
+        options = FitOptions(minimize=MinimizeOptions(max_iter=3, check_every=0))
+        free, followed = fit_requests(
+            model,
+            [
+                FitRequest(model.observed, element, nan),
+                FitRequest(model.observed, element, one, follows=0),
+            ],
+            FitSpec(options=options),
+        )
+        for tensor in (free.bestfit, followed.bestfit, followed.deviance, followed.converged):
+            assert isinstance(tensor, FakeTensor)
+            assert tensor.device == torch.device("cuda:0")
+
+
 def test_kinked_fit_with_extra_starts_runs_on_fake_cuda():
     """code0/code1 make every fit run extra starts, a kink-pinned refit and one-sided slope
     checks: all of it on the model's device, with no data-dependent shapes."""

@@ -135,31 +135,30 @@ def _start(
     """Start points, bounds and fixed masks per row, with a fixed POI where ``poi`` is finite
     and the POI's lower bound raised to ``poi_floor`` if given."""
     B = element.shape[0]
-    init = (
-        model.init.index_select(0, element) if init is None else as_float(model, init).expand(B, -1)
-    ).clone()
+    init = model.init.index_select(0, element) if init is None else as_float(model, init)
+    init = init.expand(B, -1)
     bounds = (
         model.bounds.index_select(0, element)
         if bounds is None
         else as_float(model, bounds).expand(B, -1, -1)
     )
-    if poi_floor is not None:
-        bounds = bounds.clone()
-        bounds[:, model.poi_index, 0] = bounds[:, model.poi_index, 0].clamp(min=poi_floor)
-        init[:, model.poi_index] = torch.maximum(
-            init[:, model.poi_index], bounds[:, model.poi_index, 0]
-        )
     fixed = (
-        model.fixed.index_select(0, element)
-        if fixed is None
-        else fixed.to(model.device).expand(B, -1)
-    ).clone()
+        model.fixed.index_select(0, element) if fixed is None else fixed.to(model.device)
+    ).expand(B, -1)
+    if poi_floor is None and poi is None:
+        return init.clone(), bounds, fixed.clone()
+    # the POI's column, changed by where (no indexed assignment: FakeTensorMode's cuda has none)
+    assert model.poi_index is not None, "a fixed or floored POI needs a POI"
+    is_poi = torch.arange(init.shape[-1], device=init.device).eq(model.poi_index)
+    if poi_floor is not None:
+        low = torch.where(is_poi, bounds.select(-1, 0).clamp(min=poi_floor), bounds.select(-1, 0))
+        bounds = torch.stack([low, bounds.select(-1, 1)], -1)
+        init = torch.where(is_poi, torch.maximum(init, low), init)
     if poi is not None:
-        pinned = torch.isfinite(poi)
-        k = model.poi_index
-        init[:, k] = torch.where(pinned, poi, init[:, k])
-        fixed[:, k] = fixed[:, k] | pinned
-    return init, bounds, fixed
+        pinned = is_poi & torch.isfinite(poi).unsqueeze(-1)
+        init = torch.where(pinned, poi.unsqueeze(-1), init)
+        fixed = fixed | pinned
+    return init.clone(), bounds, fixed.clone()
 
 
 def _minimize(

@@ -93,19 +93,26 @@ class FitResults(FittedRows):
     starts_agreed: Tensor
 
     def select(self, index: Tensor | slice) -> FitResults:
-        """The rows ``index`` (a slice or an index tensor) as a new FitResults."""
+        """The rows ``index`` (a slice of step 1 or an index tensor) as a new FitResults."""
+
+        def rows(t: Tensor) -> Tensor:
+            if isinstance(index, slice):  # narrow: FakeTensorMode's cuda has no basic indexing
+                start, stop, _ = index.indices(t.shape[0])
+                return t.narrow(0, start, stop - start)
+            return t[index]
+
         return FitResults(
-            bestfit=self.bestfit[index],
-            uncertainty=self.uncertainty[index],
-            corr_mat=self.corr_mat[index],
-            best_twice_nll=self.best_twice_nll[index],
-            deviance=self.deviance[index],
-            converged=self.converged[index],
-            iterations=self.iterations[index],
+            bestfit=rows(self.bestfit),
+            uncertainty=rows(self.uncertainty),
+            corr_mat=rows(self.corr_mat),
+            best_twice_nll=rows(self.best_twice_nll),
+            deviance=rows(self.deviance),
+            converged=rows(self.converged),
+            iterations=rows(self.iterations),
             labels=self.labels,
-            element=self.element[index],
-            starts=self.starts[index],
-            starts_agreed=self.starts_agreed[index],
+            element=rows(self.element),
+            starts=rows(self.starts),
+            starts_agreed=rows(self.starts_agreed),
         )
 
     def lower_of(self, other: FitResults, agree_twice_nll: float = 1e-6) -> FitResults:
