@@ -158,8 +158,8 @@ def test_uncertainties_and_gradients_run_on_fake_cuda():
 
 
 def test_fits_that_follow_others_run_on_fake_cuda():
-    """A block of fits started from another block's minima (``FitRequest.follows``, the
-    asymptotic calculator's second start of its Asimov fits): without host looks
+    """A block of fits started a second time from another block's minima
+    (``FitRequest.also_from``, the asymptotic calculator's Asimov fits): without host looks
     (``check_every=0``) it runs in a call after the block it follows, on the device, with no
     data-dependent shapes."""
     from pyhf_gpu_server.inference.minimize import MinimizeOptions
@@ -175,7 +175,7 @@ def test_fits_that_follow_others_run_on_fake_cuda():
             model,
             [
                 FitRequest(model.observed, element, nan),
-                FitRequest(model.observed, element, one, follows=0),
+                FitRequest(model.observed, element, one, also_from=0),
             ],
             FitSpec(options=options),
         )

@@ -552,10 +552,10 @@ def test_rows_that_follow_others_end_where_a_call_after_them_ends(solver):
 
 
 def test_a_following_block_of_fit_requests_runs_in_the_call_or_after_it_alike():
-    """``FitRequest.follows`` gives the fits a call after the block followed would give (its
-    minima as warm starts), whether the rows run in one minimiser call, in chunks
-    (``max_rows``) or without host looks (``check_every=0``: then one call after the
-    other)."""
+    """``FitRequest.also_from`` gives the lower of the fits from the request's own start and
+    the fits a call after the other block would give (its minima as warm starts), whether
+    the rows run in one minimiser call, in chunks (``max_rows``) or without host looks
+    (``check_every=0``: then one call after the other)."""
     from pyhf_gpu_server.inference.mle import FitOptions, FitRequest, FitSpec, fit_requests
 
     model, toys = _toy_problem("dense", 24)
@@ -565,6 +565,8 @@ def test_a_following_block_of_fit_requests_runs_in_the_call_or_after_it_alike():
     lead, rest = toys[:12], toys[12:]
     free = fit_requests(model, [FitRequest(lead, element, nan)])[0]
     (after,) = fit_requests(model, [FitRequest(rest, element, one, free.bestfit)])
+    (own,) = fit_requests(model, [FitRequest(rest, element, one)])
+    after = after.lower_of(own)
     for options in (
         FitOptions(),
         FitOptions(max_rows=5),
@@ -572,7 +574,7 @@ def test_a_following_block_of_fit_requests_runs_in_the_call_or_after_it_alike():
     ):
         got = fit_requests(
             model,
-            [FitRequest(lead, element, nan), FitRequest(rest, element, one, follows=0)],
+            [FitRequest(lead, element, nan), FitRequest(rest, element, one, also_from=0)],
             FitSpec(options=options),
         )
         for fits, reference in zip(got, (free, after), strict=True):

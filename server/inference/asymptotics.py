@@ -214,16 +214,15 @@ class AsymptoticCalculator:
                 FitRequest(data, element, tested),
                 FitRequest(self.asimov_data, self.element, nan, self.asimov_fit.bestfit),
                 FitRequest(
-                    self.asimov_data[index], element, tested, self.asimov_fit.bestfit[index]
+                    self.asimov_data[index],
+                    element,
+                    tested,
+                    self.asimov_fit.bestfit[index],
+                    also_from=None if self.options.starts is None else 1,
                 ),
             ]
-            starts = self.options.starts
-            if starts is not None:
-                requests.append(FitRequest(self.asimov_data[index], element, tested, follows=1))
             fitted = fit_requests(model, requests, self.spec)
-            self.free_data, fixed_data, self.free_asimov, fixed_asimov = fitted[:4]
-            if starts is not None:
-                fixed_asimov = fixed_asimov.lower_of(fitted[4], starts.agree_twice_nll)
+            self.free_data, fixed_data, self.free_asimov, fixed_asimov = fitted
         else:
             assert self.asimov_data is not None  # made by the first call
             data_start, asimov_start = self._warm_starts(tested, index)

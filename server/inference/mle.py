@@ -27,7 +27,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -111,16 +111,18 @@ class FitRequest:
     POI values ``[R]`` (NaN: free POI) and optional start points ``[R, P]`` (warm starts;
     else, and in rows of NaN, the ``init`` given to :func:`fit_requests`, else the model's),
     optional bounds ``[R, P, 2]`` (else the ``bounds`` given, else the model's), and
-    ``follows``: the position of an earlier block (of as many rows, following none) whose
-    rows' first minima these rows start from, in the same minimiser call (see
-    :func:`~.minimize.minimize`)."""
+    ``also_from``: the position of an earlier block (of as many rows, with no ``also_from``)
+    whose rows' first minima these rows are fitted from a second time, in the same minimiser
+    call (:func:`~.minimize.minimize`'s ``follows``), the lower minimum of the two starts
+    kept (:meth:`~.results.FitResults.lower_of`): where a parameter has two minima, a start
+    can lead to the higher one."""
 
     data: Tensor
     element: Tensor
     poi: Tensor
     init: Tensor | None = None
     bounds: Tensor | None = None
-    follows: int | None = None
+    also_from: int | None = None
 
 
 def _start(
@@ -464,6 +466,8 @@ def fit_requests(
     (True, 1.0)
     """
     spec = spec or FitSpec()
+    again = [(i, r.also_from) for i, r in enumerate(requests) if r.also_from is not None]
+    requests = requests + [replace(requests[i], also_from=None) for i, _ in again]
     sizes = [r.element.shape[0] for r in requests]
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
     init, bounds = spec.init, spec.bounds
@@ -482,11 +486,8 @@ def fit_requests(
                 for r in requests
             ]
         )
-    follows = [
-        Follow(offsets[i], offsets[r.follows], size)
-        for i, (r, size) in enumerate(zip(requests, sizes, strict=True))
-        if r.follows is not None
-    ]
+    n = len(requests) - len(again)
+    follows = [Follow(offsets[n + j], offsets[k], sizes[i]) for j, (i, k) in enumerate(again)]
     merged = fit_rows(
         model,
         torch.cat([r.data for r in requests]),
@@ -499,7 +500,11 @@ def fit_requests(
         poi_floor=spec.poi_floor,
         follows=follows,
     )
-    return [
+    fits = [
         merged.select(slice(offset, offset + size))
         for offset, size in zip(offsets, sizes, strict=True)
     ]
+    agree = (spec.options.starts or StartOptions()).agree_twice_nll
+    for j, (i, _) in enumerate(again):
+        fits[i] = fits[i].lower_of(fits[n + j], agree)
+    return fits[:n]

@@ -121,12 +121,13 @@ class FitResults(FittedRows):
         both counted, and agreed where both agreed and both converged ones reached minima
         within ``agree_twice_nll``."""
         ours, theirs = self.best_twice_nll, other.best_twice_nll
-        take = (other.converged & ~self.converged) | (
+        # > and logical_not, not ~: FakeTensorMode's simulated cuda has no kernel for bitwise_not
+        take = (other.converged > self.converged) | (
             (other.converged == self.converged) & (theirs < ours)
         )
         both = self.converged & other.converged
         close = (ours - theirs).abs() <= agree_twice_nll
-        agreed = self.starts_agreed & other.starts_agreed & (~both | close)
+        agreed = self.starts_agreed & other.starts_agreed & (torch.logical_not(both) | close)
 
         def pick(a: Tensor, b: Tensor) -> Tensor:
             return torch.where(take.reshape(-1, *[1] * (a.dim() - 1)), b, a)

@@ -246,12 +246,12 @@ class Likelihood(Operation[LikelihoodOptions]):
             free_bounds[:, k, 0], free_bounds[:, k, 1] = options.poi_bounds
         requests: dict[str, FitRequest] = {}
 
-        def fixed_request(dataset: Tensor, start: Tensor, follows: int | None = None):
+        def fixed_request(dataset: Tensor, start: Tensor, also_from: int | None = None):
             """Rows with the POI fixed: its bounds widened to the tested value."""
             bounds = model.bounds.index_select(0, element).clone()
             bounds[:, k, 0] = torch.minimum(bounds[:, k, 0], poi)
             bounds[:, k, 1] = torch.maximum(bounds[:, k, 1], poi)
-            return FitRequest(dataset[index], element, poi, start[index], bounds, follows)
+            return FitRequest(dataset[index], element, poi, start[index], bounds, also_from)
 
         if options.free_fit:
             requests["free_data"] = FitRequest(data, elements, nan, init, free_bounds)
@@ -269,17 +269,11 @@ class Likelihood(Operation[LikelihoodOptions]):
                 requests["free_asimov"] = FitRequest(
                     asimov, elements, nan, asimov_fit.bestfit, free_bounds
                 )
-            requests["fixed_asimov"] = fixed_request(asimov, asimov_fit.bestfit)
-            # from the conditional minimum on the data at the same POI too, the lower kept:
-            # where a nuisance parameter has two minima, the Asimov start can find the higher
-            follows = list(requests).index("fixed_data")
-            requests["again"] = fixed_request(asimov, asimov_fit.bestfit, follows)
+            # from the conditional minimum on the data at the same POI too, the lower kept
+            also_from = list(requests).index("fixed_data")
+            requests["fixed_asimov"] = fixed_request(asimov, asimov_fit.bestfit, also_from)
         fitted = fit_requests(model, list(requests.values()), FitSpec(options=rows.fit))
         fits = dict(zip(requests, fitted, strict=True))
-        if "again" in fits:
-            starts = rows.fit.starts
-            agree = 1e-6 if starts is None else starts.agree_twice_nll
-            fits["fixed_asimov"] = fits["fixed_asimov"].lower_of(fits.pop("again"), agree)
         return self._results(model, rows, options, fits, index, elements, data)
 
     @staticmethod
