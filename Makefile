@@ -56,12 +56,18 @@ PYTEST_WORKERS ?= 4
 PYTEST_PLUGINS := --disable-plugin-autoload -p xdist.plugin -p pytest_timeout \
 	-p _hypothesis_pytestplugin -p schemathesis.pytest.plugin
 
+# One OpenMP thread per process (torch's intra-op pool, BLAS): the suite runs PYTEST_WORKERS
+# processes, each with its server subprocesses, on as few as 2 cores (CI's), where a pool of a
+# thread per core in every process has their threads spin against each other's; its fits are
+# small and batched, latency-bound, and gain nothing from a second thread there.
+PYTEST_ENV := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
+
 test: $(VENV)/.test-installed browser
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
-	$(PY) -m pytest $(PYTEST_PLUGINS) -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder \
-	    -m "not one_process"
-	$(PY) -m pytest $(PYTEST_PLUGINS) -m one_process
+	$(PYTEST_ENV) $(PY) -m pytest $(PYTEST_PLUGINS) -n $(PYTEST_WORKERS) --dist loadfile \
+	    --no-loadscope-reorder -m "not one_process"
+	$(PYTEST_ENV) $(PY) -m pytest $(PYTEST_PLUGINS) -m one_process
 
 lint: $(VENV)/.test-installed
 	$(VENV)/bin/ruff check .
