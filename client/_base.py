@@ -85,6 +85,8 @@ class ClientBase:
         compress: bool = True,
         upload_threshold: int = 64 * 1024,
         headers: dict[str, str] | None = None,
+        job_after: float | None = 10.0,
+        on_job_update: Callable[[Job], None] | None = None,
     ) -> None:
         """Configure a client.
 
@@ -99,6 +101,11 @@ class ClientBase:
             upload_threshold: workspaces with at least this many JSON bytes are uploaded once
                 (``POST /workspaces``, content-addressed) and then referenced by id.
             headers: extra headers for every request.
+            job_after: seconds after which a blocking call the server is still computing
+                becomes a job there (``Prefer: respond-async``), which the call follows to its
+                end (at most ``timeout``); ``None``: never (the server's
+                ``--request-timeout-s`` ends it).
+            on_job_update: called with each polled state of such a job (progress).
         """
         self.config = p.ClientConfig(
             server=server or os.environ.get(p.ENV_SERVER) or p.DEFAULT_SERVER,
@@ -107,6 +114,8 @@ class ClientBase:
             retry=p.RetryPolicy(max_attempts=max(1, retries + 1), backoff=backoff),
             compress=compress,
             upload_threshold=upload_threshold,
+            job_after=job_after,
+            on_job_update=on_job_update,
         )
         self.state = p.ClientState()
         self._headers = {**self.config.headers(), **(headers or {})}

@@ -42,7 +42,8 @@ def _connection(*decls: str, **attrs: Any) -> Callable[..., Any]:
 
 
 def connection_options(f: Callable[..., Any]) -> Callable[..., Any]:
-    """``--server``, ``--token``, ``--timeout``, ``--retries``, accepted before or after the command."""
+    """``--server``, ``--token``, ``--timeout``, ``--retries``, ``--job-after``, accepted before
+    or after the command."""
     decorators = [
         _connection(
             "--server",
@@ -64,6 +65,13 @@ def connection_options(f: Callable[..., Any]) -> Callable[..., Any]:
             "--retries",
             type=click.IntRange(min=0),
             help="Retries on connection errors, 429 and 503 [default 4].",
+        ),
+        _connection(
+            "--job-after",
+            type=click.FloatRange(min=0),
+            metavar="SECONDS",
+            help="A computation still running after SECONDS becomes a job on the server, "
+            "followed to its end (at most --timeout) with its progress on stderr [default 10].",
         ),
     ]
     return apply(f, decorators)

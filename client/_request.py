@@ -15,7 +15,7 @@ from typing import Any
 
 from . import tables
 from .exceptions import WorkspaceError
-from .results import OPERATIONS
+from .results import OPERATIONS, Job
 from .workspace import JSONFile, load_patches, read_json_file, to_jsonable
 
 DEFAULT_SERVER = "http://127.0.0.1:8000"
@@ -67,6 +67,8 @@ class Request:
     idempotent: bool = True
     #: the ``Accept`` header when not JSON (an image: ``image/png``, ``image/svg+xml``)
     accept: str | None = None
+    #: the ``Prefer`` header (RFC 7240), e.g. ``respond-async, wait=10``
+    prefer: str | None = None
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,10 @@ class ClientConfig:
         compress: gzip request bodies of at least ``compress_min_bytes`` bytes.
         upload_threshold: workspaces of at least this many JSON bytes are uploaded once to
             ``POST /workspaces`` and referenced by id; smaller ones travel inline.
+        job_after: seconds after which a computation the server is still running becomes a
+            job there, which the call follows to its end (``Prefer: respond-async``; ``None``:
+            never, the request ends at the server's ``--request-timeout-s``).
+        on_job_update: called with each polled state of such a job (progress reporting).
     """
 
     server: str = DEFAULT_SERVER
@@ -119,6 +125,8 @@ class ClientConfig:
     compress_min_bytes: int = 1024
     upload_threshold: int = 64 * 1024
     user_agent: str = "pyhf-gpu-client"
+    job_after: float | None = 10.0
+    on_job_update: Callable[[Job], None] | None = None
 
     def __post_init__(self) -> None:
         self.server = self.server.rstrip("/")
@@ -148,10 +156,13 @@ class ClientConfig:
 
     def encode(self, request: Request) -> tuple[dict[str, str], bytes | None]:
         """The extra headers and body bytes of ``request`` (JSON, gzip when large enough)."""
+        headers = {"Accept": request.accept} if request.accept else {}
+        if request.prefer:
+            headers["Prefer"] = request.prefer
         if not request.has_body:
-            return {}, None
+            return headers, None
         parts = json_parts(request.body)
-        headers = {"Content-Type": "application/json"}
+        headers["Content-Type"] = "application/json"
         texts = [part if isinstance(part, bytes) else part.text for part in parts]
         if not (self.compress and sum(map(len, texts)) >= self.compress_min_bytes):
             return headers, b"".join(texts)
@@ -161,8 +172,6 @@ class ClientConfig:
     def httpx_arguments(self, request: Request) -> dict[str, Any]:
         """Keyword arguments of ``httpx.(Async)Client.request`` for ``request``."""
         headers, content = self.encode(request)
-        if request.accept:
-            headers["Accept"] = request.accept
         return {
             "method": request.method,
             "url": request.path,

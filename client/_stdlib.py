@@ -49,8 +49,6 @@ class StdlibClient(ClientBase):
     def _send(self, request: p.Request) -> p.Response:
         headers, body = self.config.encode(request)
         headers = {**self._headers, **headers, "Accept-Encoding": "gzip"}
-        if request.accept:
-            headers["Accept"] = request.accept
         target = self._prefix + request.path
         params = p.query_params(request)
         if params:

@@ -22,7 +22,7 @@ import os
 import sys
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -48,16 +48,19 @@ if TYPE_CHECKING:
     from ._client import Client
 
 
-def _client(ctx: click.Context) -> StdlibClient | Client:
+def _client(ctx: click.Context, progress: out.Progress | None = None) -> StdlibClient | Client:
     """A client from the connection options (environment variables fill the rest): over
     ``http.client`` for a plain ``http://`` server (:class:`~._stdlib.StdlibClient`: no httpx
-    to import), else httpx's :class:`~pyhf_gpu_client.Client` (TLS, proxies)."""
+    to import), else httpx's :class:`~pyhf_gpu_client.Client` (TLS, proxies). ``progress``
+    reports a computation that the server made a job (after the client's ``job_after``)."""
     opts = ctx.meta.get(_META, {})
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {"on_job_update": progress}
     if "timeout" in opts:
         kwargs["timeout"] = opts["timeout"]
     if "retries" in opts:
         kwargs["retries"] = opts["retries"]
+    if "job_after" in opts:
+        kwargs["job_after"] = opts["job_after"]
     server = opts.get("server") or os.environ.get(ENV_SERVER) or DEFAULT_SERVER
     if ClientConfig(server=server).plain_http():
         return StdlibClient(server, token=opts.get("token"), **kwargs)
@@ -107,7 +110,8 @@ def _run(operation: str, submit: bool) -> Callable[..., None]:
             if plot is not None:
                 _run_with_plot(ctx, operation, kwargs, call_kwargs, plot)
                 return
-            with _client(ctx) as client:
+            progress = out.Progress()
+            with _client(ctx, progress) as client, closing(progress):
                 if submit:
                     job = client.submit(operation, kwargs["workspace"], **call_kwargs)
                     if not kwargs.get("wait"):

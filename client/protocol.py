@@ -203,9 +203,13 @@ def post_operation(
     (not a :class:`WorkspaceId`: the client does not have that workspace).
     """
     path = OPERATIONS[operation]
+    prefer = None
+    if accept is None and config.job_after is not None:
+        prefer = f"respond-async, wait={config.job_after:g}"
     for attempt in (1, 2):
         ref, spec = yield from workspace_reference(workspace, config, state)
-        request = Request("POST", path, body={**ref, **options}, has_body=True, accept=accept)
+        body = {**ref, **options}
+        request = Request("POST", path, body=body, has_body=True, accept=accept, prefer=prefer)
         try:
             return (yield from call(request, config.retry))
         except BadRequestError as exc:
@@ -226,8 +230,17 @@ def operation_flow(
     config: ClientConfig,
     state: ClientState,
 ) -> Flow[Result]:
-    """Run ``operation`` synchronously (``POST /cls`` etc.) and parse the answer."""
+    """Run ``operation`` synchronously (``POST /cls`` etc.) and parse the answer; when the
+    server made it a job (202, after ``config.job_after`` seconds), follow the job to its end,
+    at most the read timeout."""
     response = yield from post_operation(operation, workspace, options, config, state)
+    if response.status_code == 202:
+        accepted = Job.from_json(json_of(response), operation=operation)
+        if config.on_job_update is not None:
+            config.on_job_update(accepted)
+        timeout = config.timeout.read if isinstance(config.timeout, Timeout) else None
+        job = yield from wait_flow(accepted.id, config, timeout, on_update=config.on_job_update)
+        return parse_result(operation, job.raw["result"])
     result = parse_result(operation, json_of(response))
     warn_if_doubtful(result)
     return result
@@ -316,7 +329,11 @@ def wait_flow(
         if deadline is not None:
             left = deadline - clock()
             if left <= 0:
-                raise WaitTimeoutError(f"job {job.id} still {job.status} after {timeout:g} s", job)
+                raise WaitTimeoutError(
+                    f"job {job.id} still {job.status} after {timeout:g} s (it goes on: wait "
+                    f"for it again, e.g. `pyhf-gpu-client jobs wait {job.id}`, or cancel it)",
+                    job,
+                )
             pause = min(pause, left)
         yield Sleep(pause)
         interval = min(interval * 1.5, max_poll_interval)

@@ -201,7 +201,10 @@ def mock_client_factory(service: FakeService, **kwargs: Any) -> Callable[..., An
     """A replacement of ``pyhf_gpu_client.cli._client`` that talks to ``service``."""
     from pyhf_gpu_client import Client
 
-    def make(ctx: Any) -> Client:
-        return Client("http://fake", transport=httpx.MockTransport(service), backoff=0.0, **kwargs)
+    def make(ctx: Any, progress: Any = None) -> Client:
+        transport = httpx.MockTransport(service)
+        return Client(
+            "http://fake", transport=transport, backoff=0.0, on_job_update=progress, **kwargs
+        )
 
     return make

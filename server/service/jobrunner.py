@@ -10,6 +10,9 @@ model) runs again after each of :data:`UNAVAILABLE_RETRY_DELAYS_S`, and fails wi
 only after the last.
 A job belongs to the caller that submitted it (``None`` with auth off); one caller may have at
 most ``--max-jobs-per-caller`` queued or running, all of them together ``--max-queue``.
+A synchronous request whose client sent ``Prefer: respond-async`` becomes a job when it outlasts
+its ``wait`` (:meth:`JobRunner.adopt`): stored as running, it goes on in its batches, in its
+lane, losing no work.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import asyncio
 import contextlib
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from .dispatch import Dispatcher
@@ -34,6 +37,20 @@ PURGE_INTERVAL_S = 600.0
 IDLE_POLL_S = 5.0
 # a job's waits before it runs again after a transient 503 (about 2.5 minutes in all)
 UNAVAILABLE_RETRY_DELAYS_S = (5.0, 10.0, 20.0, 40.0, 80.0)
+
+
+class ProgressRelay:
+    """The progress callback of a synchronous run: kept, and passed on to the job the run
+    becomes (:meth:`JobRunner.adopt`)."""
+
+    def __init__(self) -> None:
+        self.last: tuple[int, int] | None = None
+        self.target: Callable[[int, int], None] | None = None
+
+    def __call__(self, done: int, total: int) -> None:
+        self.last = (done, total)
+        if self.target is not None:
+            self.target(done, total)
 
 
 class JobRunner:
@@ -62,6 +79,7 @@ class JobRunner:
         self._wakeup = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._running: dict[str, asyncio.Task[None]] = {}
+        self._adopted: set[asyncio.Task[None]] = set()
         self._watchers: set[asyncio.Event] = set()
 
     async def start(self) -> None:
@@ -84,9 +102,10 @@ class JobRunner:
 
     async def stop(self) -> None:
         """Stop the workers; their running jobs go back to ``queued`` for the next start."""
-        for task in self._tasks:
+        tasks = [*self._tasks, *self._adopted]
+        for task in tasks:
             task.cancel()
-        for task in self._tasks:
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks = []
@@ -121,14 +140,11 @@ class JobRunner:
         envelope = envelope_from(request, {}, kind)
         plan = await asyncio.to_thread(plan_request, kind, envelope, self.workspaces, True, caller)
         self.dispatcher.admit(plan)
-        if "workspace" in envelope:
-            envelope = {k: v for k, v in envelope.items() if k != "workspace"}
-            envelope["workspace_id"] = plan.background.workspace_digest
         try:
             job_id = await asyncio.to_thread(
                 self.store.create,
                 operation,
-                envelope,
+                _stored_request(envelope, plan),
                 plan.n_work_rows,
                 self.max_queued,
                 owner=caller,
@@ -143,6 +159,58 @@ class JobRunner:
         self._wakeup.set()
         self.changed()
         return job_id
+
+    async def adopt(
+        self,
+        operation: str,
+        envelope: dict[str, Any],
+        plan: Plan,
+        run: asyncio.Future[Any],
+        relay: ProgressRelay,
+        caller: str | None = None,
+        max_per_caller: int = 0,
+    ) -> str | None:
+        """Make the running synchronous request ``run`` (of ``envelope``, planned as ``plan``,
+        reporting to ``relay``) a job of ``caller``: stored as running, its request on disk as
+        a submitted job's is (a restart runs it again), its answer stored when ``run`` ends.
+        Its id; ``None`` when the job caps are reached or it cannot be stored (the request
+        then stays synchronous)."""
+        max_owned = max_per_caller if caller is not None and max_per_caller > 0 else None
+        try:
+            if "workspace" in envelope:  # on disk, as a job's workspace is
+                await asyncio.to_thread(
+                    self.workspaces.admit, plan.background.workspace, True, caller
+                )
+            job_id = await asyncio.to_thread(
+                self.store.create,
+                operation,
+                _stored_request(envelope, plan),
+                plan.n_work_rows,
+                self.max_queued,
+                owner=caller,
+                max_owned=sys.maxsize if max_owned is None else max_owned,
+                running=True,
+            )
+        except (StoreError, ServiceError) as exc:
+            log.warning("a request could not become a job", extra={"error": str(exc)})
+            return None
+        if isinstance(job_id, Refused):
+            return None
+        relay.target = self._progress(job_id)
+        if relay.last is not None:
+            relay(*relay.last)
+        task = asyncio.create_task(self._record(job_id, run), name=f"job-{job_id}")
+        self._running[job_id] = task
+        self._adopted.add(task)
+        task.add_done_callback(lambda _: self._forget(job_id, task))
+        self.changed()
+        return job_id
+
+    def _forget(self, job_id: str, task: asyncio.Task[None]) -> None:
+        """An adopted job's task has ended (its answer stored, or the server stopping)."""
+        self._adopted.discard(task)
+        self._running.pop(job_id, None)
+        self.changed()
 
     def _queue_full(self) -> QueueFull:
         """The 429 answered when ``--max-queue`` jobs are queued or running."""
@@ -211,18 +279,34 @@ class JobRunner:
 
     async def _run(self, job_id: str) -> None:
         """Plan and run one job; store its result, or its error as the 4xx detail."""
-        try:
+
+        async def answer() -> Any:
             operation, request = await asyncio.to_thread(self.store.request, job_id)
             plan = await asyncio.to_thread(
                 plan_request, OPERATIONS[operation], request, self.workspaces
             )
+            return await self._run_plan(job_id, plan, self._progress(job_id))
 
-            def progress(done: int, total: int) -> None:
-                self.store.progress(job_id, done, total)
-                self.changed()
+        await self._record(job_id, answer())
 
-            result = await self._run_plan(job_id, plan, progress)
+    def _progress(self, job_id: str) -> Callable[[int, int], None]:
+        """The progress callback of a running job."""
+
+        def progress(done: int, total: int) -> None:
+            self.store.progress(job_id, done, total)
+            self.changed()
+
+        return progress
+
+    async def _record(self, job_id: str, answer: Awaitable[Any]) -> None:
+        """Store the result of the running job ``job_id`` once ``answer`` has it, or its error
+        as the 4xx detail; cancelled (the server stopping), the job is queued again."""
+        try:
+            result = await answer
             await asyncio.to_thread(self.store.finish, job_id, result)
+        except asyncio.CancelledError:  # (a cancelled job is no longer running: kept so)
+            self.store.requeue(job_id)
+            raise
         except ServiceError as exc:
             await asyncio.to_thread(
                 self.store.fail, job_id, {"status": exc.status_code, "detail": exc.detail}
@@ -259,3 +343,12 @@ class JobRunner:
             if expired:
                 log.info("removed expired workspaces", extra={"workspaces": expired})
             await asyncio.sleep(PURGE_INTERVAL_S)
+
+
+def _stored_request(envelope: dict[str, Any], plan: Plan) -> dict[str, Any]:
+    """The request a job stores: ``envelope`` with an inline workspace as its id."""
+    if "workspace" not in envelope:
+        return envelope
+    stored = {k: v for k, v in envelope.items() if k != "workspace"}
+    stored["workspace_id"] = plan.background.workspace_digest
+    return stored

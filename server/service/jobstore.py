@@ -220,8 +220,10 @@ class JobStore:
         *,
         owner: str | None = None,
         max_owned: int = sys.maxsize,
+        running: bool = False,
     ) -> str | Refused:
-        """Store a new queued job of ``owner``; its id, or why not: :attr:`Refused.QUEUE` when
+        """Store a new queued job of ``owner`` (``running``: one already running, its first
+        attempt); its id, or why not: :attr:`Refused.QUEUE` when
         ``max_unfinished`` jobs are already queued or running, :attr:`Refused.OWNER` when
         ``max_owned`` of ``owner``'s are (defaults: no caps; ``max_owned`` needs an owner).
         Counting and inserting are one transaction, so concurrent submissions (also from other
@@ -235,10 +237,21 @@ class JobStore:
                 return Refused.QUEUE
             if owner is not None and self._unfinished_of(owner) >= max_owned:
                 return Refused.OWNER
+            now = time.time()
             self._db.execute(
-                "INSERT INTO jobs (id, operation, status, request, total, created_at, owner) "
-                "VALUES (?, ?, 'queued', ?, ?, ?, ?)",
-                (job_id, operation, json.dumps(request), total, time.time(), owner),
+                "INSERT INTO jobs (id, operation, status, request, total, created_at, owner, "
+                "started_at, attempts) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    job_id,
+                    operation,
+                    "running" if running else "queued",
+                    json.dumps(request),
+                    total,
+                    now,
+                    owner,
+                    now if running else None,
+                    int(running),
+                ),
             )
         return job_id
 

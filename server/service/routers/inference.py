@@ -6,6 +6,10 @@ The body is a bare workspace (as ``pyhf cls`` reads it; options in the query str
 envelope ``{"workspace" | "workspace_id", "patches", "patchset", "patch_names", ...options}``.
 A ``plot`` (envelope field, or ``?plot=<kind>&plot_format=png``) answers that plot of the
 result, an image, instead of the JSON (see ``plotting``).
+
+With ``Prefer: respond-async, wait=N`` (RFC 7240) a request still running after N seconds (0
+when not given) becomes a job and answers 202 with its id and ``Location``, as ``POST /jobs``
+does: the work goes on, with progress, where ``--request-timeout-s`` would have ended it.
 """
 
 from __future__ import annotations
@@ -18,16 +22,17 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from pyhf_gpu_server.plots.errors import PlotAbandonedError
 
 from .. import plotting
 from ..dependencies import StateDep
 from ..errors import RequestTimeout, Unprocessable
+from ..jobrunner import ProgressRelay
 from ..operations import OPERATIONS, Operation
 from ..requests import Plan, envelope_from, parse_json, plan_request
-from ..schemas import BODY_ERRORS, error_responses
+from ..schemas import BODY_ERRORS, JobAccepted, error_responses
 from ..state import ServiceState
 
 router = APIRouter(tags=["inference"])
@@ -140,17 +145,77 @@ async def image_unless_gone(
     return plotting.image(plot, data, name)
 
 
+def respond_async_wait(prefer: str | None) -> float | None:
+    """The seconds to wait before answering 202 that a ``Prefer`` header asks for (RFC 7240:
+    ``respond-async``, optionally ``wait=N``; N = 0 when absent); ``None``: no
+    ``respond-async``.
+
+    >>> respond_async_wait("respond-async, wait=10"), respond_async_wait("respond-async")
+    (10.0, 0.0)
+    >>> respond_async_wait("return=minimal") is None, respond_async_wait(None) is None
+    (True, True)
+    """
+    preferences = {}
+    for part in (prefer or "").split(","):
+        name, _, value = part.partition("=")
+        preferences[name.strip().lower()] = value.strip().strip('"')
+    if "respond-async" not in preferences:
+        return None
+    try:
+        return max(0.0, float(preferences.get("wait") or 0.0))
+    except ValueError:
+        return 0.0
+
+
+async def _adopted(
+    request: Request,
+    state: ServiceState,
+    envelope: dict[str, Any],
+    plan: Plan,
+    run: asyncio.Future[Any],
+    relay: ProgressRelay,
+) -> JSONResponse | None:
+    """The 202 of the running request ``run`` made a job (``None`` when the job caps or the
+    store refuse: it stays synchronous)."""
+    job_id = await state.jobs.adopt(
+        plan.operation.name,
+        envelope,
+        plan,
+        run,
+        relay,
+        caller=request.state.caller,
+        max_per_caller=state.settings.max_jobs_per_caller,
+    )
+    if job_id is None:
+        return None
+    url = f"/jobs/{job_id}"
+    headers = {"Location": url, "Preference-Applied": "respond-async"}
+    body = JobAccepted(id=job_id, status="running", url=url).model_dump()
+    return JSONResponse(body, status_code=202, headers=headers)
+
+
 def _endpoint(operation: Operation):
     """The handler of POST /<operation>."""
 
     async def endpoint(request: Request, state: StateDep) -> Any:
         with state.scheduler.arriving():  # batches wait for this request's rows (bounded)
             plan, plot, envelope = await plan_from_http(request, operation, state)
-            run = asyncio.ensure_future(state.dispatcher.run(plan))
+            relay = ProgressRelay()
+            run = asyncio.ensure_future(state.dispatcher.run(plan, on_progress=relay))
             await asyncio.sleep(0)  # the run announces its own preparation before this ends
         timeout = state.settings.request_timeout_s
+        wait = None if plot is not None else respond_async_wait(request.headers.get("prefer"))
         gone = asyncio.ensure_future(_disconnected(request))
-        done, _ = await asyncio.wait({run, gone}, timeout=timeout, return_when=FIRST_COMPLETED)
+        first = timeout if wait is None else min(wait, timeout)
+        done, _ = await asyncio.wait({run, gone}, timeout=first, return_when=FIRST_COMPLETED)
+        if not done and wait is not None and wait < timeout:
+            accepted = await _adopted(request, state, envelope, plan, run, relay)
+            if accepted is not None:
+                gone.cancel()
+                return accepted
+            done, _ = await asyncio.wait(
+                {run, gone}, timeout=timeout - first, return_when=FIRST_COMPLETED
+            )
         gone.cancel()
         if run in done:
             if plot is not None:
@@ -176,12 +241,22 @@ def _endpoint(operation: Operation):
     return endpoint
 
 
+_ACCEPTED: dict[int | str, dict[str, Any]] = {
+    202: {
+        "model": JobAccepted,
+        "description": "with `Prefer: respond-async[, wait=N]`, still running after N seconds: "
+        "now a job (`Location`: GET it for progress and the result)",
+    }
+}
+
+
 def _responses(operation: Operation) -> dict[int | str, dict[str, Any]]:
-    """The error answers, and the images a ``plot`` answers instead of the JSON."""
+    """The error answers, the job a ``Prefer: respond-async`` request may become, and the
+    images a ``plot`` answers instead of the JSON."""
     if not plotting.PLOTS[operation.name]:
-        return _ERRORS
+        return {**_ACCEPTED, **_ERRORS}
     images: dict[str, dict[str, Any]] = {media: {} for media in plotting.MEDIA_TYPES.values()}
-    return {200: {"content": images}, **_ERRORS}
+    return {200: {"content": images}, **_ACCEPTED, **_ERRORS}
 
 
 for _operation in OPERATIONS.values():
