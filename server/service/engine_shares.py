@@ -8,7 +8,9 @@ workers that take engine shares (:mod:`.local_workers`, ``fork(..., engine=True)
 batch's elements (or a lone element's rows) into shares: one for each idle worker, one for
 the device thread. A worker fits its share's rows on its own warm model of those elements (built from their layouts,
 which travel once per model and worker), the device thread fits its share on the batch's
-model, one intra-op thread each. A row's fits depend on its own element's data only, so its
+model, one intra-op thread each (the device thread also when nothing is shared: a second
+OpenMP thread of it spins against the workers, and against any other process on a shared
+node). A row's fits depend on its own element's data only, so its
 answer is the same (to ~1e-12, as any two stacks holding the element) wherever it is fitted.
 
 A toy row's draws follow its own hypothesis and slice (:mod:`~pyhf_gpu_server.inference.toys`),
@@ -26,7 +28,7 @@ import pickle
 import select
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, cast
 
@@ -85,7 +87,16 @@ class EngineShares:
     def __call__(
         self, context: BatchContext, rows: Sequence[Row], stop: Callable[[], bool] | None = None
     ) -> list[ComputedRow]:
-        """ONE engine call's answers for ``rows``, in their order."""
+        """ONE engine call's answers for ``rows``, in their order, fitted on one intra-op
+        thread: the workers are the other cores' work, and a second OpenMP thread of the device
+        thread spins against them and against any other process on the node."""
+        with intra_op_threads(1):
+            return self._shared(context, rows, stop)
+
+    def _shared(
+        self, context: BatchContext, rows: Sequence[Row], stop: Callable[[], bool] | None
+    ) -> list[ComputedRow]:
+        """:meth:`__call__`: the rows shared with the idle workers, the rest fitted here."""
         units = _units(context, rows)
         helpers = self.workers.idle(len(units) - 1) if len(units) >= MIN_UNITS else []
         if not helpers:
@@ -104,8 +115,7 @@ class EngineShares:
             shared = bool(asked)
             computed: list[ComputedRow | None] = [None] * len(rows)
             start = time.monotonic()
-            with intra_op_threads(1) if asked else nullcontext():
-                mine = run_rows(context, [rows[i] for i in own], stop)
+            mine = run_rows(context, [rows[i] for i in own], stop)
             for i, row in zip(own, mine, strict=True):
                 computed[i] = row
             deadline = time.monotonic() + WAIT_S + WAIT_FACTOR * (time.monotonic() - start)

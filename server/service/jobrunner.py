@@ -142,13 +142,7 @@ class JobRunner:
         self.dispatcher.admit(plan)
         try:
             job_id = await asyncio.to_thread(
-                self.store.create,
-                operation,
-                _stored_request(envelope, plan),
-                plan.n_work_rows,
-                self.max_queued,
-                owner=caller,
-                max_owned=sys.maxsize if max_owned is None else max_owned,
+                self._create, operation, envelope, plan, caller, max_owned
             )
         except StoreError as exc:
             raise Unavailable(f"cannot store the job: {exc}", 60) from None
@@ -182,14 +176,7 @@ class JobRunner:
                     self.workspaces.admit, plan.background.workspace, True, caller
                 )
             job_id = await asyncio.to_thread(
-                self.store.create,
-                operation,
-                _stored_request(envelope, plan),
-                plan.n_work_rows,
-                self.max_queued,
-                owner=caller,
-                max_owned=sys.maxsize if max_owned is None else max_owned,
-                running=True,
+                self._create, operation, envelope, plan, caller, max_owned, True
             )
         except (StoreError, ServiceError) as exc:
             log.warning("a request could not become a job", extra={"error": str(exc)})
@@ -205,6 +192,27 @@ class JobRunner:
         task.add_done_callback(lambda _: self._forget(job_id, task))
         self.changed()
         return job_id
+
+    def _create(
+        self,
+        operation: str,
+        envelope: dict[str, Any],
+        plan: Plan,
+        caller: str | None,
+        max_owned: int | None,
+        running: bool = False,
+    ) -> str | Refused:
+        """Store the job of ``envelope`` (planned as ``plan``), queued or ``running``, within
+        ``--max-queue`` and ``max_owned`` of ``caller``'s (``None``: no cap)."""
+        return self.store.create(
+            operation,
+            _stored_request(envelope, plan),
+            plan.n_work_rows,
+            self.max_queued,
+            owner=caller,
+            max_owned=sys.maxsize if max_owned is None else max_owned,
+            running=running,
+        )
 
     def _forget(self, job_id: str, task: asyncio.Task[None]) -> None:
         """An adopted job's task has ended (its answer stored, or the server stopping)."""
