@@ -156,7 +156,6 @@ class JobRunner:
 
     async def adopt(
         self,
-        operation: str,
         envelope: dict[str, Any],
         plan: Plan,
         run: asyncio.Future[Any],
@@ -176,7 +175,7 @@ class JobRunner:
                     self.workspaces.admit, plan.background.workspace, True, caller
                 )
             job_id = await asyncio.to_thread(
-                self._create, operation, envelope, plan, caller, max_owned, True
+                self._create, plan.operation.name, envelope, plan, caller, max_owned, True
             )
         except (StoreError, ServiceError) as exc:
             log.warning("a request could not become a job", extra={"error": str(exc)})

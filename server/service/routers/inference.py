@@ -178,7 +178,6 @@ async def _adopted(
     """The 202 of the running request ``run`` made a job (``None`` when the job caps or the
     store refuse: it stays synchronous)."""
     job_id = await state.jobs.adopt(
-        plan.operation.name,
         envelope,
         plan,
         run,
