@@ -106,8 +106,16 @@ def error_from_response(response: Any) -> ServerError:
     except (ValueError, UnicodeDecodeError):
         detail = response.text.strip() or response.reason_phrase
     retry_after = parse_retry_after(response.headers.get("Retry-After"))
-    cls = _ERRORS.get(status) or (BadRequestError if 400 <= status < 500 else ServerError)
     method, url = _request_of(response)
+    return server_error(status, detail, method, url, retry_after)
+
+
+def server_error(
+    status: int, detail: Any, method: str = "", url: str = "", retry_after: float | None = None
+) -> ServerError:
+    """The :class:`ServerError` subclass of ``status`` (also for a job's stored error, so that
+    a request the server made a job fails as its answer would have)."""
+    cls = _ERRORS.get(status) or (BadRequestError if 400 <= status < 500 else ServerError)
     return cls(status, detail, method=method, url=url, retry_after=retry_after)
 
 

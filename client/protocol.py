@@ -43,7 +43,13 @@ from ._request import scan_options as scan_options
 from ._response import Response as Response
 from ._response import SSEParser as SSEParser
 from ._response import TransportFailure as TransportFailure
-from ._response import error_from_response, explain_malformed, json_of, parse_retry_after
+from ._response import (
+    error_from_response,
+    explain_malformed,
+    json_of,
+    parse_retry_after,
+    server_error,
+)
 from ._response import transport_error as transport_error
 from .exceptions import (
     BadRequestError,
@@ -239,7 +245,12 @@ def operation_flow(
         if config.on_job_update is not None:
             config.on_job_update(accepted)
         timeout = config.timeout.read if isinstance(config.timeout, Timeout) else None
-        job = yield from wait_flow(accepted.id, config, timeout, on_update=config.on_job_update)
+        try:
+            job = yield from wait_flow(accepted.id, config, timeout, on_update=config.on_job_update)
+        except JobFailedError as exc:  # the error the synchronous answer would have been
+            error = exc.job.error if isinstance(exc.job.error, Mapping) else {}
+            status = int(error.get("status", 500))
+            raise server_error(status, error.get("detail"), "GET", f"/jobs/{accepted.id}") from exc
         return parse_result(operation, job.raw["result"])
     result = parse_result(operation, json_of(response))
     warn_if_doubtful(result)

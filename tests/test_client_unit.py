@@ -421,6 +421,36 @@ def _job(status, done=0, result=None, error=None):
     )
 
 
+def test_a_request_the_server_made_a_job_is_followed_and_fails_as_its_answer_would():
+    """202 (``Prefer: respond-async``, sent with ``job_after``): the job is polled to its end;
+    its result parses as the synchronous answer, its stored 422 raises what a 422 answer
+    raises; ``job_after=None`` sends no preference."""
+    accepted = httpx.Response(202, json={"id": "j1", "status": "running", "url": "/jobs/j1"})
+    service = FakeService(
+        script={
+            "POST /cls": [accepted],
+            "GET /jobs/j1": [_job("running", 2), _job("succeeded", 4, {**CLS_ANSWER, "meta": {}})],
+        }
+    )
+    seen: list[Job] = []
+    with make_client(service, job_after=2.5, on_job_update=seen.append) as client:
+        result = client.cls(simple_workspace(), 1.0)
+    assert isinstance(result, CLsResult) and result.cls_obs == CLS_ANSWER["CLs_obs"]
+    assert service.requests[0].headers["Prefer"] == "respond-async, wait=2.5"
+    assert [job.status for job in seen] == ["running", "running", "succeeded"]
+
+    failed = _job("failed", error={"status": 422, "detail": "no patch could be tested"})
+    service = FakeService(script={"POST /cls": [accepted], "GET /jobs/j1": [failed]})
+    with make_client(service) as client, pytest.raises(pgc.BadRequestError) as raised:
+        client.cls(simple_workspace(), 1.0)
+    assert raised.value.status == 422 and "no patch could be tested" in str(raised.value)
+
+    service = FakeService()
+    with make_client(service, job_after=None) as client:
+        client.cls(simple_workspace(), 1.0)
+    assert "Prefer" not in service.requests[-1].headers
+
+
 def test_submit_wait_with_progress():
     service = FakeService(
         script={
