@@ -27,13 +27,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from peers import run_peer
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -59,7 +59,7 @@ def timed(
     fn: Callable[[], object], device: torch.device, warm: bool = True, budget: float = 3.0
 ) -> tuple[float, object]:
     """Seconds of a call of ``fn`` (after a warm-up call), and its result: the median of up
-    to five calls while they fit in ``budget`` seconds (single calls on this VM vary up to 2x)."""
+    to five calls while they fit in ``budget`` seconds (single calls vary)."""
     if warm:
         fn()
     seconds = []
@@ -226,9 +226,6 @@ print(json.dumps(out))
 """
 
 
-THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
-
-
 def peers(
     peer_names: list[str],
     names: list[str],
@@ -252,15 +249,7 @@ def peers(
             "budget": budget,
         }
         print(f"running peer {peer} ...", flush=True)
-        env = {**os.environ, **{v: str(threads) for v in THREAD_VARIABLES}}
-        proc = subprocess.run(
-            [python, "-c", PEER],
-            input=json.dumps(cfg),
-            capture_output=True,
-            text=True,
-            check=False,
-            env=env,
-        )
+        proc = run_peer(python, PEER, cfg, threads)
         for line in proc.stderr.splitlines():
             if line.startswith("PEER"):
                 print(peer, line[5:], flush=True)

@@ -42,6 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import generate_large
 from bench_patchsets import client_command
+from peers import run_peer
 
 from pyhf_gpu_server.engine import HistFactoryModel
 from pyhf_gpu_server.inference.hypotest import hypotest
@@ -90,13 +91,7 @@ print(json.dumps(out))
 
 def peer(python: str, spec: dict[str, Any], timeout: float, script: str = PEER) -> dict[str, Any]:
     try:
-        proc = subprocess.run(
-            [python, "-c", script],
-            input=json.dumps(spec),
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
+        proc = run_peer(python, script, spec, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"timeout": timeout}
     if proc.returncode:

@@ -54,6 +54,7 @@ import httpx
 from pyhf_gpu_client import Client, WorkspaceId
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from peers import run_peer
 from service_support import ServerProcess, metric_value
 from workspaces import WORKSPACES_DIR as WORKSPACES  # tests/data/workspaces, or the env's
 from workspaces import read_json, workspace_file
@@ -131,16 +132,7 @@ def pyhf_reference(background: Path, patchset: Path) -> dict[str, float]:
 
 
 def nextstat_loops(peer_python: str, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [peer_python, "-c", PEER],
-        input=json.dumps(cases),
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=3600,
-        check=True,
-    )
+    proc = run_peer(peer_python, PEER, cases, threads=1, timeout=3600, check=True)
     return json.loads(proc.stdout)
 
 

@@ -40,7 +40,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from bench_inference import THREAD_VARIABLES, WORKSPACES, load, timed
+from bench_inference import WORKSPACES, load, timed
+from peers import THREAD_VARIABLES, run_peer
 from service_support import running_server
 from workspaces import workspace_file
 
@@ -128,17 +129,8 @@ def nextstat_ranking(python: str, patch: str, threads: int) -> dict | None:
         "patchset": str(workspace_file(WORKSPACES, STAU, "patchset.json")),
         "patch": patch,
     }
-    env = {**os.environ, **{v: str(threads) for v in THREAD_VARIABLES}}
     try:
-        proc = subprocess.run(
-            [python, "-c", NEXTSTAT],
-            input=json.dumps(cfg),
-            capture_output=True,
-            text=True,
-            check=False,
-            env=env,
-            timeout=1800,
-        )
+        proc = run_peer(python, NEXTSTAT, cfg, threads, timeout=1800)
         return json.loads(proc.stdout.strip().splitlines()[-1])
     except (OSError, IndexError, json.JSONDecodeError, subprocess.TimeoutExpired) as exc:
         print(f"NextStat failed: {exc}", flush=True)

@@ -220,6 +220,12 @@ def make_shim(directory: Path) -> Path:
     return directory
 
 
+def smodels_python(args: argparse.Namespace) -> list[str]:
+    """The command prefix of a ``python -c`` in SModelS's environment: niced, and killed after
+    ``--timeout`` seconds."""
+    return ["nice", "-n", "10", "timeout", str(args.timeout), args.smodels_python, "-c"]
+
+
 def run_mode(mode: str, args: argparse.Namespace, work: Path) -> dict:
     env = dict(os.environ)
     if mode == "pyhf-gpu":
@@ -247,13 +253,7 @@ def run_mode(mode: str, args: argparse.Namespace, work: Path) -> dict:
     out = d / "out"
     out.mkdir(exist_ok=True)
     cmd = [
-        "nice",
-        "-n",
-        "10",
-        "timeout",
-        str(args.timeout),
-        args.smodels_python,
-        "-c",
+        *smodels_python(args),
         RUN,
         "-p",
         str(d / "parameters.ini"),
@@ -358,20 +358,8 @@ def main() -> None:
     args.slha = str(Path(args.slha).resolve())
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-smodels-"))
     # a first run pickles the text database (db3.pcl): do it outside the timings
-    subprocess.run(
-        [
-            "nice",
-            "-n",
-            "10",
-            "timeout",
-            str(args.timeout),
-            args.smodels_python,
-            "-c",
-            "import sys; from smodels.experiment.databaseObj import Database; Database(sys.argv[1])",
-            args.database,
-        ],
-        capture_output=True,
-    )
+    load = "import sys; from smodels.experiment.databaseObj import Database; Database(sys.argv[1])"
+    subprocess.run([*smodels_python(args), load, args.database], capture_output=True)
     rows = {}
     for mode in args.modes.split(","):
         print(f"[bench_smodels] {mode} ...", file=sys.stderr, flush=True)

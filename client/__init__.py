@@ -59,9 +59,8 @@ if TYPE_CHECKING:
 
 def __getattr__(name: str) -> Any:
     """``Client`` and ``AsyncClient``, imported with httpx when first asked for (the command
-    line speaks ``http.client`` and never imports httpx, ~45 ms of its start-up), and
-    ``__version__``, read from the installed metadata when asked (``importlib.metadata``
-    costs ~20 ms otherwise)."""
+    line speaks ``http.client`` and never imports httpx), and ``__version__``, read from the
+    installed metadata when asked (importing ``importlib.metadata`` is slow)."""
     if name in ("Client", "AsyncClient"):
         from . import _client
 

@@ -71,6 +71,17 @@ def _job_id(job: Job | str) -> str:
     return job.id if isinstance(job, Job) else str(job)
 
 
+#: a method's arguments that are not envelope fields (see :func:`_body`)
+_NOT_FIELDS = frozenset({"self", "workspace", "operation", "options"})
+
+
+def _body(operation: str, args: dict[str, Any], *skip: str, **given: Any) -> dict[str, Any]:
+    """:func:`~pyhf_gpu_client.protocol.build_options` of a method's arguments (its
+    ``locals()``): its named ones but ``skip`` (``given`` replacing some), then ``**options``."""
+    named = {k: v for k, v in args.items() if k not in _NOT_FIELDS and k not in skip}
+    return p.build_options(operation, **{**named, **given}, **args["options"])
+
+
 class ClientBase:
     """Configuration, state and the API; subclasses provide ``_run`` (the I/O)."""
 
@@ -145,6 +156,11 @@ class ClientBase:
             except TransportError as exc:
                 error = exc
 
+    def _operation(self, operation: str, args: dict[str, Any], **given: Any) -> p.Flow[Result]:
+        """The flow of ``operation`` called with a method's arguments (see :func:`_body`)."""
+        body = _body(operation, args, **given)
+        return p.operation_flow(operation, args["workspace"], body, self.config, self.state)
+
     # ------------------------------------------------------------------ the API, once
 
     @_api
@@ -170,20 +186,7 @@ class ClientBase:
         ``ntoys`` and ``seed`` apply to ``calctype="toybased"`` (server defaults when ``None``).
         ``options`` are passed to the server as further envelope fields.
         """
-        body = p.build_options(
-            "cls",
-            test_poi=test_poi,
-            test_stat=test_stat,
-            calctype=calctype,
-            ntoys=ntoys,
-            seed=seed,
-            measurement=measurement,
-            patches=patches,
-            patchset=patchset,
-            patch_names=patch_names,
-            **options,
-        )
-        return p.operation_flow("cls", workspace, body, self.config, self.state)
+        return self._operation("cls", locals())
 
     @_api
     def fit(
@@ -202,16 +205,8 @@ class ClientBase:
         Returns a :class:`FitResult` (``{patch_name: FitResult}`` with a ``patchset``).
         ``goodness_of_fit=True`` adds its saturated-model :class:`GoodnessOfFit` (cabinetry's).
         """
-        body = p.build_options(
-            "fit",
-            goodness_of_fit=goodness_of_fit or None,  # not sent unless asked for
-            measurement=measurement,
-            patches=patches,
-            patchset=patchset,
-            patch_names=patch_names,
-            **options,
-        )
-        return p.operation_flow("fit", workspace, body, self.config, self.state)
+        # goodness_of_fit is not sent unless asked for
+        return self._operation("fit", locals(), goodness_of_fit=goodness_of_fit or None)
 
     @_api
     def upper_limit(
@@ -232,17 +227,9 @@ class ClientBase:
         ``level`` defaults to the server's (0.05, i.e. 95% CL); ``scan`` (increasing POI values)
         to the engine's automatic scan.
         """
-        body = p.build_options(
-            tables.UPPER_LIMIT,
-            level=level,
-            scan=None if scan is None else [float(v) for v in scan],
-            measurement=measurement,
-            patches=patches,
-            patchset=patchset,
-            patch_names=patch_names,
-            **options,
+        return self._operation(
+            tables.UPPER_LIMIT, locals(), scan=None if scan is None else [float(v) for v in scan]
         )
-        return p.operation_flow(tables.UPPER_LIMIT, workspace, body, self.config, self.state)
 
     @_api
     def significance(
@@ -265,18 +252,7 @@ class ClientBase:
         ``calctype="toybased"`` computes p0 from ``ntoys`` toys drawn with ``seed`` (server
         defaults when ``None``).
         """
-        body = p.build_options(
-            "significance",
-            calctype=calctype,
-            ntoys=ntoys,
-            seed=seed,
-            measurement=measurement,
-            patches=patches,
-            patchset=patchset,
-            patch_names=patch_names,
-            **options,
-        )
-        return p.operation_flow("significance", workspace, body, self.config, self.state)
+        return self._operation("significance", locals())
 
     @_api
     def ranking(
@@ -298,17 +274,7 @@ class ClientBase:
         ``patchset``). ``parameters``: labels to rank (``"lumi"``, ``"staterror_SR[0]"``;
         default every free parameter but the POI); ``top``: only the largest ``top`` impacts.
         """
-        body = p.build_options(
-            "ranking",
-            parameters=[parameters] if isinstance(parameters, str) else parameters,
-            top=top,
-            measurement=measurement,
-            patches=patches,
-            patchset=patchset,
-            patch_names=patch_names,
-            **options,
-        )
-        return p.operation_flow("ranking", workspace, body, self.config, self.state)
+        return self._operation("ranking", locals())
 
     @_api
     def scan(
@@ -338,23 +304,7 @@ class ClientBase:
         ``range_y`` / ``steps_y`` a 2D scan over both grids. Returns a :class:`ScanResult` or
         :class:`Scan2DResult` (``{patch_name: ...}`` with a ``patchset``).
         """
-        body = p.build_options(
-            "scan",
-            parameter=parameter,
-            values=values,
-            range=range,
-            steps=steps,
-            parameter_y=parameter_y,
-            values_y=values_y,
-            range_y=range_y,
-            steps_y=steps_y,
-            measurement=measurement,
-            patches=patches,
-            patchset=patchset,
-            patch_names=patch_names,
-            **options,
-        )
-        return p.operation_flow("scan", workspace, body, self.config, self.state)
+        return self._operation("scan", locals())
 
     @_api
     def yields(
@@ -372,15 +322,7 @@ class ClientBase:
 
         Returns a :class:`YieldsResult` (``{patch_name: ...}`` with a ``patchset``).
         """
-        body = p.build_options(
-            "yields",
-            measurement=measurement,
-            patches=patches,
-            patchset=patchset,
-            patch_names=patch_names,
-            **options,
-        )
-        return p.operation_flow("yields", workspace, body, self.config, self.state)
+        return self._operation("yields", locals())
 
     @_api
     def likelihood(
@@ -410,22 +352,15 @@ class ClientBase:
         fits; ``describe`` adds the model's parameters; ``parameters`` the expected data and
         ``-2 log L`` at that point.
         """
-        body = p.build_options(
+        return self._operation(
             "likelihood",
-            test_poi=test_poi,
+            locals(),
             data=data if isinstance(data, str) else [float(v) for v in data],
-            asimov=asimov,
             free_fit=None if free_fit else False,
             poi_bounds=None if poi_bounds is None else [float(v) for v in poi_bounds],
             describe=describe or None,
             parameters=None if parameters is None else [float(v) for v in parameters],
-            measurement=measurement,
-            patches=patches,
-            patchset=patchset,
-            patch_names=patch_names,
-            **options,
         )
-        return p.operation_flow("likelihood", workspace, body, self.config, self.state)
 
     @_api
     def run_patchset(
@@ -441,8 +376,7 @@ class ClientBase:
 
         Returns ``{patch_name: result}``.
         """
-        body = p.build_options(operation, patchset=patchset, patch_names=patch_names, **options)
-        flow = p.operation_flow(operation, workspace, body, self.config, self.state)
+        flow = self._operation(operation, locals())
         return cast("p.Flow[dict[str, Any]]", flow)  # a patchset's answer: {patch: result}
 
     @_api
@@ -462,14 +396,7 @@ class ClientBase:
         ``options`` as for the blocking methods (``test_poi``, ``test_stat``, ``level``,
         ``parameters``, ``top``, a scan's ``parameter``/``values``/``range``/``steps``, ...).
         """
-        body = p.build_options(
-            operation,
-            measurement=measurement,
-            patches=patches,
-            patchset=patchset,
-            patch_names=patch_names,
-            **options,
-        )
+        body = _body(operation, locals())
         return p.submit_flow(operation, workspace, body, self.config, self.state)
 
     @_api
@@ -545,14 +472,7 @@ class ClientBase:
         renderer's, as for :meth:`plot`. The server answers 422 before any work when ``kind``
         does not fit the request (e.g. ``brazil`` for one ``test_poi``).
         """
-        body = p.build_options(
-            operation,
-            measurement=measurement,
-            patches=patches,
-            patchset=patchset,
-            patch_names=patch_names,
-            **options,
-        )
+        body = _body(operation, locals(), "kind", "format", "plot_options")
         return p.render_flow(
             operation, workspace, body, kind, format, plot_options, self.config, self.state
         )

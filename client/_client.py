@@ -29,6 +29,17 @@ def _httpx_timeout(timeout: p.Timeout | float | None) -> httpx.Timeout:
     )
 
 
+def _httpx_options(client: ClientBase, transport: Any) -> dict[str, Any]:
+    """The arguments of ``httpx.Client`` / ``httpx.AsyncClient`` for ``client``'s settings."""
+    return {
+        "base_url": client.config.server,
+        "headers": client._headers,
+        "timeout": _httpx_timeout(client.config.timeout),
+        "verify": client.config.tls_verify(),
+        "transport": transport,
+    }
+
+
 def _transport_error(exc: httpx.TransportError, request: p.Request) -> TransportError:
     """An httpx transport failure as the client's exception."""
     kind: p.TransportFailure
@@ -62,13 +73,7 @@ class Client(ClientBase):
     ) -> None:
         """Same arguments as :class:`ClientBase`; ``transport`` replaces httpx's (tests)."""
         super().__init__(server, **kwargs)
-        self._http = httpx.Client(
-            base_url=self.config.server,
-            headers=self._headers,
-            timeout=_httpx_timeout(self.config.timeout),
-            verify=self.config.tls_verify(),
-            transport=transport,
-        )
+        self._http = httpx.Client(**_httpx_options(self, transport))
 
     def _run(self, flow: p.Flow[T]) -> T:
         """Drive a flow: send its requests, sleep its sleeps, return its value."""
@@ -124,13 +129,7 @@ class AsyncClient(ClientBase):
     ) -> None:
         """Same arguments as :class:`Client`."""
         super().__init__(server, **kwargs)
-        self._http = httpx.AsyncClient(
-            base_url=self.config.server,
-            headers=self._headers,
-            timeout=_httpx_timeout(self.config.timeout),
-            verify=self.config.tls_verify(),
-            transport=transport,
-        )
+        self._http = httpx.AsyncClient(**_httpx_options(self, transport))
 
     async def _run(self, flow: p.Flow[T]) -> T:
         """Drive a flow with ``await``: the async twin of :meth:`Client._run` (I/O only)."""
@@ -142,7 +141,7 @@ class AsyncClient(ClientBase):
                 return command.value
             outcome, error = None, None
             if isinstance(command, p.Sleep):
-                import asyncio  # here: ~20 ms of every blocking client's start-up otherwise
+                import asyncio  # here: not in every blocking client's start-up
 
                 await asyncio.sleep(command.seconds)
                 continue

@@ -141,10 +141,9 @@ class ClientConfig:
         return self.server.startswith("http://") and not proxied
 
     def tls_verify(self) -> ssl.SSLContext | bool:
-        """httpx's ``verify``: its default (the system's CA certificates, ~20 ms to load) for an
+        """httpx's ``verify``: its default (the system's CA certificates, slow to load) for an
         ``https://`` server or where a proxy may be reached over TLS; for a plain ``http://``
-        server, where no TLS is ever spoken, an empty client context that costs nothing to
-        build."""
+        server, where no TLS is ever spoken, an empty client context that costs nothing."""
         return ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT) if self.plain_http() else True
 
     def headers(self) -> dict[str, str]:

@@ -1,13 +1,12 @@
 """``StdlibClient``: the API of :class:`~pyhf_gpu_client._base.ClientBase` over the standard
 library's ``http.client``, for the command line.
 
-Importing httpx (and httpcore, h11, ...) costs ~45 ms, a third of a command's start-up; a
-command sends a few requests to a plain ``http://`` server and exits, which ``http.client``
-does as well: one keep-alive connection, gzip answers decoded, the connect and read timeouts
-(the read one also bounds sending) and the same errors as :class:`~pyhf_gpu_client.Client`.
-The command line uses it
-wherever :meth:`~pyhf_gpu_client.protocol.ClientConfig.plain_http` holds (no TLS, no proxy
-settings) and httpx's :class:`~pyhf_gpu_client.Client` elsewhere.
+Importing httpx (and httpcore, h11, ...) is a large part of a command's start-up; a command
+sends a few requests to a plain ``http://`` server and exits, which ``http.client`` does as
+well: one keep-alive connection, gzip answers decoded, the connect and read timeouts (the read
+one also bounds sending) and the same errors as :class:`~pyhf_gpu_client.Client`. The command
+line uses it wherever :meth:`~pyhf_gpu_client.protocol.ClientConfig.plain_http` holds (no TLS,
+no proxy settings) and httpx's :class:`~pyhf_gpu_client.Client` elsewhere.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -134,14 +134,24 @@ def _model_and_data(model: ModelLike, data: Sequence[float] | None) -> tuple[Any
     )
 
 
-def _per_parameter(name: str, values: Sequence[Any] | None, default: list[Any], npars: int):
-    """``values`` (or ``default``) as a list of ``npars`` entries (ValueError otherwise)."""
-    if values is None:
-        return list(default)
-    values = list(values)
+def _per_parameter(
+    name: str,
+    values: Sequence[Any] | None,
+    default: list[Any],
+    npars: int,
+    convert: Callable[[Any], Any],
+) -> list[Any]:
+    """``values`` (or ``default``) as a list of ``npars`` entries (ValueError otherwise), each
+    ``convert``-ed."""
+    values = list(default if values is None else values)
     if len(values) != npars:
         raise ValueError(f"{name} has {len(values)} entries; the model has {npars} parameters")
-    return values
+    return [convert(v) for v in values]
+
+
+def _bound(pair: Sequence[float]) -> list[float]:
+    low, high = pair
+    return [float(low), float(high)]
 
 
 def _poi_of(model: Any, poi_name: str | None) -> int | None:
@@ -224,14 +234,7 @@ def workspace_of(
     model without a POI, and settings the measurement cannot say (see
     :func:`_measurement_parameters`).
     """
-    return _problem(
-        model,
-        data,
-        poi_name=poi_name,
-        init_pars=init_pars,
-        fix_pars=fix_pars,
-        par_bounds=par_bounds,
-    ).workspace
+    return _problem(**locals()).workspace
 
 
 def _problem(
@@ -247,20 +250,10 @@ def _problem(
     model, data = _model_and_data(model, data)
     config = model.config
     _check_auxdata(model, data)
-    init = [
-        float(v)
-        for v in _per_parameter("init_pars", init_pars, config.suggested_init(), config.npars)
-    ]
-    fixed = [
-        bool(v)
-        for v in _per_parameter("fix_pars", fix_pars, config.suggested_fixed(), config.npars)
-    ]
-    bounds = [
-        [float(lo), float(hi)]
-        for lo, hi in _per_parameter(
-            "par_bounds", par_bounds, config.suggested_bounds(), config.npars
-        )
-    ]
+    npars = config.npars
+    init = _per_parameter("init_pars", init_pars, config.suggested_init(), npars, float)
+    fixed = _per_parameter("fix_pars", fix_pars, config.suggested_fixed(), npars, bool)
+    bounds = _per_parameter("par_bounds", par_bounds, config.suggested_bounds(), npars, _bound)
     poi_index = _poi_of(model, poi_name)
     if poi_index is None:
         raise ValueError(
@@ -308,44 +301,27 @@ def _refuse(**given: Any) -> None:
             )
 
 
-def _refuse_minuit(strategy: Any, maxiter: Any, tolerance: Any, custom_fit: bool = False) -> None:
-    """:func:`_refuse` of the MINUIT settings every cabinetry fit takes."""
-    _refuse(
-        strategy=(strategy, None),
-        maxiter=(maxiter, None),
-        tolerance=(tolerance, None),
-        custom_fit=(custom_fit, False),
-    )
-
-
 @contextmanager
 def _asking(
-    model: ModelLike,
-    data: Sequence[float] | None,
-    client: ClientBase | None,
-    minuit: tuple[Any, Any, Any] | tuple[Any, Any, Any, bool],
-    *,
-    refuse: Mapping[str, tuple[Any, Any]] | None = None,
-    poi_name: str | None = None,
-    init_pars: Sequence[float] | None = None,
-    fix_pars: Sequence[bool] | None = None,
-    par_bounds: Sequence[Sequence[float]] | None = None,
+    args: Mapping[str, Any], **refuse: tuple[Any, Any]
 ) -> Iterator[tuple[_Problem, ClientBase]]:
-    """What every public function does first, yielding ``(problem, client)``: refuse the
-    options the service does not have (``refuse``'s ``{name: (value, default)}``, then the
-    MINUIT settings ``minuit``, ``(strategy, maxiter, tolerance[, custom_fit])``), build the
-    :class:`_Problem`, and take ``client`` or a :class:`~pyhf_gpu_client.Client` of the usual
-    settings (``$PYHF_GPU_SERVER``, ``$PYHF_GPU_API_TOKEN``), closed afterwards."""
-    _refuse(**(refuse or {}))
-    _refuse_minuit(*minuit)
-    problem = _problem(
-        model,
-        data,
-        poi_name=poi_name,
-        init_pars=init_pars,
-        fix_pars=fix_pars,
-        par_bounds=par_bounds,
+    """What every public function does first with its arguments ``args`` (its ``locals()``),
+    yielding ``(problem, client)``: refuse the options the service does not have (``refuse``'s
+    ``name=(value, default)``, then the MINUIT settings), build the :class:`_Problem`, and
+    take ``client`` or a :class:`~pyhf_gpu_client.Client` of the usual settings
+    (``$PYHF_GPU_SERVER``, ``$PYHF_GPU_API_TOKEN``), closed afterwards."""
+    _refuse(**refuse)
+    _refuse(  # the MINUIT settings every cabinetry fit takes
+        strategy=(args["strategy"], None),
+        maxiter=(args["maxiter"], None),
+        tolerance=(args["tolerance"], None),
+        custom_fit=(args.get("custom_fit", False), False),
     )
+    settings = {
+        name: args.get(name) for name in ("poi_name", "init_pars", "fix_pars", "par_bounds")
+    }
+    problem = _problem(args["model"], args["data"], **settings)
+    client = args["client"]
     if client is not None:
         yield problem, client
         return
@@ -442,16 +418,7 @@ def fit(
         cabinetry's ``FitResults`` in the model's parameter order (``minos_uncertainty`` empty,
         ``goodness_of_fit`` -1 unless asked for).
     """
-    with _asking(
-        model,
-        data,
-        client,
-        (strategy, maxiter, tolerance, custom_fit),
-        refuse={"minos": (minos, None)},
-        init_pars=init_pars,
-        fix_pars=fix_pars,
-        par_bounds=par_bounds,
-    ) as (problem, service):
+    with _asking(locals(), minos=(minos, None)) as (problem, service):
         answer = service.fit(problem.workspace, goodness_of_fit=goodness_of_fit, **problem.options)
     return _fit_results(problem, answer, goodness_of_fit)
 
@@ -485,16 +452,7 @@ def ranking(
     Returns:
         cabinetry's ``RankingResults``, parameters in the model's order without the POI.
     """
-    with _asking(
-        model,
-        data,
-        client,
-        (strategy, maxiter, tolerance, custom_fit),
-        poi_name=poi_name,
-        init_pars=init_pars,
-        fix_pars=fix_pars,
-        par_bounds=par_bounds,
-    ) as (problem, service):
+    with _asking(locals()) as (problem, service):
         answer = service.ranking(problem.workspace, **problem.options)
     if not isinstance(answer, RankingResult):
         raise ValueError(f"unexpected ranking answer: {answer!r:.200}")
@@ -592,15 +550,7 @@ def scan(
     """
     if n_steps < 2:
         raise ValueError(f"n_steps must be at least 2, not {n_steps}")
-    with _asking(
-        model,
-        data,
-        client,
-        (strategy, maxiter, tolerance, custom_fit),
-        init_pars=init_pars,
-        fix_pars=fix_pars,
-        par_bounds=par_bounds,
-    ) as (problem, service):
+    with _asking(locals()) as (problem, service):
         if par_name not in problem.labels:
             raise ValueError(f"parameter {par_name} not found in model")
         index = problem.labels.index(par_name)
@@ -669,17 +619,7 @@ def limit(
         raise ValueError(f"poi_tolerance must be positive, not {poi_tolerance}")
     if bracket is not None and (len(bracket) != 2 or bracket[0] == bracket[1]):
         raise ValueError(f"the two bracket values must not be the same: {bracket}")
-    with _asking(
-        model,
-        data,
-        client,
-        (strategy, maxiter, tolerance),
-        refuse={"maxsteps": (maxsteps, CABINETRY_MAXSTEPS)},
-        poi_name=poi_name,
-        init_pars=init_pars,
-        fix_pars=fix_pars,
-        par_bounds=par_bounds,
-    ) as (problem, service):
+    with _asking(locals(), maxsteps=(maxsteps, CABINETRY_MAXSTEPS)) as (problem, service):
         limits = service.upper_limit(
             problem.workspace, level=1.0 - confidence_level, **problem.options
         )
@@ -746,16 +686,7 @@ def significance(
     Returns:
         cabinetry's ``SignificanceResults``.
     """
-    with _asking(
-        model,
-        data,
-        client,
-        (strategy, maxiter, tolerance),
-        poi_name=poi_name,
-        init_pars=init_pars,
-        fix_pars=fix_pars,
-        par_bounds=par_bounds,
-    ) as (problem, service):
+    with _asking(locals()) as (problem, service):
         answer = service.significance(problem.workspace, **problem.options)
     return SignificanceResults(
         observed_p_value=float(answer.p0_obs),

@@ -12,10 +12,9 @@ and finally returns the parsed result (``StopIteration.value``). A response is r
 so a plot's image (``image_of``) travels the same way as JSON. Workspace upload and
 deduplication, retries with backoff and ``Retry-After`` and job polling live here, request
 building and gzip in ``_request.py``, error mapping and response parsing in ``_response.py``,
-plot options in ``_plot_options.py`` (their names in use as ``protocol.<name>`` re-exported
-here, ``import X as X``), all once; the two clients only differ in how they send a request and
-how they sleep (see ``_client.py``; the command line's ``_stdlib.py`` sends over the standard
-library's ``http.client``). Nothing here imports httpx.
+plot options in ``_plot_options.py`` (re-exported here), all once; the drivers only differ in
+how they send a request and how they sleep (``_client.py``, ``_stdlib.py``). Nothing here
+imports httpx.
 """
 
 from __future__ import annotations

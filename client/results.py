@@ -10,10 +10,22 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
+import types
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol, TypedDict, cast
+from typing import (
+    Any,
+    ClassVar,
+    Protocol,
+    TypedDict,
+    TypeVar,
+    cast,
+    get_args,
+    get_origin,
+    get_type_hints,
+)
 
 from . import tables
 
@@ -103,6 +115,56 @@ def _extra(data: Mapping[str, Any], cls: type, *renamed: str) -> dict[str, Any]:
     return {k: v for k, v in data.items() if k not in known}
 
 
+@functools.cache
+def _field_types(cls: type) -> list[tuple[dataclasses.Field[Any], Any]]:
+    """``cls``'s dataclass fields with their types (resolved annotations)."""
+    hints = get_type_hints(cls)
+    return [(f, hints[f.name]) for f in dataclasses.fields(cls)]
+
+
+def _convert(kind: Any, value: Any) -> Any:
+    """A JSON value as a field of type ``kind``: numbers by :func:`_float` (null: NaN), nested
+    results by their ``from_json``, lists and dicts item by item; null stays ``None`` where
+    ``kind`` allows it."""
+    if get_origin(kind) is types.UnionType:  # X | None
+        if value is None:
+            return None
+        kind = next(m for m in get_args(kind) if m is not type(None))
+    origin, args = get_origin(kind), get_args(kind)
+    if origin is list:
+        return [_convert(args[0], v) for v in value]
+    if origin is dict:
+        return {k: _convert(args[1], v) for k, v in value.items()}
+    if kind is float:
+        return _float(value)
+    if kind is Any:
+        return value
+    if hasattr(kind, "from_json"):
+        return kind.from_json(value)
+    return kind(value)  # str, int, bool
+
+
+def _from_json(cls: type, data: Mapping[str, Any], **parsed: Any) -> Any:
+    """``cls``, a dataclass mirroring the server's JSON, from ``data``: the fields not in
+    ``parsed`` read from their keys by their types (:func:`_convert`); a missing key gives
+    the field's default, NaN for a number, else KeyError; ``meta`` and ``extra`` by
+    :func:`_meta` and :func:`_extra`."""
+    for f, kind in _field_types(cls):
+        if f.name in parsed:
+            continue
+        if f.name == "meta":
+            parsed["meta"] = _meta(data)
+        elif f.name == "extra":
+            parsed["extra"] = _extra(data, cls)
+        elif f.name in data:
+            parsed[f.name] = _convert(kind, data[f.name])
+        elif kind is float:
+            parsed[f.name] = math.nan
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise KeyError(f.name)
+    return cls(**parsed)
+
+
 def _json_value(value: Any) -> Any:
     """A parsed value back to the server's JSON: NaN -> null (as the server sends it), nested
     records by their ``to_json``."""
@@ -117,6 +179,9 @@ def _json_value(value: Any) -> Any:
     return value
 
 
+_R = TypeVar("_R", bound="_Record")
+
+
 class _Record:
     """A result that mirrors the server's JSON field for field (dataclass fields, plus the
     optional ``meta`` and ``extra``): :meth:`to_json` gives that JSON back.
@@ -125,6 +190,11 @@ class _Record:
     """
 
     KEY: ClassVar[str]
+
+    @classmethod
+    def from_json(cls: type[_R], data: Mapping[str, Any]) -> _R:
+        """Parse the server's JSON of this result (see :func:`_from_json`)."""
+        return _from_json(cls, data)
 
     def to_json(self, meta: bool = True) -> dict[str, Any]:
         """The server's JSON of this result (``meta`` included unless ``meta=False``)."""
@@ -161,11 +231,12 @@ class CLsResult:
     def from_json(cls, data: Mapping[str, Any]) -> CLsResult:
         """Parse one server answer (``{"CLs_obs": ..., "CLs_exp": [...], "meta": {...}}``)."""
         poi = (data.get("meta") or {}).get("test_poi")
-        return cls(
+        return _from_json(
+            cls,
+            data,
             cls_obs=_float(data["CLs_obs"]),
             cls_exp=_floats(data.get("CLs_exp", [])),
             test_poi=None if poi is None or isinstance(poi, list) else float(poi),
-            meta=_meta(data),
             extra=_extra(data, cls, "CLs_obs", "CLs_exp"),
         )
 
@@ -187,15 +258,6 @@ class GoodnessOfFit(_Record):
     p_value: float
     delta_twice_nll: float
     ndof: int
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> GoodnessOfFit:
-        """Parse the ``goodness_of_fit`` object of a ``POST /fit`` answer."""
-        return cls(
-            p_value=_float(data.get("p_value")),
-            delta_twice_nll=_float(data.get("delta_twice_nll")),
-            ndof=int(data["ndof"]),
-        )
 
 
 @dataclass
@@ -225,18 +287,7 @@ class FitResult:
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> FitResult:
         """Parse one server answer of ``POST /fit``."""
-        unc, gof = data.get("uncertainties"), data.get("goodness_of_fit")
-        return cls(
-            mle_parameters={k: _floats(v) for k, v in data["mle_parameters"].items()},
-            twice_nll=None if data.get("twice_nll") is None else _float(data["twice_nll"]),
-            uncertainties=None if unc is None else {k: _floats(v) for k, v in unc.items()},
-            corr_mat=None
-            if data.get("corr_mat") is None
-            else [_floats(row) for row in data["corr_mat"]],
-            meta=_meta(data),
-            extra=_extra(data, cls),
-            goodness_of_fit=None if gof is None else GoodnessOfFit.from_json(gof),
-        )
+        return _from_json(cls, data)
 
     def to_pyhf_json(self, value: bool = True, uncertainties: bool = False) -> dict[str, Any]:
         """The keys of ``pyhf fit`` (``twice_nll`` only with ``value``, as ``--value`` does).
@@ -285,12 +336,11 @@ class UpperLimitResult:
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> UpperLimitResult:
         """Parse one server answer of ``POST /upper-limit``."""
-        return cls(
+        return _from_json(
+            cls,
+            data,
             upper_limit_obs=_float(data["upper_limit_obs"]),
             upper_limit_exp=_floats(data.get("upper_limit_exp", [])),
-            level=_float(data.get("level", 0.05)),
-            meta=_meta(data),
-            extra=_extra(data, cls),
         )
 
     def to_pyhf_json(self) -> dict[str, Any]:
@@ -343,15 +393,10 @@ class SignificanceResult:
     def from_json(cls, data: Mapping[str, Any]) -> SignificanceResult:
         """Parse one server answer of ``POST /significance`` (key spellings are tolerated)."""
         used = [next((n for n in names if n in data), names[0]) for names in cls._ALIASES.values()]
-        p0_obs, p0_exp, z_obs, z_exp = (_float(data.get(name)) for name in used)
-        band = data.get("p0_exp_set")
-        return cls(
-            p0_obs=p0_obs,
-            p0_exp=p0_exp,
-            z_obs=z_obs,
-            z_exp=z_exp,
-            p0_exp_set=None if band is None else _floats(band),
-            meta=_meta(data),
+        return _from_json(
+            cls,
+            data,
+            **{key: _float(data.get(name)) for key, name in zip(cls._ALIASES, used, strict=True)},
             extra=_extra(data, cls, *used),
             keys=(used[0], used[1], used[2], used[3]),
         )
@@ -388,15 +433,8 @@ class LikelihoodResult(_Record):
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> LikelihoodResult:
-        return cls(
-            test_poi=_float(data["test_poi"]),
-            data=dict(data["data"]),
-            asimov=data.get("asimov"),
-            model=data.get("model"),
-            at_parameters=data.get("at_parameters"),
-            meta=_meta(data),
-            extra=_extra(data, cls),
-        )
+        """Parse one server answer of ``POST /likelihood``."""
+        return _from_json(cls, data, test_poi=_float(data["test_poi"]))
 
 
 @dataclass
@@ -406,10 +444,6 @@ class PoiEstimate(_Record):
     name: str
     bestfit: float
     uncertainty: float
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> PoiEstimate:
-        return cls(str(data["name"]), _float(data.get("bestfit")), _float(data.get("uncertainty")))
 
 
 @dataclass
@@ -461,18 +495,9 @@ class RankingResult(_Record):
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> RankingResult:
         """Parse one server answer of ``POST /ranking``."""
-        labels = [str(label) for label in data["labels"]]
-        converged = data.get("fits_converged")
-        return cls(
-            labels=labels,
-            **{name: _floats(data[name]) for name in cls.NUMBERS},
-            fits_converged=[True] * len(labels)
-            if converged is None
-            else [bool(v) for v in converged],
-            poi=PoiEstimate.from_json(data["poi"]),
-            meta=_meta(data),
-            extra=_extra(data, cls),
-        )
+        if data.get("fits_converged") is None:  # not sent: all converged
+            return _from_json(cls, data, fits_converged=[True] * len(data["labels"]))
+        return _from_json(cls, data)
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -543,19 +568,6 @@ class ScanResult(_Record):
 
     KEY: ClassVar[str] = "delta_nlls"
 
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> ScanResult:
-        """Parse one 1D answer of ``POST /scan``."""
-        return cls(
-            name=str(data["name"]),
-            bestfit=_float(data.get("bestfit")),
-            uncertainty=_float(data.get("uncertainty")),
-            parameter_values=_floats(data["parameter_values"]),
-            delta_nlls=_floats(data["delta_nlls"]),
-            meta=_meta(data),
-            extra=_extra(data, cls),
-        )
-
     def points(self) -> list[tuple[float, float]]:
         """``(value, delta_nll)`` per grid point."""
         return list(zip(self.parameter_values, self.delta_nlls, strict=True))
@@ -592,20 +604,6 @@ class Scan2DResult(_Record):
         """Whether ``data`` is one 2D scan answer (a 1D one has ``name``)."""
         return cls.KEY in data and ScanResult.KEY in data
 
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> Scan2DResult:
-        """Parse one 2D answer of ``POST /scan``."""
-        return cls(
-            names=[str(n) for n in data["names"]],
-            bestfit=_floats(data["bestfit"]),
-            uncertainty=_floats(data["uncertainty"]),
-            correlation=_float(data.get("correlation")),
-            parameter_values=[_floats(axis) for axis in data["parameter_values"]],
-            delta_nlls=[_floats(row) for row in data["delta_nlls"]],
-            meta=_meta(data),
-            extra=_extra(data, cls),
-        )
-
     def points(self) -> list[tuple[float, float, float]]:
         """``(x, y, delta_nll)`` per grid point, x outer."""
         xs, ys = self.parameter_values
@@ -630,15 +628,6 @@ class SampleYields(_Record):
     channel_yield: float
     channel_stdev: float
 
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> SampleYields:
-        return cls(
-            yields=_floats(data["yields"]),
-            stdev=_floats(data["stdev"]),
-            channel_yield=_float(data.get("channel_yield")),
-            channel_stdev=_float(data.get("channel_stdev")),
-        )
-
 
 @dataclass
 class ChannelYields(_Record):
@@ -656,16 +645,6 @@ class ChannelYields(_Record):
     total: SampleYields
     data: list[float]
     channel_data: float
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> ChannelYields:
-        return cls(
-            bins=int(data["bins"]),
-            samples={k: SampleYields.from_json(v) for k, v in data["samples"].items()},
-            total=SampleYields.from_json(data["total"]),
-            data=_floats(data["data"]),
-            channel_data=_float(data.get("channel_data")),
-        )
 
     def rows(self) -> list[tuple[str, list[float], list[float] | None]]:
         """``(sample, values, stdevs)`` for every sample, then ``total``, then ``data``
@@ -710,15 +689,6 @@ class YieldsResult(_Record):
     FITS: ClassVar[tuple[str, str]] = ("prefit", "postfit")
     #: the columns of :meth:`rows` (and of ``pyhf-gpu-client yields --format csv``)
     COLUMNS: ClassVar[tuple[str, ...]] = ("fit", "channel", "sample", "bin", "yield", "stdev")
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> YieldsResult:
-        """Parse one server answer of ``POST /yields``."""
-        parts = {
-            fit: {name: ChannelYields.from_json(c) for name, c in data[fit].items()}
-            for fit in cls.FITS
-        }
-        return cls(**parts, meta=_meta(data), extra=_extra(data, cls))
 
     @property
     def channels(self) -> list[str]:

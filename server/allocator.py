@@ -1,23 +1,19 @@
 """glibc ``malloc`` thresholds for the engine's CPU tensors: a process setting.
 
-A CPU fit allocates and frees intermediates of a few hundred kilobytes to a few megabytes per
-operation (``[rows, normsys entries]`` arrays, Jacobians). glibc serves allocations above its
-``mmap`` threshold (128 KiB, adjusted upwards as such blocks are freed) with fresh ``mmap``
-pages and returns freed heap memory above its trim threshold to the system, so the engine
-keeps paying page faults for memory it just gave back. With the thresholds raised, freed
-blocks are reused instead, which shortens the fits whose temporaries are that large (the
-figures: BENCHMARKS.md, "Figures behind defaults"). The price: up to :data:`TRIM_THRESHOLD`
-of freed memory stays with the process.
+A CPU fit allocates and frees intermediates of up to a few megabytes per operation. glibc
+serves allocations above its ``mmap`` threshold with fresh pages and returns freed heap memory
+above its trim threshold to the system, so the engine keeps paying page faults for memory it
+just gave back. With the thresholds raised, freed blocks are reused instead (BENCHMARKS.md,
+"Figures behind defaults"); the price: up to :data:`TRIM_THRESHOLD` of freed memory stays
+with the process.
 
-One arena (``M_ARENA_MAX`` 1): glibc gives each thread that meets contention its own arena,
-and ``malloc_trim`` does not shrink those arenas' tops, so what the server's threads freed
-(large request bodies, inflated in parallel) stayed with the process. With one arena, and a
-trim after each large body, it goes back, at no measurable cost in speed (BENCHMARKS.md).
+One arena (``M_ARENA_MAX`` 1): ``malloc_trim`` does not shrink the tops of the arenas glibc
+gives contending threads, so what the server's threads freed (large request bodies, inflated
+in parallel) stayed with the process; with one arena, and a trim after each large body, it
+goes back.
 
-The server (``pyhf-gpu-server``) and the Dask worker plugin apply it at start-up, as they set
-the garbage collector's thresholds and BLAS's threads (:mod:`pyhf_gpu_server.blas`); a library
-user may call :func:`tune_cpu_allocator`. Nothing else in the package touches process-wide
-state.
+The server (``pyhf-gpu-server``) and the Dask worker plugin apply it at start-up, with BLAS's
+threads (:mod:`pyhf_gpu_server.blas`); a library user may call :func:`tune_cpu_allocator`.
 """
 
 from __future__ import annotations
@@ -61,7 +57,8 @@ def glibc_function(name: str):
 
 def tune_cpu_allocator() -> bool:
     """Raise glibc's ``malloc`` thresholds (:data:`MMAP_THRESHOLD`, :data:`TRIM_THRESHOLD`,
-    :data:`TOP_PAD`) and keep one arena (:data:`ARENA_MAX`); whether it applied (False off Linux or without glibc's ``mallopt``).
+    :data:`TOP_PAD`) and keep one arena (:data:`ARENA_MAX`); whether it applied (False off
+    Linux or without glibc's ``mallopt``).
 
     >>> isinstance(tune_cpu_allocator(), bool)
     True

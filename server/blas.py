@@ -1,11 +1,9 @@
 """numpy's and scipy's OpenBLAS kept to one thread: a process setting.
 
-The engine's CPU fits run on torch's own thread pool, one thread per core. numpy and scipy
-each bring an OpenBLAS with a pool of their own, and after a product large enough to be
-threaded its workers spin-wait on those same cores for a while. One such product while
-stacking a model, right before its engine call, slowed that engine call (BENCHMARKS.md,
-"Figures behind defaults"). The host-side numpy work (translating, stacking, plotting) is
-small enough for one thread.
+The engine's CPU fits run on torch's own thread pool, one thread per core. numpy's and
+scipy's OpenBLAS threads, after a threaded product, spin-wait on those same cores and slow
+the next engine call (BENCHMARKS.md, "Figures behind defaults"); the host-side numpy work
+(translating, stacking, plotting) is small enough for one thread.
 
 The server (``pyhf-gpu-server``) and the Dask worker plugin apply it at start-up, with the
 allocator's thresholds (:mod:`pyhf_gpu_server.allocator`); a library user may call

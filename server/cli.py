@@ -19,11 +19,9 @@ from pyhf_gpu_server.service.middleware import header_deadline_protocol
 from pyhf_gpu_server.service.settings import settings_from_args
 from pyhf_gpu_server.service.state import resolve_device
 
-# The server keeps published workspaces, their translations and warm models in memory: hundreds
-# of thousands of Python objects that live for hours. With CPython's default thresholds
-# (700, 10, 10) every large request (a 2 MB patchset: 200k new objects) pays several full
-# collections over all of them (parsing it: 0.2 s instead of 0.016 s). Young objects are still
-# collected, just in larger steps.
+# The server keeps hundreds of thousands of long-lived objects (workspaces, translations, warm
+# models): with CPython's default thresholds every large request pays several full collections
+# over all of them. Young objects are still collected, in larger steps.
 GC_THRESHOLDS = (50_000, 20, 100)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -12,6 +13,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import httpx
+from click.testing import CliRunner
+
+from pyhf_gpu_client import cli
 
 CLS_ANSWER = {
     "CLs_obs": 0.3599845631401915,
@@ -51,6 +55,43 @@ def simple_workspace(signal: float = 5.0) -> dict[str, Any]:
         "measurements": [{"name": "Measurement", "config": {"poi": "mu", "parameters": []}}],
         "version": "1.0.0",
     }
+
+
+def run_cli(url: str, *args: str) -> str:
+    """``pyhf-gpu-client ARGS`` in-process (click's CliRunner) against the server at ``url``;
+    its stdout (exit code 0 asserted)."""
+    res = CliRunner().invoke(cli.main, list(args), env={"PYHF_GPU_SERVER": url})
+    assert res.exit_code == 0, res.output
+    return res.stdout
+
+
+def assert_pyhf_format(text: str) -> Any:
+    """The JSON of ``text``, asserted printed exactly as pyhf prints:
+    ``json.dumps(obj, indent=4, sort_keys=True)`` and a newline."""
+    obj = json.loads(text)
+    assert text == json.dumps(obj, indent=4, sort_keys=True) + "\n"
+    return obj
+
+
+def assert_close(
+    ours: Any, theirs: Any, tol: float = 1e-4, rel_tol: float = 0.0, path: str = ""
+) -> None:
+    """Same structure and keys; numbers within ``tol`` (absolute) or ``rel_tol`` (relative),
+    anything else (null, strings) equal."""
+    if isinstance(theirs, dict):
+        assert isinstance(ours, dict) and sorted(ours) == sorted(theirs), path
+        for key in theirs:
+            assert_close(ours[key], theirs[key], tol, rel_tol, f"{path}/{key}")
+    elif isinstance(theirs, list):
+        assert isinstance(ours, list) and len(ours) == len(theirs), path
+        for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+            assert_close(a, b, tol, rel_tol, f"{path}/{i}")
+    elif isinstance(theirs, int | float):
+        assert math.isclose(ours, theirs, rel_tol=rel_tol, abs_tol=tol), (
+            f"{path}: {ours} vs {theirs}"
+        )
+    else:
+        assert ours == theirs, f"{path}: {ours} vs {theirs}"
 
 
 def body_of(request: httpx.Request) -> Any:

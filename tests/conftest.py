@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 
 import pytest
+from service_support import ServerProcess, running_server
 from workspaces import ENV, REPO_ROOT, WORKSPACE_NAMES, WORKSPACES_DIR, read_json
 
 from pyhf_gpu_server.allocator import tune_cpu_allocator
@@ -65,6 +67,14 @@ def slow_modules_first(items: list[pytest.Item]) -> list[pytest.Item]:
     """
     slow = {item.module for item in items if item.get_closest_marker("slow") is not None}
     return sorted(items, key=lambda item: item.module not in slow)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A ``pyhf-gpu-server`` subprocess with its default settings for the module (a module
+    that needs other settings defines its own ``server``)."""
+    with running_server(tmp_path_factory.mktemp("server")) as started:
+        yield started
 
 
 @pytest.fixture(scope="module")

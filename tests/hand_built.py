@@ -7,6 +7,17 @@ import copy
 import numpy as np
 
 
+def lumi_setting(sigma: float, bounds: tuple[float, float], nominal: float = 1.0) -> dict:
+    """A measurement's ``lumi`` parameter: auxdata and init ``nominal``, width ``sigma``."""
+    return {
+        "name": "lumi",
+        "auxdata": [nominal],
+        "sigmas": [sigma],
+        "bounds": [list(bounds)],
+        "inits": [nominal],
+    }
+
+
 def all_modifiers_workspace() -> dict:
     """Two channels; normfactor, lumi, shapefactor, staterror (one bin without uncertainty,
     one shared by both channels), shapesys (one bin without nominal), normsys and histosys
@@ -100,13 +111,7 @@ def all_modifiers_workspace() -> dict:
                 "config": {
                     "poi": "mu",
                     "parameters": [
-                        {
-                            "name": "lumi",
-                            "auxdata": [1.0],
-                            "sigmas": [0.025],
-                            "bounds": [[0.8, 1.2]],
-                            "inits": [1.0],
-                        },
+                        lumi_setting(0.025, (0.8, 1.2)),
                         {"name": "mu", "bounds": [[0.0, 8.0]], "inits": [0.7]},
                         {"name": "jes", "inits": [0.3], "bounds": [[-4.0, 4.0]]},
                         {"name": "res", "fixed": True, "inits": [0.2]},
@@ -118,15 +123,7 @@ def all_modifiers_workspace() -> dict:
                 "name": "other_poi",
                 "config": {
                     "poi": "bkg1_norm",
-                    "parameters": [
-                        {
-                            "name": "lumi",
-                            "auxdata": [0.98],
-                            "sigmas": [0.04],
-                            "bounds": [[0.5, 1.5]],
-                            "inits": [0.98],
-                        }
-                    ],
+                    "parameters": [lumi_setting(0.04, (0.5, 1.5), nominal=0.98)],
                 },
             },
         ],

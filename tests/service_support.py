@@ -133,6 +133,13 @@ class ServerProcess:
                 self.process.wait()
         return self.process.returncode
 
+    def memory_mb(self, key: str = "VmRSS") -> float:
+        """The process's resident memory (``VmRSS``) or its peak (``VmHWM``) in MiB."""
+        assert self.process is not None
+        status = Path(f"/proc/{self.process.pid}/status").read_text()
+        line = next(line for line in status.splitlines() if line.startswith(f"{key}:"))
+        return int(line.split()[1]) / 1024
+
     def client(self, token: str | None = None, timeout_s: float = 120.0) -> httpx.Client:
         """An httpx client for this server."""
         headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -293,7 +300,7 @@ def running_cluster_server(
 def own_histosys_channels_workspace(channels: int) -> dict:
     """``channels`` one-bin channels, each with its own sample carrying its own histosys (and
     the POI): a ~60 kB body for 300 channels whose layout, each sample over every histosys
-    parameter and bin of the model, grows with the cube of the channels (#37: 3.2 GB, 43 s)."""
+    parameter and bin of the model, grows with the cube of the channels (#37)."""
     return {
         "channels": [
             {
@@ -321,29 +328,31 @@ def own_histosys_channels_workspace(channels: int) -> dict:
     }
 
 
-def unique_normfactor_patchset(background: dict, patches: int) -> dict:
-    """A patchset on ``background`` (``simple_workspace``) whose every patch adds a uniquely
-    named normfactor to the background sample: stacked whole, a model with the union of them
-    all."""
+def patchset_of(
+    background: dict, patches: Sequence[tuple[str, list]], description: str = "test patches"
+) -> dict:
+    """A patchset on ``background`` of the ``(name, JSON Patch operations)`` pairs, the
+    k-th with the value ``k``."""
     return {
         "metadata": {
-            "description": "unique modifiers",
+            "description": description,
             "digests": {"sha256": pyhf.utils.digest(background)},
             "labels": ["k"],
             "references": {"hepdata": "ins1234567"},
         },
         "patches": [
-            {
-                "metadata": {"name": f"p{k}", "values": [k]},
-                "patch": [
-                    {
-                        "op": "add",
-                        "path": "/channels/0/samples/1/modifiers/-",
-                        "value": {"name": f"extra_{k}", "type": "normfactor", "data": None},
-                    }
-                ],
-            }
-            for k in range(patches)
+            {"metadata": {"name": name, "values": [k]}, "patch": operations}
+            for k, (name, operations) in enumerate(patches)
         ],
         "version": "1.0.0",
     }
+
+
+def unique_normfactor_patchset(background: dict, patches: int) -> dict:
+    """A patchset on ``background`` (``simple_workspace``) whose every patch adds a uniquely
+    named normfactor to the background sample: stacked whole, a model with the union of them
+    all."""
+    path = "/channels/0/samples/1/modifiers/-"
+    extra = ({"name": f"extra_{k}", "type": "normfactor", "data": None} for k in range(patches))
+    added = [(f"p{k}", [{"op": "add", "path": path, "value": v}]) for k, v in enumerate(extra)]
+    return patchset_of(background, added, "unique modifiers")

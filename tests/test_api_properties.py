@@ -20,7 +20,6 @@ the run short.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlencode
 
@@ -33,7 +32,7 @@ from schemathesis.specs.openapi.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
-from service_support import ServerProcess, running_server, simple_workspace, wait_for_job
+from service_support import ServerProcess, simple_workspace, wait_for_job
 
 from pyhf_gpu_server.service.app import create_app
 from pyhf_gpu_server.service.settings import Settings
@@ -46,12 +45,6 @@ MEASUREMENT = simple_workspace()["measurements"][0]["name"]
 CHECKS = [not_a_server_error, status_code_conformance, response_schema_conformance]
 OPENAPI = create_app(Settings()).openapi()
 schema = schemathesis.openapi.from_dict(OPENAPI)
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    with running_server(tmp_path_factory.mktemp("api-properties")) as started:
-        yield started
 
 
 @pytest.fixture(scope="module")

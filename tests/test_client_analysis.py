@@ -17,24 +17,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from click.testing import CliRunner
-from service_support import SMALL, WORKSPACES, running_server
+from client_support import assert_close, assert_pyhf_format, run_cli
+from service_support import SMALL, WORKSPACES
 from workspaces import read_json, workspace_file
 
 import pyhf_gpu_client as pgc
-from pyhf_gpu_client import cli
 
 FOLDER = WORKSPACES / SMALL
 BKG = str(workspace_file(FOLDER, "BkgOnly.json"))
 PATCHSET = str(workspace_file(FOLDER, "patchset.json"))
 
 pytestmark = pytest.mark.skipif(not FOLDER.exists(), reason="shared workspaces not present")
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with running_server(tmp_path_factory.mktemp("server")) as process:
-        yield process.url
 
 
 @pytest.fixture(scope="module")
@@ -53,39 +46,13 @@ def patch(tmp_path_factory) -> str:
     return str(path)
 
 
-def run(server: str, *args: str) -> str:
-    """``pyhf-gpu-client ARGS`` in-process; its stdout (exit code 0 asserted)."""
-    res = CliRunner().invoke(cli.main, list(args), env={"PYHF_GPU_SERVER": server})
-    assert res.exit_code == 0, res.output
-    return res.stdout
-
-
-def run_json(server: str, *args: str) -> Any:
-    """As :func:`run`, the output parsed (printed as pyhf prints: indent=4, sorted keys)."""
-    text = run(server, *args)
-    obj = json.loads(text)
-    assert text == json.dumps(obj, indent=4, sort_keys=True) + "\n"
-    return obj
+def run_json(url: str, *args: str) -> Any:
+    """As ``run_cli``, the output parsed (printed as pyhf prints: indent=4, sorted keys)."""
+    return assert_pyhf_format(run_cli(url, *args))
 
 
 def patchset_args(names: list[str]) -> list[str]:
     return ["--patchset", PATCHSET, *[a for n in names for a in ("--patch-name", n)]]
-
-
-def assert_close(ours: Any, theirs: Any, tol: float = 1e-9) -> None:
-    """Same structure, numbers within ``tol`` (null as null)."""
-    if isinstance(theirs, dict):
-        assert sorted(ours) == sorted(theirs)
-        for key in theirs:
-            assert_close(ours[key], theirs[key], tol)
-    elif isinstance(theirs, list):
-        assert len(ours) == len(theirs)
-        for a, b in zip(ours, theirs, strict=True):
-            assert_close(a, b, tol)
-    elif isinstance(theirs, float):
-        assert math.isclose(ours, theirs, rel_tol=tol, abs_tol=tol), (ours, theirs)
-    else:
-        assert ours == theirs
 
 
 def impacts(ranking: dict[str, Any]) -> list[float]:
@@ -99,7 +66,7 @@ def impacts(ranking: dict[str, Any]) -> list[float]:
 
 
 def test_ranking_sorted_by_impact_per_patch(server, names, patch):
-    both = run_json(server, "ranking", BKG, *patchset_args(names))
+    both = run_json(server.url, "ranking", BKG, *patchset_args(names))
     assert sorted(both) == sorted(names)
     for name in names:
         ranking = both[name]
@@ -112,27 +79,27 @@ def test_ranking_sorted_by_impact_per_patch(server, names, patch):
         parsed = pgc.RankingResult.from_json(ranking)
         assert parsed.sorted().labels == parsed.labels
     # one patch, the largest three: the head of the same ranking
-    top = run_json(server, "ranking", BKG, "-p", patch, "--top", "3")
+    top = run_json(server.url, "ranking", BKG, "-p", patch, "--top", "3")
     assert top["labels"] == both[names[0]]["labels"][:3]
-    assert_close(top["postfit_up"], both[names[0]]["postfit_up"][:3], tol=1e-6)
-    chosen = run_json(server, "ranking", BKG, "-p", patch, "--parameter", "lumi")
+    assert_close(top["postfit_up"], both[names[0]]["postfit_up"][:3], 1e-6, 1e-6)
+    chosen = run_json(server.url, "ranking", BKG, "-p", patch, "--parameter", "lumi")
     assert chosen["labels"] == ["lumi"]
 
 
 def test_submitted_ranking_equals_the_synchronous_one(server, patch):
     args = ["ranking", BKG, "-p", patch, "--top", "5"]
-    direct = run_json(server, *args)
-    job_id = run(server, "jobs", "submit", *args).strip()
-    waited = run_json(server, "jobs", "wait", job_id, "--wait-timeout", "120")
+    direct = run_json(server.url, *args)
+    job_id = run_cli(server.url, "jobs", "submit", *args).strip()
+    waited = run_json(server.url, "jobs", "wait", job_id, "--wait-timeout", "120")
     assert waited["labels"] == direct["labels"]
-    assert_close(waited, direct)
+    assert_close(waited, direct, 1e-9, 1e-9)
 
 
 # -------------------------------------------------------------------------------------- scan
 
 
 def test_scan_1d(server, patch):
-    scan = run_json(server, "scan", BKG, "-p", patch, "--range", "0", "2", "--steps", "5")
+    scan = run_json(server.url, "scan", BKG, "-p", patch, "--range", "0", "2", "--steps", "5")
     assert scan["name"] == "mu_SIG"
     assert scan["parameter_values"] == [0.0, 0.5, 1.0, 1.5, 2.0]
     assert len(scan["delta_nlls"]) == 5
@@ -145,7 +112,7 @@ def test_scan_1d(server, patch):
 
 def test_scan_2d(server, patch):
     scan = run_json(
-        server,
+        server.url,
         "scan",
         BKG,
         "-p",
@@ -161,7 +128,7 @@ def test_scan_2d(server, patch):
         "3",
     )
     assert scan["names"] == ["mu_SIG", "lumi"]
-    assert_close(scan["parameter_values"], [[0.0, 1.0, 2.0], [0.95, 1.0, 1.05]])
+    assert_close(scan["parameter_values"], [[0.0, 1.0, 2.0], [0.95, 1.0, 1.05]], 1e-9, 1e-9)
     assert len(scan["delta_nlls"]) == 3 and all(len(row) == 3 for row in scan["delta_nlls"])
     x, y, lowest = pgc.Scan2DResult.from_json(scan).minimum()
     assert abs(lowest) < 1e-4 and (x, y) == (0.0, 1.0)
@@ -179,7 +146,7 @@ def test_yields_table_csv_and_json(server, patch, tmp_path):
     channels, samples = model.config.channels, model.config.samples
     bins = model.config.channel_nbins
 
-    table = run(server, "yields", BKG, "-p", patch, "--format", "table")
+    table = run_cli(server.url, "yields", BKG, "-p", patch, "--format", "table")
     for fit in ("prefit", "postfit"):
         for channel in channels:
             assert f"{fit} yields, channel {channel}:" in table
@@ -188,7 +155,10 @@ def test_yields_table_csv_and_json(server, patch, tmp_path):
 
     out = tmp_path / "yields.csv"
     assert (
-        run(server, "yields", BKG, "-p", patch, "--format", "csv", "--output-file", str(out)) == ""
+        run_cli(
+            server.url, "yields", BKG, "-p", patch, "--format", "csv", "--output-file", str(out)
+        )
+        == ""
     )
     rows = list(csv.DictReader(out.open(newline="")))
     per_fit = sum((len(samples) + 2) * bins[c] for c in channels)  # samples, total, data
@@ -199,7 +169,7 @@ def test_yields_table_csv_and_json(server, patch, tmp_path):
     observed = {o["name"]: o["data"][0] for o in bkg["observations"]}
     assert data == observed  # one bin per channel in this analysis
 
-    result = run_json(server, "yields", BKG, "-p", patch)
+    result = run_json(server.url, "yields", BKG, "-p", patch)
     parsed = pgc.YieldsResult.from_json(result)
     assert parsed.to_json() == result
     for channel in channels:
@@ -212,13 +182,13 @@ def test_yields_table_csv_and_json(server, patch, tmp_path):
 
 
 def test_fit_goodness_of_fit(server, names, patch):
-    fit = run_json(server, "fit", BKG, "-p", patch, "--goodness-of-fit")
+    fit = run_json(server.url, "fit", BKG, "-p", patch, "--goodness-of-fit")
     gof = fit["goodness_of_fit"]
     assert set(gof) == {"p_value", "delta_twice_nll", "ndof"}
     assert 0.0 <= gof["p_value"] <= 1.0 and gof["delta_twice_nll"] >= -1e-9
     assert isinstance(gof["ndof"], int)
-    plain = run_json(server, "fit", BKG, "-p", patch)
+    plain = run_json(server.url, "fit", BKG, "-p", patch)
     assert "goodness_of_fit" not in plain
-    batch = run_json(server, "fit", BKG, *patchset_args(names), "--goodness-of-fit")
+    batch = run_json(server.url, "fit", BKG, *patchset_args(names), "--goodness-of-fit")
     assert sorted(batch) == sorted(names)
     assert all(0.0 <= batch[n]["goodness_of_fit"]["p_value"] <= 1.0 for n in names)

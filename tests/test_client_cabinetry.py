@@ -26,7 +26,7 @@ import cabinetry
 import numpy as np
 import pyhf
 import pytest
-from service_support import load, running_server, simple_workspace
+from service_support import ServerProcess, load, simple_workspace
 
 from pyhf_gpu_client import BeyondBoundsWarning, Client
 from pyhf_gpu_client import cabinetry as gpu_cabinetry
@@ -44,14 +44,8 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with running_server(tmp_path_factory.mktemp("cabinetry")) as process:
-        yield process.url
-
-
-@pytest.fixture(scope="module")
-def client(server: str) -> Iterator[Client]:
-    with Client(server, timeout=600) as c:
+def client(server: ServerProcess) -> Iterator[Client]:
+    with Client(server.url, timeout=600) as c:
         yield c
 
 
@@ -273,7 +267,7 @@ def test_fix_pars_and_asimov_data_as_cabinetry(small, client, server, monkeypatc
     for k, label in enumerate(model.config.par_names):
         if label.startswith("uncorr_bkguncrt"):
             init[k], fixed[k] = 1.05, True
-    monkeypatch.setenv("PYHF_GPU_SERVER", server)
+    monkeypatch.setenv("PYHF_GPU_SERVER", server.url)
     ours = gpu_cabinetry.fit(model, asimov, init_pars=init, fix_pars=fixed)
     theirs = cabinetry.fit.fit(
         model, asimov, init_pars=init, fix_pars=fixed, tolerance=MINUIT_TOLERANCE

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from client_support import assert_close, assert_pyhf_format
 from service_support import running_server
 from workspaces import WORKSPACES_DIR, read_json, workspace_file
 
@@ -32,6 +33,8 @@ from pyhf.cli import cli as pyhf_cli  # noqa: E402
 from pyhf_global import pyhf_upper_limit  # noqa: E402
 
 SHARED = WORKSPACES_DIR / "atlas-susy-2018-31-sbottom-B"
+SHARED_BKG = str(workspace_file(SHARED, "BkgOnly.json"))
+SHARED_PATCHSET = str(workspace_file(SHARED, "patchset.json"))
 TOKEN = "e2e-token"
 TOL = 1e-4
 CLIENT_EXE = Path(sys.executable).with_name("pyhf-gpu-client")
@@ -109,27 +112,6 @@ def pyhf_cli_run(*args: str) -> str:
     res = CliRunner().invoke(pyhf_cli, list(args))
     assert res.exit_code == 0, res.output
     return res.stdout
-
-
-def assert_close(ours: Any, theirs: Any, tol: float = TOL, path: str = "") -> None:
-    """Same structure and keys; numbers within ``tol`` (absolute)."""
-    if isinstance(theirs, dict):
-        assert isinstance(ours, dict) and sorted(ours) == sorted(theirs), path
-        for key in theirs:
-            assert_close(ours[key], theirs[key], tol, f"{path}/{key}")
-    elif isinstance(theirs, list):
-        assert isinstance(ours, list) and len(ours) == len(theirs), path
-        for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
-            assert_close(a, b, tol, f"{path}/{i}")
-    else:
-        assert math.isclose(ours, theirs, rel_tol=0, abs_tol=tol), f"{path}: {ours} vs {theirs}"
-
-
-def assert_pyhf_format(text: str) -> Any:
-    """Printed exactly as pyhf prints: json.dumps(obj, indent=4, sort_keys=True) + newline."""
-    obj = json.loads(text)
-    assert text == json.dumps(obj, indent=4, sort_keys=True) + "\n"
-    return obj
 
 
 # ------------------------------------------------------------------------------ cls / fit
@@ -250,13 +232,7 @@ def test_whole_shared_patchset_in_one_command(server):
     reference = read_json(SHARED / "reference.json")["reference"]["results"]
     patchset = read_json(SHARED / "patchset.json")
     names = [p["metadata"]["name"] for p in patchset["patches"]]
-    res = client_cli(
-        server,
-        "cls",
-        str(workspace_file(SHARED, "BkgOnly.json")),
-        "--patchset",
-        str(workspace_file(SHARED, "patchset.json")),
-    )
+    res = client_cli(server, "cls", SHARED_BKG, "--patchset", SHARED_PATCHSET)
     assert res.exit_code == 0, res.output
     results = assert_pyhf_format(res.stdout)
     assert sorted(results) == sorted(names) and len(results) == 24
@@ -274,13 +250,7 @@ def test_patchset_fit_and_upper_limit_with_names(server):
     chosen = [ref["patch"] for ref in reference[:2]]
     name_args = [arg for name in chosen for arg in ("--patch-name", name)]
     res = client_cli(
-        server,
-        "fit",
-        str(workspace_file(SHARED, "BkgOnly.json")),
-        "--value",
-        "--patchset",
-        str(workspace_file(SHARED, "patchset.json")),
-        *name_args,
+        server, "fit", SHARED_BKG, "--value", "--patchset", SHARED_PATCHSET, *name_args
     )
     assert res.exit_code == 0, res.output
     fits = assert_pyhf_format(res.stdout)
@@ -293,13 +263,13 @@ def test_patchset_fit_and_upper_limit_with_names(server):
     res = client_cli(
         server,
         "upper-limit",
-        str(workspace_file(SHARED, "BkgOnly.json")),
+        SHARED_BKG,
         "--patchset",
-        str(workspace_file(SHARED, "patchset.json")),
+        SHARED_PATCHSET,
         "--patch-name",
         reference[-1]["patch"],  # the strongest signal: a limit a little above mu = 1
         "--scan",
-        "0:5:11",  # the automatic scan is tested on the small model (it costs ~13 s here)
+        "0:5:11",  # the automatic scan is tested on the small model
     )
     assert res.exit_code == 0, res.output
     limits = assert_pyhf_format(res.stdout)
@@ -439,7 +409,7 @@ def test_published_patchset_reports_untestable_points_and_strict_fails(server):
     chosen = [*reference, NO_SIGNAL]
     args = [
         "cls",
-        str(workspace_file(SHARED, "BkgOnly.json")),
+        SHARED_BKG,
         "--patchset",
         str(PUBLISHED),  # gzip-compressed, as HEPData ships it
         *[arg for name in chosen for arg in ("--patch-name", name)],

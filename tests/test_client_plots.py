@@ -16,7 +16,8 @@ import struct
 
 import pytest
 from click.testing import CliRunner
-from service_support import SMALL, WORKSPACES, running_server
+from client_support import run_cli
+from service_support import SMALL, WORKSPACES
 from workspaces import read_json, workspace_file
 
 import pyhf_gpu_client as pgc
@@ -32,12 +33,6 @@ pytestmark = pytest.mark.skipif(not FOLDER.exists(), reason="shared workspaces n
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with running_server(tmp_path_factory.mktemp("server")) as process:
-        yield process.url
-
-
-@pytest.fixture(scope="module")
 def patch(tmp_path_factory) -> str:
     """The signal point ``sig_s1_x1`` as a pyhf Patch file (``-p``)."""
     patchset = read_json(FOLDER / "patchset.json")
@@ -45,13 +40,6 @@ def patch(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("inputs") / "signal.json"
     path.write_text(json.dumps(chosen))
     return str(path)
-
-
-def run(server: str, *args: str) -> str:
-    """``pyhf-gpu-client ARGS`` in-process; its stdout (exit code 0 asserted)."""
-    res = CliRunner().invoke(cli.main, list(args), env={"PYHF_GPU_SERVER": server})
-    assert res.exit_code == 0, res.output
-    return res.stdout
 
 
 def png_size(data: bytes) -> tuple[int, int]:
@@ -67,8 +55,8 @@ def names_args() -> list[str]:
 
 def test_plot_brazil_png(server, patch, tmp_path):
     out = tmp_path / "brazil.png"
-    printed = run(
-        server,
+    printed = run_cli(
+        server.url,
         "plot",
         "brazil",
         BKG,
@@ -89,7 +77,7 @@ def test_plot_brazil_png(server, patch, tmp_path):
     assert png_size(out.read_bytes()) == (300, 200)  # figsize x dpi
     # without --test-poi: the upper limit's scan, drawn as SVG
     limit = tmp_path / "limit.svg"
-    run(server, "plot", "brazil", BKG, "-p", patch, "-o", str(limit))
+    run_cli(server.url, "plot", "brazil", BKG, "-p", patch, "-o", str(limit))
     assert "<svg" in limit.read_text()
 
 
@@ -98,7 +86,7 @@ def test_cls_patchset_with_plot_prints_cls_and_writes_the_exclusion(server, tmp_
     res = CliRunner().invoke(
         cli.main,
         ["cls", BKG, *names_args(), "--plot", str(out)],
-        env={"PYHF_GPU_SERVER": server},
+        env={"PYHF_GPU_SERVER": server.url},
     )
     assert res.exit_code == 0, res.output
     printed = json.loads(res.stdout)
@@ -112,14 +100,16 @@ def test_cls_patchset_with_plot_prints_cls_and_writes_the_exclusion(server, tmp_
 
 def test_ranking_with_plot(server, patch, tmp_path):
     out = tmp_path / "ranking.png"
-    printed = json.loads(run(server, "ranking", BKG, "-p", patch, "--top", "5", "--plot", str(out)))
+    printed = json.loads(
+        run_cli(server.url, "ranking", BKG, "-p", patch, "--top", "5", "--plot", str(out))
+    )
     assert len(printed["labels"]) == 5 and printed["poi"]["name"] == "mu_SIG"
     width, height = png_size(out.read_bytes())
     assert width > 100 and height > 100
 
 
 def test_python_client_plot_of_a_job(server, patch):
-    with pgc.Client(server) as client:
+    with pgc.Client(server.url) as client:
         job = client.submit("cls", BKG, patchset=PATCHSET, patch_names=NAMES)
         client.wait(job, timeout=120)
         assert client.plot_kinds(job) == ["exclusion"]

@@ -469,23 +469,12 @@ class UpperLimitRenamed(UpperLimitWithoutLevel):
     cl_level: float = 0.05
 
 
-class MetaWithoutPatch(TypedDict, total=False):
-    """The client's ResultMeta with ``patch`` dropped (the others as they are)."""
-
-    device: str
-    dtype: str
-    model_id: str
-    cache: str
-    batch_rows: int
-    converged: bool | None
-    starts: int | None
-    starts_agreed: bool | None
-    flags: list[results.ResultFlag]
-    test_poi: float | None
-    stacked_apart: str | None
-    ignored_observations: list[str] | None
-    worker: str | None
-    timings: dict[str, float]
+#: the client's ResultMeta with ``patch`` dropped (the others as they are)
+MetaWithoutPatch = TypedDict(
+    "MetaWithoutPatch",
+    {k: v for k, v in get_type_hints(ResultMeta).items() if k != "patch"},
+    total=False,
+)
 
 
 @dataclasses.dataclass

@@ -421,6 +421,15 @@ def _job(status, done=0, result=None, error=None):
     )
 
 
+CLS_DONE = {**CLS_ANSWER, "meta": {}}
+
+
+def _submitted(*views: httpx.Response) -> FakeService:
+    """A service that queues a submitted job ``j1`` and answers its polls with ``views``."""
+    queued = httpx.Response(202, json={"id": "j1", "status": "queued", "url": "/jobs/j1"})
+    return FakeService(script={"POST /jobs": [queued], "GET /jobs/j1": list(views)})
+
+
 def test_a_request_the_server_made_a_job_is_followed_and_fails_as_its_answer_would():
     """202 (``Prefer: respond-async``, sent with ``job_after``): the job is polled to its end;
     its result parses as the synchronous answer, its stored 422 raises what a 422 answer
@@ -429,7 +438,7 @@ def test_a_request_the_server_made_a_job_is_followed_and_fails_as_its_answer_wou
     service = FakeService(
         script={
             "POST /cls": [accepted],
-            "GET /jobs/j1": [_job("running", 2), _job("succeeded", 4, {**CLS_ANSWER, "meta": {}})],
+            "GET /jobs/j1": [_job("running", 2), _job("succeeded", 4, CLS_DONE)],
         }
     )
     seen: list[Job] = []
@@ -452,18 +461,7 @@ def test_a_request_the_server_made_a_job_is_followed_and_fails_as_its_answer_wou
 
 
 def test_submit_wait_with_progress():
-    service = FakeService(
-        script={
-            "POST /jobs": [
-                httpx.Response(202, json={"id": "j1", "status": "queued", "url": "/jobs/j1"})
-            ],
-            "GET /jobs/j1": [
-                _job("queued"),
-                _job("running", 2),
-                _job("succeeded", 4, {**CLS_ANSWER, "meta": {}}),
-            ],
-        }
-    )
+    service = _submitted(_job("queued"), _job("running", 2), _job("succeeded", 4, CLS_DONE))
     seen = []
     with make_client(service) as client:
         job = client.submit("cls", simple_workspace(), test_poi=[1.0])
@@ -512,7 +510,7 @@ def test_async_client_same_api():
         script={
             "POST /cls": [
                 httpx.Response(503, headers={"Retry-After": "0"}, json={"detail": "x"}),
-                httpx.Response(200, json={**CLS_ANSWER, "meta": {}}),
+                httpx.Response(200, json=CLS_DONE),
             ],
         }
     )
@@ -624,19 +622,8 @@ def test_cli_unreachable_exit_code(tmp_path):
 
 
 def test_cli_jobs_plain_progress(monkeypatch, tmp_path):
-    service = FakeService(
-        script={
-            "POST /jobs": [
-                httpx.Response(202, json={"id": "j1", "status": "queued", "url": "/jobs/j1"})
-            ],
-            "GET /jobs/j1": [
-                _job("running", 1),
-                _job("running", 1),
-                _job("running", 3),
-                _job("succeeded", 4, {**CLS_ANSWER, "meta": {}}),
-            ],
-        }
-    )
+    running = [_job("running", 1), _job("running", 1), _job("running", 3)]
+    service = _submitted(*running, _job("succeeded", 4, CLS_DONE))
     monkeypatch.setattr(cli, "_client", mock_client_factory(service))
     ws = tmp_path / "ws.json"
     ws.write_text(json.dumps(simple_workspace()))
@@ -661,7 +648,7 @@ def test_progress_bar_on_terminal():
 
 def test_dropped_connection_retried_only_when_idempotent():
     dropped = httpx.RemoteProtocolError("server disconnected")
-    ok = httpx.Response(200, json={**CLS_ANSWER, "meta": {}})
+    ok = httpx.Response(200, json=CLS_DONE)
     service = FakeService(script={"POST /cls": [dropped, ok]})
     with make_client(service) as client:
         assert client.cls(simple_workspace()).to_pyhf_json() == CLS_ANSWER

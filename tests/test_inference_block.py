@@ -14,7 +14,10 @@ import pytest
 import torch
 from conftest import REPO_ROOT, WORKSPACE_NAMES, load_patchset, shared_workspace
 from test_inference_support import DEVICE as DEVICE_NAME
-from test_inference_support import one_thread  # noqa: F401 (fixture)
+from test_inference_support import (
+    one_thread,  # noqa: F401 (fixture)
+    step_inputs,
+)
 from workspaces import WORKSPACES_DIR, workspace_file
 
 from pyhf_gpu_server.engine import HistFactoryModel
@@ -192,14 +195,9 @@ def test_block_steps_equal_dense_cholesky_steps_and_definiteness(which):
     flagged = 0
     for seed in range(4):
         block, dense = _random_block(model, seed=seed)
-        R, P = block.d.shape
-        g = torch.randn(R, P, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-        g = g.to(DEVICE)
-        movable = torch.ones(R, P, dtype=torch.bool, device=DEVICE)
+        g, movable, lams = step_inputs(*block.d.shape, seed)
         held = int(model.bin_parameters.params[-1])
         movable[1, 3] = movable[2, 0] = movable[3, held] = False
-        lams = torch.tensor([[0.0], [1e-2], [10.0]], dtype=torch.float64, device=DEVICE)
-        lams = lams.expand(3, R)
         p_block, ok_block = block.steps(g, movable, lams)
         p_dense, ok_dense = dense.steps(g, movable, lams)
         assert torch.equal(ok_block, ok_dense)

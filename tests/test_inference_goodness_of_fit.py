@@ -17,8 +17,13 @@ import scipy.stats
 import torch
 from cabinetry.fit import _goodness_of_fit
 from conftest import WORKSPACES_DIR, load_patchset, shared_workspace
-from test_inference_support import fake_cuda_fit, one_thread  # noqa: F401 (fixture)
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from test_engine_device import small_patchset_model
+from test_inference_support import (
+    assert_on_fake_cuda,
+    fake_cuda_fit,
+    one_thread,  # noqa: F401 (fixture)
+)
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from pyhf_gpu_server.engine import HistFactoryModel
 from pyhf_gpu_server.inference import FitResults, fit, goodness_of_fit
@@ -169,17 +174,10 @@ def _with_bestfit(fits: list[FitResults], bestfit: torch.Tensor, labels: list[st
 
 
 def test_goodness_of_fit_on_fake_cuda():
-    workspace, patchset, _ = shared_workspace(SMALL)
-    names = [p["metadata"]["name"] for p in patchset["patches"]][:2]
     with FakeTensorMode():
-        model = HistFactoryModel.from_patchset(
-            workspace, patchset, patch_names=names, device="cuda"
-        )
-        element = torch.arange(2, device="cuda").repeat(2)
+        model = small_patchset_model("cuda")
+        element = torch.arange(model.n_elements, device="cuda").repeat(2)
         B, P = element.shape[0], model.n_pars
         corr = torch.zeros(B, P, P, dtype=model.dtype, device="cuda")
         given = fake_cuda_fit(model, element, float("nan"), corr)
-        gof = goodness_of_fit(model, given)
-        for tensor in vars(gof).values():
-            assert isinstance(tensor, FakeTensor)
-            assert tensor.device == torch.device("cuda:0")
+        assert_on_fake_cuda(vars(goodness_of_fit(model, given)).values())

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import doctest
 import importlib
+from pathlib import Path
 
 import pytest
 import torch
 from test_inference_support import DEVICE as DEVICE_NAME
-from test_inference_support import one_thread  # noqa: F401 (fixture)
+from test_inference_support import (
+    one_thread,  # noqa: F401 (fixture)
+    step_inputs,
+)
 
 from pyhf_gpu_server.inference.curvature import DenseCurvature, LowRankCurvature
 from pyhf_gpu_server.inference.minimize import (
@@ -22,21 +26,12 @@ DEVICE = torch.device(DEVICE_NAME)
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-INFERENCE_MODULES = [
-    "asymptotics",
-    "chord",
-    "curvature",
-    "hypotest",
-    "minimize",
-    "mle",
-    "objective",
-    "results",
-    "rows",
-    "significance",
-    "test_statistics",
-    "toys",
-    "upper_limits",
-]
+#: every inference module with a docstring example (found, so that none is left out)
+INFERENCE_MODULES = sorted(
+    path.stem
+    for path in (Path(__file__).parents[1] / "server" / "inference").glob("*.py")
+    if ">>>" in path.read_text()
+)
 
 
 class Poisson:
@@ -176,13 +171,8 @@ def test_low_rank_steps_equal_dense_cholesky_steps_and_definiteness():
     not positive definite (the secant term makes some matrices indefinite)."""
     for seed in range(4):
         low, dense = _random_low_rank(seed=seed)
-        R, P = low.d.shape
-        g = torch.randn(R, P, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-        g = g.to(DEVICE)
-        movable = torch.ones(R, P, dtype=torch.bool, device=DEVICE)
+        g, movable, lams = step_inputs(*low.d.shape, seed)
         movable[1, 3] = movable[2, 0] = False  # a fixed parameter, and the flat one held
-        lams = torch.tensor([[0.0], [1e-2], [10.0]], dtype=torch.float64, device=DEVICE)
-        lams = lams.expand(3, R)
         p_low, ok_low = low.steps(g, movable, lams)
         p_dense, ok_dense = dense.steps(g, movable, lams)
         assert torch.equal(ok_low, ok_dense)

@@ -264,7 +264,8 @@ def test_scans_run_on_fake_cuda(monkeypatch):
     ``test_inference_ranking.test_ranking_runs_on_fake_cuda``)."""
     from test_engine_device import small_patchset_model
     from test_inference_ranking import fisher_hessian
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from test_inference_support import assert_on_fake_cuda
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
     monkeypatch.setattr("pyhf_gpu_server.inference.objective.TwiceNLL.hessian", fisher_hessian)
     options = FitOptions(minimize=MinimizeOptions(max_iter=3, check_every=0))
@@ -276,9 +277,7 @@ def test_scans_run_on_fake_cuda(monkeypatch):
             model, ("mu_SIG", "ttbar_Gen"), None, [-1.0, 1.0], options=options, steps=(3, 3)
         )
         tensors = (one.delta_nlls, one.uncertainty, one.converged, two.delta_nlls, two.bestfit)
-        for tensor in (*tensors, auto.delta_nlls, *auto.parameter_values):
-            assert isinstance(tensor, FakeTensor)
-            assert tensor.device == torch.device("cuda:0")
+        assert_on_fake_cuda((*tensors, auto.delta_nlls, *auto.parameter_values))
         assert two.delta_nlls.shape == (model.n_elements, 2, 3)
         assert auto.parameter_values[0].shape == (model.n_elements, 3)
 

@@ -7,6 +7,7 @@ their models on, e.g. ``PYHF_GPU_TEST_DEVICE=cuda`` in ``benchmarks/gpu_check.sh
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 
 import pyhf
 import pytest
@@ -27,8 +28,8 @@ def as_workspace(model: pyhf.Model, observations: list[float]) -> dict:
 
 @pytest.fixture(scope="module")
 def one_thread():
-    """Small batched fits are latency-bound: on a shared 2-core machine one intra-op thread
-    avoids oversubscription (2 threads were 10x slower here). Restored afterwards."""
+    """One intra-op thread for the module (restored afterwards): small batched fits are
+    latency-bound, and more threads oversubscribe a shared machine."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -56,3 +57,22 @@ def fake_cuda_fit(model, element: torch.Tensor, uncertainty: float, corr_mat: to
         starts=element,
         starts_agreed=true,
     )
+
+
+def step_inputs(rows: int, pars: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """Inputs of a curvature's ``steps``: a random gradient (``rows x pars``, float64 on
+    ``DEVICE``), every parameter movable, and the damping ``0, 1e-2, 10`` for every row."""
+    generator = torch.Generator().manual_seed(seed)
+    g = torch.randn(rows, pars, generator=generator, dtype=torch.float64).to(DEVICE)
+    movable = torch.ones(rows, pars, dtype=torch.bool, device=DEVICE)
+    lams = torch.tensor([[0.0], [1e-2], [10.0]], dtype=torch.float64, device=DEVICE)
+    return g, movable, lams.expand(3, rows)
+
+
+def assert_on_fake_cuda(tensors: Iterable[torch.Tensor]) -> None:
+    """Every tensor a FakeTensor on the simulated ``cuda:0`` (inside FakeTensorMode)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    for tensor in tensors:
+        assert isinstance(tensor, FakeTensor)
+        assert tensor.device == torch.device("cuda:0")

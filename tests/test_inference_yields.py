@@ -18,8 +18,13 @@ import pytest
 import torch
 from cabinetry.fit.results_containers import FitResults as CabinetryFitResults
 from conftest import WORKSPACES_DIR, load_patchset, shared_workspace
-from test_inference_support import fake_cuda_fit, one_thread  # noqa: F401 (fixture)
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from test_engine_device import small_patchset_model
+from test_inference_support import (
+    assert_on_fake_cuda,
+    fake_cuda_fit,
+    one_thread,  # noqa: F401 (fixture)
+)
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from pyhf_gpu_server.engine import HistFactoryModel
 from pyhf_gpu_server.inference import FitResults, YieldSet, fit, yields
@@ -335,13 +340,9 @@ def test_sample_rates_of_a_stacked_model_are_pyhfs():
 def test_yields_on_fake_cuda():
     """Pre- and post-fit yields of a stacked model on a simulated cuda device: every output
     on the device, any cpu tensor in the computation would raise."""
-    workspace, patchset, _ = shared_workspace(SMALL)
-    names = [p["metadata"]["name"] for p in patchset["patches"]][:2]
     with FakeTensorMode():
-        model = HistFactoryModel.from_patchset(
-            workspace, patchset, patch_names=names, device="cuda"
-        )
-        element = torch.arange(2, device="cuda").repeat(2)
+        model = small_patchset_model("cuda")
+        element = torch.arange(model.n_elements, device="cuda").repeat(2)
         B, P = element.shape[0], model.n_pars
         x = model.init.index_select(0, element)
         corr = torch.eye(P, dtype=model.dtype, device="cuda").expand(B, P, P)
@@ -349,9 +350,5 @@ def test_yields_on_fake_cuda():
         result = yields(model, fit=given)
         sample_rates = model.sample_rates(x, element)
         for part in (result.prefit, result.postfit):
-            for tensor in vars(part).values():
-                assert isinstance(tensor, FakeTensor)
-                assert tensor.device == torch.device("cuda:0")
-        for tensor in (result.data, result.channel_data, result.converged, sample_rates):
-            assert isinstance(tensor, FakeTensor)
-            assert tensor.device == torch.device("cuda:0")
+            assert_on_fake_cuda(vars(part).values())
+        assert_on_fake_cuda((result.data, result.channel_data, result.converged, sample_rates))

@@ -23,25 +23,17 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 from pyhf_global import global_pyhf, hypotest
-from service_support import ServerProcess, running_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 CASES = json.loads((Path(__file__).parent / "data/pyhf_validation/cases.json").read_text())["cases"]
 RECORDED_FIT_ERROR = 4e-4
 LOCAL_MINIMA_CASE = "2bin_2channel_coupledhistosys"
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    with running_server(tmp_path_factory.mktemp("pyhf-validation")) as started:
-        yield started
 
 
 def ask_server(client: httpx.Client, case: dict) -> tuple[float, list[float], dict]:

@@ -63,12 +63,6 @@ def staterror_workspace(bins: int) -> dict:
     }
 
 
-def resident_mb(server: ServerProcess) -> float:
-    status = Path(f"/proc/{server.process.pid}/status").read_text()
-    line = next(line for line in status.splitlines() if line.startswith("VmRSS:"))
-    return int(line.split()[1]) / 1024
-
-
 @pytest.fixture(scope="module")
 def default_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     with running_server(tmp_path_factory.mktemp("admission-default")) as server:
@@ -83,7 +77,7 @@ def default_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerP
     ],
 )
 def test_a_model_too_large_to_fit_is_refused_before_any_work(default_server, bins, needle):
-    before = resident_mb(default_server)
+    before = default_server.memory_mb()
     start = time.monotonic()
     with default_server.client() as client:
         response = client.post("/cls", json={"workspace": staterror_workspace(bins)})
@@ -91,7 +85,7 @@ def test_a_model_too_large_to_fit_is_refused_before_any_work(default_server, bin
     assert response.status_code == 422, response.text[:300]
     assert needle in response.json()["detail"]
     assert seconds < 30
-    assert resident_mb(default_server) - before < 800  # was > 9 GB
+    assert default_server.memory_mb() - before < 800  # was > 9 GB
     with default_server.client() as client:  # and the server still serves
         assert client.post("/cls", json={"workspace": simple_workspace()}).status_code == 200
 
@@ -239,12 +233,6 @@ def two_bin_channels_workspace(channels: int) -> dict:
     }
 
 
-def proc_status_mb(server: ServerProcess, key: str) -> float:
-    status = Path(f"/proc/{server.process.pid}/status").read_text()
-    line = next(line for line in status.splitlines() if line.startswith(key))
-    return int(line.split()[1]) / 1024
-
-
 def metric(client, name: str) -> float:
     return metric_value(client.get("/metrics").text, name)
 
@@ -261,8 +249,8 @@ def test_the_memory_metric_counts_what_fits_hold_and_the_process_gives_it_back(t
         server.client() as client,
     ):
         assert client.post("/cls", json={"workspace": staterror_workspace(20)}).is_success
-        before = proc_status_mb(server, "VmRSS:")
-        peak_before = proc_status_mb(server, "VmHWM:")
+        before = server.memory_mb()
+        peak_before = server.memory_mb("VmHWM")
         body = {"workspace": two_bin_channels_workspace(600), "test_poi": [1.0, 2.0]}
         response = client.post("/cls", json=body, timeout=300)
         assert response.status_code == 200, response.text[:300]
@@ -271,7 +259,7 @@ def test_the_memory_metric_counts_what_fits_hold_and_the_process_gives_it_back(t
         assert metric(client, "pyhf_gpu_fit_memory_bytes") == 0  # nothing runs now
         assert metric(client, "pyhf_gpu_element_cache_bytes") > 1200 * 8
         resident = metric(client, "process_resident_memory_bytes") / 2**20
-        grew = proc_status_mb(server, "VmHWM:") - max(before, peak_before)
+        grew = server.memory_mb("VmHWM") - max(before, peak_before)
         assert grew <= 2 * held, (grew, held)
         assert resident - before < 80, (before, resident)
 
@@ -341,7 +329,7 @@ def test_patches_whose_union_passes_the_parameter_limit_are_stacked_apart(tmp_pa
 def test_memory_of_large_bodies_is_given_back(default_server):
     """24 parallel gzip bodies of ~50 kB that inflate to 48 MiB each (a request the API
     refuses: 422): the server's resident memory a few seconds after the burst is within 100 MB
-    of what it was before (#37: 3.1 -> 7.0 GB, held for minutes)."""
+    of what it was before (#37)."""
     import gzip
     import json
     from concurrent.futures import ThreadPoolExecutor
@@ -353,7 +341,7 @@ def test_memory_of_large_bodies_is_given_back(default_server):
     with default_server.client() as client:  # warm: the route, the workspace read once
         assert client.post("/cls", content=compressed, headers=headers).status_code == 422
     time.sleep(1.0)
-    before = resident_mb(default_server)
+    before = default_server.memory_mb()
 
     def post(_: int) -> int:
         with default_server.client() as client:
@@ -363,15 +351,15 @@ def test_memory_of_large_bodies_is_given_back(default_server):
         statuses = list(pool.map(post, range(24)))
     assert statuses == [422] * 24
     deadline = time.monotonic() + 20
-    while resident_mb(default_server) - before > 100 and time.monotonic() < deadline:
+    while default_server.memory_mb() - before > 100 and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert resident_mb(default_server) - before <= 100
+    assert default_server.memory_mb() - before <= 100
 
 
 def _sample_resident(server: ServerProcess, stop: threading.Event, found: list[float]) -> None:
     """The server's resident memory (MB) every 0.1 s into ``found`` until ``stop``."""
     while not stop.is_set():
-        found.append(resident_mb(server))
+        found.append(server.memory_mb())
         stop.wait(0.1)
 
 
@@ -398,7 +386,7 @@ def test_a_hundred_thousand_toys_stay_within_the_fit_bound_plus_the_model(tmp_pa
             warm = client.post("/cls", json={"workspace": workspace, "test_poi": 1.0})
             assert warm.status_code == 200, warm.text[:300]
         time.sleep(1.0)
-        warm_mb = resident_mb(server)
+        warm_mb = server.memory_mb()
         stop, found = threading.Event(), []
         watcher = threading.Thread(target=_sample_resident, args=(server, stop, found))
         watcher.start()

@@ -14,7 +14,7 @@ import cabinetry
 import numpy as np
 import pyhf
 import pytest
-from service_support import SMALL, ServerProcess, load, running_server, wait_for_job
+from service_support import SMALL, load, wait_for_job
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -22,12 +22,6 @@ BACKGROUND = load(SMALL, "BkgOnly.json")
 PATCHSET = load(SMALL, "patchset.json")
 FIRST, SECOND = (p["metadata"]["name"] for p in PATCHSET["patches"][:2])
 RANKED = ["lumi", "ttbar_Gen", "staterror_SR_cuts[0]"]
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    with running_server(tmp_path_factory.mktemp("analysis")) as server:
-        yield server
 
 
 @pytest.fixture(autouse=True)

@@ -15,9 +15,15 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pyhf
 import pytest
-from service_support import SMALL, ServerProcess, load, running_server, simple_workspace
+from service_support import (
+    SMALL,
+    ServerProcess,
+    load,
+    patchset_of,
+    running_server,
+    simple_workspace,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -647,20 +653,8 @@ BROKEN_PATCHES = [
 def test_patches_that_break_names_or_bounds_answer_their_own_located_422(
     client: httpx.Client,
 ) -> None:
-    patches = [("fine", [], ""), *BROKEN_PATCHES]
-    patchset = {
-        "metadata": {
-            "references": {"hepdata": "ins1234567"},
-            "description": "patches that break unique names or bounds",
-            "digests": {"sha256": pyhf.utils.digest(simple_workspace())},
-            "labels": ["x"],
-        },
-        "patches": [
-            {"metadata": {"name": name, "values": [float(i)]}, "patch": operations}
-            for i, (name, operations, _) in enumerate(patches)
-        ],
-        "version": "1.0.0",
-    }
+    patches = [("fine", []), *((name, operations) for name, operations, _ in BROKEN_PATCHES)]
+    patchset = patchset_of(simple_workspace(), patches, "patches that break unique names or bounds")
     response = client.post("/cls", json={"workspace": simple_workspace(), "patchset": patchset})
     assert response.status_code == 200, response.text
     answer = response.json()

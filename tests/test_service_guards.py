@@ -76,12 +76,6 @@ def _read_until_closed(sock: socket.socket) -> bytes:
     return received
 
 
-def _resident_mb(pid: int) -> float:
-    """The process's resident memory (VmRSS) in MB."""
-    status = Path(f"/proc/{pid}/status").read_text()
-    return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) / 1024
-
-
 def test_unauthenticated_body_is_refused_before_it_is_read(server: ServerProcess) -> None:
     """8 MB declared, 100 bytes sent: the 401 comes at once (reading would wait, then 408)."""
     headers = {"Content-Length": "8000000", "Content-Encoding": "gzip"}
@@ -101,7 +95,7 @@ def test_unauthenticated_gzip_bombs_cost_no_memory(server: ServerProcess) -> Non
     bomb = gzip.compress(b" " * (60 * 1024 * 1024), compresslevel=9)
     assert len(bomb) < 100_000
     headers = {"Content-Encoding": "gzip", "Content-Type": "application/json"}
-    before = _resident_mb(server.process.pid)
+    before = server.memory_mb()
 
     def post(_: int) -> int:
         return httpx.post(
@@ -110,7 +104,7 @@ def test_unauthenticated_gzip_bombs_cost_no_memory(server: ServerProcess) -> Non
 
     with ThreadPoolExecutor(12) as pool:
         statuses = list(pool.map(post, range(12)))
-    grown = _resident_mb(server.process.pid) - before
+    grown = server.memory_mb() - before
     print(f"resident memory after 12 unauthenticated gzip bombs: {grown:+.1f} MB")
     assert statuses == [401] * 12
     assert grown < 20, grown

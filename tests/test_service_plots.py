@@ -12,7 +12,6 @@ import io
 import math
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -23,7 +22,7 @@ import pytest
 from matplotlib.contour import ContourSet
 from matplotlib.image import imread
 from matplotlib.path import Path as MplPath
-from service_support import WORKSPACES, ServerProcess, running_server, wait_for_job
+from service_support import WORKSPACES, wait_for_job
 from workspaces import read_json
 
 from pyhf_gpu_server import plots
@@ -107,18 +106,6 @@ JOBS: dict[str, tuple[str, dict[str, Any], dict[str, list[str]]]] = {
     "exclusion": ("cls", {}, {"exclusion": ["m_sbottom", "m_neutralino2", "Observed CL$_s$"]}),
     "significance": ("significance", {}, {}),
 }
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    with running_server(tmp_path_factory.mktemp("service-plots")) as started:
-        yield started
-
-
-@pytest.fixture(scope="module")
-def client(server: ServerProcess) -> Iterator[httpx.Client]:
-    with server.client() as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

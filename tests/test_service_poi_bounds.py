@@ -8,12 +8,8 @@ A real server over HTTP.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import httpx
-import pyhf
 import pytest
-from service_support import ServerProcess, running_server, simple_workspace
+from service_support import ServerProcess, patchset_of, simple_workspace
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -22,12 +18,6 @@ def _with_poi_bounds(lo: float, hi: float) -> dict:
     spec = simple_workspace()
     spec["measurements"][0]["config"]["parameters"] = [{"name": "mu", "bounds": [[lo, hi]]}]
     return spec
-
-
-@pytest.fixture(scope="module")
-def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
-    with running_server(tmp_path_factory.mktemp("poi-bounds")) as server, server.client() as c:
-        yield c
 
 
 @pytest.mark.parametrize(
@@ -77,19 +67,7 @@ def test_a_patch_whose_poi_bounds_exclude_test_poi_answers_its_own_error(client)
             "value": [{"name": "mu", "bounds": [[0.0, 1.5]]}],
         }
     ]
-    patchset = {
-        "metadata": {
-            "references": {"hepdata": "ins1234567"},
-            "description": "d",
-            "digests": {"sha256": pyhf.utils.digest(simple_workspace())},
-            "labels": ["x"],
-        },
-        "patches": [
-            {"metadata": {"name": "wide", "values": [1.0]}, "patch": []},
-            {"metadata": {"name": "narrow", "values": [2.0]}, "patch": narrowing},
-        ],
-        "version": "1.0.0",
-    }
+    patchset = patchset_of(simple_workspace(), [("wide", []), ("narrow", narrowing)])
     body = {"workspace": simple_workspace(), "patchset": patchset, "test_poi": 2.0}
     response = client.post("/cls", json=body)
     assert response.status_code == 200, response.text

@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +33,6 @@ TOYS = {
     "seed": 11,
 }
 ASYNC_NOW = {"Prefer": "respond-async, wait=0"}
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    with running_server(tmp_path_factory.mktemp("respond-async")) as started:
-        yield started
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from statistics import NormalDist
 from typing import Any
@@ -30,7 +29,7 @@ import pyhf
 import pytest
 from click.testing import CliRunner
 from pyhf.tensor import numpy_backend
-from service_support import ServerProcess, running_server, simple_workspace, wait_for_job
+from service_support import ServerProcess, simple_workspace, wait_for_job
 
 from pyhf_gpu_client import cli
 
@@ -48,12 +47,6 @@ def excess_workspace() -> dict[str, Any]:
     workspace = simple_workspace()
     workspace["observations"][0]["data"] = [60.0, 58.0]
     return workspace
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    with running_server(tmp_path_factory.mktemp("significance")) as started:
-        yield started
 
 
 def toys(ntoys: int = NTOYS, seed: int = 0) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hand_built import lumi_setting
 
 #: the loggers' levels before spey loads a backend (spey-pyhf's sets ``pyhf.pdf`` and
 #: ``pyhf.workspace`` at CRITICAL when loaded), given back after this module's tests
@@ -43,7 +44,7 @@ _LEVELS = {
 spey = pytest.importorskip("spey")
 pytest.importorskip("spey_pyhf")
 
-from service_support import ServerProcess, running_server  # noqa: E402
+from service_support import ServerProcess  # noqa: E402
 from workspaces import WORKSPACES_DIR, read_json  # noqa: E402
 
 from pyhf_gpu_client import Client, NotFoundError, WorkspaceId  # noqa: E402
@@ -69,12 +70,6 @@ def _quiet_spey() -> Iterator[None]:
     for name, logger in list(logging.Logger.manager.loggerDict.items()):
         if isinstance(logger, logging.Logger):
             logger.setLevel(_LEVELS.get(name, logging.NOTSET))
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    with running_server(tmp_path_factory.mktemp("spey")) as started:
-        yield started
 
 
 @pytest.fixture(scope="module")
@@ -117,16 +112,7 @@ def hand_built() -> tuple[dict, list[dict]]:
                 "name": "meas",
                 "config": {
                     "poi": "mu",
-                    "parameters": [
-                        {
-                            "name": "lumi",
-                            "auxdata": [1.0],
-                            "sigmas": [0.02],
-                            "bounds": [[0.9, 1.1]],
-                            "inits": [1.0],
-                        },
-                        {"name": "jes", "inits": [0.3]},
-                    ],
+                    "parameters": [lumi_setting(0.02, (0.9, 1.1)), {"name": "jes", "inits": [0.3]}],
                 },
             }
         ],

@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 import pytest
-from service_support import WORKSPACES, ServerProcess, running_server, wait_for_job
+from service_support import WORKSPACES, running_server, wait_for_job
 from workspaces import read_json, workspace_file
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -72,12 +72,6 @@ def browser() -> Iterator[webdriver.Chrome]:
         yield driver
     finally:
         driver.quit()
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    with running_server(tmp_path_factory.mktemp("web-page")) as started:
-        yield started
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,12 @@
 """The scheduler's runner in cluster mode: each engine batch on a Dask worker.
 
 :class:`ClusterRunner` is a :class:`~pyhf_gpu_server.execution.Runner`, called like
-:func:`~pyhf_gpu_server.execution.run_rows` on one of the scheduler's executor threads (``max_in_flight`` of them: one per live worker). It
-picks the worker (:class:`~.placement.Placement`), submits :func:`~.tasks.run_batch` there
-with ``allow_other_workers`` and a ``GPU`` resource (with no worker known, unplaced: where
-the scheduler puts it), and blocks until the answer; a worker
-that dies mid-batch costs nothing but time (Dask runs the task again elsewhere). While it
+:func:`~pyhf_gpu_server.execution.run_rows` on one of the scheduler's executor threads
+(``max_in_flight`` of them: one per live worker). It picks the worker
+(:class:`~.placement.Placement`), submits :func:`~.tasks.run_batch` there with
+``allow_other_workers`` and a ``GPU`` resource (with no worker known, unplaced: where the
+scheduler puts it), and blocks until the answer; a worker that dies mid-batch costs nothing
+but time (Dask runs the task again elsewhere). While it
 waits it watches ``stop()``: once nobody waits for the rows, the batch is cancelled and a
 running one told to stop through a Dask event.
 
@@ -268,8 +269,7 @@ class ClusterRunner:
     ) -> RemoteAnswer | ModelMissing:
         """Run ``batch`` (on ``worker`` if it can; with no worker known, as the scheduler
         places it) and wait for its answer, watching ``stop``."""
-        # Dask refuses allow_other_workers without workers (a ValueError, which was a 500
-        # while the scheduler did not answer and no worker was known)
+        # Dask refuses allow_other_workers without workers (a ValueError)
         placed = {} if worker is None else {"workers": [worker], "allow_other_workers": True}
         if self.client.status != "running":  # reconnecting: its futures would wait or be lost
             raise Unavailable(
@@ -321,6 +321,23 @@ class ClusterRunner:
                 return
 
 
+_WORKER_FAMILIES = {  # snapshot key -> metric type, name and help of a per-worker family
+    "model_count": (GaugeMetricFamily, "worker_models", "warm models per worker"),
+    "in_flight": (
+        GaugeMetricFamily,
+        "worker_batches_in_flight",
+        "batches this API node runs on each worker now",
+    ),
+    "cache_hits": (CounterMetricFamily, "worker_cache_hits", "warm model cache hits per worker"),
+    "cache_misses": (CounterMetricFamily, "worker_cache_misses", "models built per worker"),
+    "batches": (
+        CounterMetricFamily,
+        "worker_batches",
+        "batches each worker answered this API node",
+    ),
+}
+
+
 class _ClusterCollector:
     """``/metrics``: the cluster as of the last :meth:`ClusterRunner.describe`."""
 
@@ -345,37 +362,13 @@ class _ClusterCollector:
             "batches sent again with their recipe after a worker no longer held the model",
         )
         resent.add_metric([], self.runner.models_resent)
-        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
-            "models": GaugeMetricFamily(
-                "pyhf_gpu_cluster_worker_models",
-                "warm models per worker",
-                labels=["worker", "device"],
-            ),
-            "in_flight": GaugeMetricFamily(
-                "pyhf_gpu_cluster_worker_batches_in_flight",
-                "batches this API node runs on each worker now",
-                labels=["worker", "device"],
-            ),
-            "cache_hits": CounterMetricFamily(
-                "pyhf_gpu_cluster_worker_cache_hits",
-                "warm model cache hits per worker",
-                labels=["worker", "device"],
-            ),
-            "cache_misses": CounterMetricFamily(
-                "pyhf_gpu_cluster_worker_cache_misses",
-                "models built per worker",
-                labels=["worker", "device"],
-            ),
-            "batches": CounterMetricFamily(
-                "pyhf_gpu_cluster_worker_batches",
-                "batches each worker answered this API node",
-                labels=["worker", "device"],
-            ),
+        families = {
+            key: kind(f"pyhf_gpu_cluster_{name}", text, labels=["worker", "device"])
+            for key, (kind, name, text) in _WORKER_FAMILIES.items()
         }
         for worker in workers:
             labels = [worker["address"], worker["device"] or "unknown"]
-            families["models"].add_metric(labels, worker["model_count"])
-            for name in ("in_flight", "cache_hits", "cache_misses", "batches"):
-                families[name].add_metric(labels, worker[name])
+            for key, family in families.items():
+                family.add_metric(labels, worker[key])
         yield from (live, sent, resent)
         yield from families.values()

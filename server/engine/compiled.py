@@ -11,8 +11,9 @@ Each kernel is traced once per structure key, on a code object of its own, with 
 shapes except two dynamic axes: the rows and the stack's elements (so stacks of any number of
 patches of one structure share a graph). Rows are padded up to a power-of-two bucket so that
 a stream of varying batch sizes meets a handful of shapes, for the shape-specialised back
-ends (``mode="reduce-overhead"``: CUDA graphs, recorded once per bucket). A CUDA graph overwrites its outputs on its next replay, while a fit keeps the
-previous iteration's Jacobian; under those modes the rows are therefore copied out. Eager
+ends (``mode="reduce-overhead"``: CUDA graphs, recorded once per bucket). A CUDA graph
+overwrites its outputs on its next replay while a fit keeps the previous iteration's
+Jacobian, so under those modes the rows are copied out. Eager
 evaluation stays the fallback: under autograd or a ``torch.func`` transform (the exact
 Hessian a fit's uncertainties take) the kernels run eagerly, and a model only uses them after
 :meth:`HistFactoryModel.enable_compile <pyhf_gpu_server.engine.HistFactoryModel.enable_compile>`
@@ -64,11 +65,10 @@ def batch_bucket(rows: int, smallest: int = 2) -> int:
 
 def _own_code(function: Callable[..., Any]) -> Callable[..., Any]:
     """``function`` with a code object of its own. Dynamo keeps compiled graphs, and counts
-    recompilations against its limit (8), per code object: with one copy per structure key,
-    a service meeting many structures does not exhaust one shared budget (past it Dynamo runs
-    the function eagerly), and each structure's trace is a first trace. (With dynamic shapes
-    and one shared code object, Inductor 2.13 failed to generate code when it retraced
-    sbottom-B's graph for the heterogeneous stau stack.)"""
+    recompilations against its limit, per code object: with one copy per structure key, a
+    service meeting many structures does not exhaust one shared budget (past it Dynamo runs
+    the function eagerly), and each structure's trace is a first trace (Inductor failed on
+    some retraces of a shared one)."""
     copy = types.FunctionType(
         function.__code__.replace(),
         function.__globals__,
@@ -83,9 +83,8 @@ def _own_code(function: Callable[..., Any]) -> Callable[..., Any]:
 
 def _compile(function: Callable[..., Any], device: torch.device, mode: str | None) -> Any:
     """``torch.compile`` of ``function`` for ``device``: shapes static but for the axes
-    :func:`_mark_dynamic` marks. On the CPU the generated code runs on one thread: with
-    two, Inductor (torch 2.13) computed wrong Jacobian entries for the heterogeneous stau
-    stack's own histosys parameters, and once aborted the process; with one it is exact."""
+    :func:`_mark_dynamic` marks. On the CPU the generated code runs on one thread: with more,
+    Inductor (torch 2.13) computed wrong Jacobian entries for some stacks."""
     if device.type != "cpu":
         return torch.compile(function, dynamic=False, mode=mode)
     options = {**torch._inductor.list_mode_options(mode or "default"), "cpp.threads": 1}

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from .errors import UnsupportedModelError
 
@@ -55,7 +56,7 @@ def histosys_coefficients(code: str, lo, nom, hi) -> np.ndarray:
     )
 
 
-def histosys_basis(code: str, alpha: torch.Tensor) -> torch.Tensor:
+def histosys_basis(code: str, alpha: Tensor) -> Tensor:
     """Basis functions ``[B, K, J]`` of ``code`` at ``alpha [B, J]``, matching histosys_coefficients."""
     zero = torch.zeros_like(alpha)
     if code == "code0":
@@ -63,39 +64,30 @@ def histosys_basis(code: str, alpha: torch.Tensor) -> torch.Tensor:
         return torch.stack(
             [torch.where(positive, alpha, zero), torch.where(positive, zero, alpha)], 1
         )
+    above = alpha > 1
+    below = alpha < -1
+    inside = torch.logical_not(above | below)
     if code == "code2":
-        above = alpha > 1
-        below = alpha < -1
-        inside = torch.logical_not(above | below)
-        return torch.stack(
-            [
-                torch.where(inside, alpha * alpha, zero),
-                torch.where(inside, alpha, zero),
-                torch.where(above, alpha - 1, zero),
-                # pyhf's vectorised code2 extrapolates (b - 2a) * alpha below -1, not
-                # (b - 2a) * (alpha + 1) as its reference loop does: we follow what it computes
-                torch.where(below, alpha, zero),
-            ],
-            1,
-        )
-    if code == "code4p":
-        above = alpha > 1
-        below = alpha < -1
-        inside = torch.logical_not(above | below)
+        first, second, beyond = alpha * alpha, alpha, alpha - 1
+    elif code == "code4p":
         a2 = alpha * alpha
-        return torch.stack(
-            [
-                torch.where(inside, alpha, zero),
-                torch.where(inside, a2 * (a2 * (a2 * 3.0 - 10.0) + 15.0), zero),
-                torch.where(above, alpha, zero),
-                torch.where(below, alpha, zero),
-            ],
-            1,
-        )
-    raise UnsupportedModelError(f"histosys interpolation code {code!r} is not supported")
+        first, second, beyond = alpha, a2 * (a2 * (a2 * 3.0 - 10.0) + 15.0), alpha
+    else:
+        raise UnsupportedModelError(f"histosys interpolation code {code!r} is not supported")
+    return torch.stack(
+        [
+            torch.where(inside, first, zero),
+            torch.where(inside, second, zero),
+            torch.where(above, beyond, zero),
+            # code2: pyhf's vectorised code extrapolates (b - 2a) * alpha below -1, not
+            # (b - 2a) * (alpha + 1) as its reference loop does: we follow what it computes
+            torch.where(below, alpha, zero),
+        ],
+        1,
+    )
 
 
-def histosys_basis_derivative(code: str, alpha: torch.Tensor) -> torch.Tensor:
+def histosys_basis_derivative(code: str, alpha: Tensor) -> Tensor:
     """``d basis / d alpha`` ``[B, K, J]``, the companion of :func:`histosys_basis`."""
     zero, one = torch.zeros_like(alpha), torch.ones_like(alpha)
     if code == "code0":
@@ -118,9 +110,7 @@ def histosys_basis_derivative(code: str, alpha: torch.Tensor) -> torch.Tensor:
     )
 
 
-def histosys_basis_and_derivative(
-    code: str, alpha: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def histosys_basis_and_derivative(code: str, alpha: Tensor) -> tuple[Tensor, Tensor]:
     """:func:`histosys_basis` and :func:`histosys_basis_derivative` at once; for code4p
     (pyhf's default) sharing their masks and powers: a third fewer operations."""
     if code != "code4p":
@@ -137,7 +127,7 @@ def histosys_basis_and_derivative(
     return basis * regions, slope * regions
 
 
-def histosys_basis_second_derivative(code: str, alpha: torch.Tensor) -> torch.Tensor:
+def histosys_basis_second_derivative(code: str, alpha: Tensor) -> Tensor:
     """``d2 basis / d alpha2`` ``[B, K, J]`` (0 at the kinks and jumps of code0 and code2)."""
     zero = torch.zeros_like(alpha)
     if code == "code0":
@@ -222,7 +212,7 @@ def normsys_kernel_coefficients(coefficients: np.ndarray) -> np.ndarray:
     """The kernel's normsys coefficients ``[19, ...]`` from :func:`normsys_coefficients`'
     ``[8, ...]``: those rows, then the polynomial's derivative ``i c_i`` (i = 1..6) and second
     derivative ``i (i - 1) c_i`` (i = 2..6), computed once so that each evaluation is a chain
-    of fused multiply-adds over rows of one :meth:`torch.Tensor.unbind`.
+    of fused multiply-adds over rows of one :meth:`Tensor.unbind`.
 
     >>> normsys_kernel_coefficients(normsys_coefficients("code4", lo=[0.9], hi=[1.2])).shape
     (19, 1)
@@ -233,9 +223,7 @@ def normsys_kernel_coefficients(coefficients: np.ndarray) -> np.ndarray:
     return np.concatenate([coefficients, degree * poly, (degree * (degree - 1) * poly)[1:]])
 
 
-def normsys_log_factor(
-    code: str, alpha: torch.Tensor, coefficients: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def normsys_log_factor(code: str, alpha: Tensor, coefficients: Tensor) -> tuple[Tensor, Tensor]:
     """``log |factor|`` and ``factor < 0`` (as 0/1) at ``alpha [B, T]``, coefficients ``[19,
     T]`` (:func:`normsys_kernel_coefficients`).
 
@@ -248,8 +236,8 @@ def normsys_log_factor(
 
 
 def normsys_log_factor_and_slope(
-    code: str, alpha: torch.Tensor, coefficients: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    code: str, alpha: Tensor, coefficients: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`normsys_log_factor` and ``d log|factor| / d alpha``, sharing the polynomial."""
     log_abs, negative, slope = _normsys(code, alpha, coefficients.unbind(0), with_slope=True)
     assert slope is not None
@@ -257,8 +245,8 @@ def normsys_log_factor_and_slope(
 
 
 def _normsys(
-    code: str, alpha: torch.Tensor, rows: tuple[torch.Tensor, ...], with_slope: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    code: str, alpha: Tensor, rows: tuple[Tensor, ...], with_slope: bool
+) -> tuple[Tensor, Tensor, Tensor | None]:
     # Written with clamps and fused multiply-adds rather than masks and torch.where: on the
     # CPU a where over [B, T] costs as much as six multiply-adds.
     log_hi, minus_log_lo = rows[0], rows[1].neg()
@@ -285,9 +273,7 @@ def _normsys(
     return log_abs, negative, slope
 
 
-def normsys_log_curvature(
-    code: str, alpha: torch.Tensor, coefficients: torch.Tensor
-) -> torch.Tensor:
+def normsys_log_curvature(code: str, alpha: Tensor, coefficients: Tensor) -> Tensor:
     """``d2 log|factor| / d alpha2`` ``[B, T]``: 0 where the log-factor is linear (code1, and
     code4 beyond ``|alpha| = 1``), ``f''/f - (f'/f)^2`` on the code4 polynomial."""
     if code == "code1":
@@ -300,7 +286,7 @@ def normsys_log_curvature(
     return torch.where(alpha == inner_alpha, curvature, 0.0)
 
 
-def _horner(rows: tuple[torch.Tensor, ...], alpha: torch.Tensor) -> torch.Tensor:
+def _horner(rows: tuple[Tensor, ...], alpha: Tensor) -> Tensor:
     """``rows[0] + rows[1] alpha + ... + rows[-1] alpha^(n - 1)``: one fused multiply-add per
     degree."""
     poly = torch.addcmul(rows[-2], rows[-1], alpha)

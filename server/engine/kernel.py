@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import NamedTuple, overload
+from typing import NamedTuple
 
 import torch
+from torch import Tensor
 
 from .interpolation import (
     histosys_basis,
@@ -34,36 +35,36 @@ class MainTensors(NamedTuple):
     columns), gathered per row so that a row's cost does not grow with the number of elements.
     Parameter index ``P`` in the multiplier indices means "times 1" (padding)."""
 
-    bins: torch.Tensor  # [N] 0..N-1
-    membership: torch.Tensor  # [E, U] how often element e sums common variant u
-    nominal: torch.Tensor  # [Q]
-    histosys_params: torch.Tensor  # [J_h] parameter index of each histosys parameter
-    histosys_by_bin: torch.Tensor  # [N, U, K * J_h]: by bin, so no product copies it
-    normsys_param: torch.Tensor  # [T] parameter index of each normsys entry
-    normsys_column: torch.Tensor  # [T] column of each normsys entry
+    bins: Tensor  # [N] 0..N-1
+    membership: Tensor  # [E, U] how often element e sums common variant u
+    nominal: Tensor  # [Q]
+    histosys_params: Tensor  # [J_h] parameter index of each histosys parameter
+    histosys_by_bin: Tensor  # [N, U, K * J_h]: by bin, so no product copies it
+    normsys_param: Tensor  # [T] parameter index of each normsys entry
+    normsys_column: Tensor  # [T] column of each normsys entry
     # a sample's normsys is one factor for all its bins: the distinct (parameter, coefficients)
     # of the entries are interpolated once, then gathered
-    normsys_distinct_param: torch.Tensor  # [T_d] parameter of each distinct normsys
-    normsys_distinct: torch.Tensor  # [T] each entry's distinct normsys
-    normsys_coefficients: torch.Tensor  # [19, T_d] (normsys_kernel_coefficients)
-    multiplier_params: torch.Tensor  # [M, Q] parameter indices
-    own_nominal: torch.Tensor  # [E, Q_s]
-    own_histosys_params: torch.Tensor  # [J_s]
-    own_histosys_coefficients: torch.Tensor  # [E, K * J_s, Q_s]
-    own_normsys_param: torch.Tensor  # [E, T_s]
-    own_normsys_column: torch.Tensor  # [E, T_s]
-    own_normsys_coefficients: torch.Tensor  # [19, E, T_s]
-    own_multiplier_params: torch.Tensor  # [E, M_s, Q_s]
+    normsys_distinct_param: Tensor  # [T_d] parameter of each distinct normsys
+    normsys_distinct: Tensor  # [T] each entry's distinct normsys
+    normsys_coefficients: Tensor  # [19, T_d] (normsys_kernel_coefficients)
+    multiplier_params: Tensor  # [M, Q] parameter indices
+    own_nominal: Tensor  # [E, Q_s]
+    own_histosys_params: Tensor  # [J_s]
+    own_histosys_coefficients: Tensor  # [E, K * J_s, Q_s]
+    own_normsys_param: Tensor  # [E, T_s]
+    own_normsys_column: Tensor  # [E, T_s]
+    own_normsys_coefficients: Tensor  # [19, E, T_s]
+    own_multiplier_params: Tensor  # [E, M_s, Q_s]
 
 
 class ConstraintTensors(NamedTuple):
     """Auxiliary-data tensors: one constrained parameter per auxiliary datum."""
 
-    param: torch.Tensor  # [A]
-    is_poisson: torch.Tensor  # [A] bool
-    sigma: torch.Tensor  # [E, A] Normal sigma (1 on Poisson slots)
-    scale: torch.Tensor  # [E, A] Poisson rate factor (1 on Normal slots)
-    present: torch.Tensor  # [E, A] bool: the element has this constraint term
+    param: Tensor  # [A]
+    is_poisson: Tensor  # [A] bool
+    sigma: Tensor  # [E, A] Normal sigma (1 on Poisson slots)
+    scale: Tensor  # [E, A] Poisson rate factor (1 on Normal slots)
+    present: Tensor  # [E, A] bool: the element has this constraint term
 
 
 class _Block(NamedTuple):
@@ -71,32 +72,37 @@ class _Block(NamedTuple):
     row axis (every row alike, indexed all at once), the own block's are gathered by each
     row's element (a leading row axis)."""
 
-    nominal: torch.Tensor  # [B, Q]
-    histosys_params: torch.Tensor  # [J]
-    histosys_coefficients: torch.Tensor | None  # own: [B, K * J, Q]; common: None
-    normsys_param: torch.Tensor  # [T] or [B, T]
-    normsys_column: torch.Tensor  # [T] or [B, T]
-    normsys_coefficients: torch.Tensor  # [19, T_d] or [19, B, T]
-    multiplier_params: torch.Tensor  # [M, Q] or [B, M, Q]
-    weight: torch.Tensor | None  # [B, Q] element weights of the columns (None: all 1)
-    histosys_by_bin: torch.Tensor | None = None  # common: [N, U, K * J]; own: None
-    normsys_distinct_param: torch.Tensor | None = None  # common: [T_d]; own: None (all)
-    normsys_distinct: torch.Tensor | None = None  # common: [T] into T_d; own: None
+    nominal: Tensor  # [B, Q]
+    histosys_params: Tensor  # [J]
+    histosys_coefficients: Tensor | None  # own: [B, K * J, Q]; common: None
+    normsys_param: Tensor  # [T] or [B, T]
+    normsys_column: Tensor  # [T] or [B, T]
+    normsys_coefficients: Tensor  # [19, T_d] or [19, B, T]
+    multiplier_params: Tensor  # [M, Q] or [B, M, Q]
+    weight: Tensor | None  # [B, Q] element weights of the columns (None: all 1)
+    histosys_by_bin: Tensor | None = None  # common: [N, U, K * J]; own: None
+    normsys_distinct_param: Tensor | None = None  # common: [T_d]; own: None (all)
+    normsys_distinct: Tensor | None = None  # common: [T] into T_d; own: None
 
 
 class _RateFactors(NamedTuple):
     """A block's rate factors; ``multiplier_values`` and the slopes (``with_slopes``) are
     None only where the block has no modifier of their kind."""
 
-    base: torch.Tensor  # [B, Q] nominal + histosys shift
-    normsys: torch.Tensor  # [B, Q] product of normsys factors
-    multipliers: torch.Tensor  # [B, Q] product of plain multipliers
-    multiplier_values: torch.Tensor | None  # [B, M, Q] the multipliers themselves
-    normsys_slope: torch.Tensor | None = None  # [B, T] d log|factor| / d alpha per entry
-    histosys_slope: torch.Tensor | None = None  # [B, K, J] d basis / d alpha
+    base: Tensor  # [B, Q] nominal + histosys shift
+    normsys: Tensor  # [B, Q] product of normsys factors
+    multipliers: Tensor  # [B, Q] product of plain multipliers
+    multiplier_values: Tensor | None  # [B, M, Q] the multipliers themselves
+    normsys_slope: Tensor | None = None  # [B, T] d log|factor| / d alpha per entry
+    histosys_slope: Tensor | None = None  # [B, K, J] d basis / d alpha
+
+    @property
+    def rates(self) -> Tensor:
+        """``[B, Q]``: every column's rate."""
+        return self.base * self.normsys * self.multipliers
 
 
-def _blocks(element: torch.Tensor, main: MainTensors) -> tuple[_Block, _Block]:
+def _blocks(element: Tensor, main: MainTensors) -> tuple[_Block, _Block]:
     """The common and the own block for rows of ``element [B]``."""
     rows, n_main = element.shape[0], main.bins.shape[0]
     n_common = main.membership.shape[1]
@@ -129,11 +135,7 @@ def _blocks(element: torch.Tensor, main: MainTensors) -> tuple[_Block, _Block]:
 
 
 def _rate_factors(
-    pars: torch.Tensor,
-    block: _Block,
-    histosys_code: str,
-    normsys_code: str,
-    with_slopes: bool = False,
+    pars: Tensor, block: _Block, histosys_code: str, normsys_code: str, with_slopes: bool = False
 ) -> _RateFactors:
     """The factors of every column's rate (``with_slopes``: and the interpolations' slopes)."""
     base = block.nominal
@@ -166,21 +168,21 @@ def _rate_factors(
     return _RateFactors(base, normsys, multipliers, values, slope, histosys_slope)
 
 
-def _normsys_alpha(pars: torch.Tensor, block: _Block) -> torch.Tensor:
+def _normsys_alpha(pars: Tensor, block: _Block) -> Tensor:
     """``[B, T_d]``: the parameter of each distinct normsys (each entry's in the own block)."""
     if block.normsys_distinct_param is None:
         return _take(pars, block.normsys_param)
     return pars.index_select(1, block.normsys_distinct_param)
 
 
-def _normsys_entries(values: torch.Tensor, block: _Block) -> torch.Tensor:
+def _normsys_entries(values: Tensor, block: _Block) -> Tensor:
     """``[B, T]``: values of the distinct normsys ``[B, T_d]`` at each entry."""
     if block.normsys_distinct is None:
         return values
     return values.index_select(1, block.normsys_distinct)
 
 
-def _histosys_shift(block: _Block, basis: torch.Tensor) -> torch.Tensor:
+def _histosys_shift(block: _Block, basis: Tensor) -> Tensor:
     """``[B, Q]``: every column's histosys shift for the basis values ``[B, K * J]``."""
     if block.histosys_by_bin is None:  # own: per row
         assert block.histosys_coefficients is not None
@@ -190,29 +192,23 @@ def _histosys_shift(block: _Block, basis: torch.Tensor) -> torch.Tensor:
     return shift.reshape(n_main, n_variants, -1).permute(2, 1, 0).reshape(basis.shape[0], -1)
 
 
-def _take(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def _take(values: Tensor, index: Tensor) -> Tensor:
     """``values [B, X]`` at ``index`` ``[I]`` (every row alike) or ``[B, I]``: ``[B, I]``."""
     if index.dim() == 1:
         return values.index_select(1, index)
     return values.gather(1, index)
 
 
-def _add_at(target: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """``target [B, X]`` with ``values [B, I]`` added at ``index`` ``[I]`` or ``[B, I]``."""
+def _add_at(target: Tensor, index: Tensor, values: Tensor, inplace: bool = False) -> Tensor:
+    """``target [B, X]`` with ``values [B, I]`` added at ``index`` ``[I]`` or ``[B, I]``;
+    ``inplace``: into ``target`` itself (an accumulator the caller made, so that a row's
+    ``[N, P]`` Jacobian is not held twice while it is assembled)."""
     if index.dim() == 1:
-        return target.index_add(1, index, values)
-    return target.scatter_add(1, index, values)
+        return (target.index_add_ if inplace else target.index_add)(1, index, values)
+    return (target.scatter_add_ if inplace else target.scatter_add)(1, index, values)
 
 
-def _add_at_(target: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """:func:`_add_at` into ``target`` itself: for an accumulator the caller made, so that a
-    row's ``[N, P]`` Jacobian is not held twice while it is assembled."""
-    if index.dim() == 1:
-        return target.index_add_(1, index, values)
-    return target.scatter_add_(1, index, values)
-
-
-def _multiplier_factors(pars: torch.Tensor, block: _Block) -> torch.Tensor:
+def _multiplier_factors(pars: Tensor, block: _Block) -> Tensor:
     """The parameter values ``[B, M, Q]`` multiplying each column (1 where none)."""
     extended = torch.cat([pars, torch.ones_like(pars.narrow(1, 0, 1))], dim=1)
     depth, columns = block.multiplier_params.shape[-2:]
@@ -220,7 +216,7 @@ def _multiplier_factors(pars: torch.Tensor, block: _Block) -> torch.Tensor:
     return _take(extended, index).reshape(pars.shape[0], depth, columns)
 
 
-def _summed(rates: torch.Tensor, block: _Block, n_main: int) -> torch.Tensor:
+def _summed(rates: Tensor, block: _Block, n_main: int) -> Tensor:
     """``[B, N]``: the block's column rates summed over its variants, with their weights."""
     if block.weight is not None:
         rates = rates * block.weight
@@ -228,29 +224,21 @@ def _summed(rates: torch.Tensor, block: _Block, n_main: int) -> torch.Tensor:
 
 
 def expected_main(
-    pars: torch.Tensor,
-    element: torch.Tensor,
-    main: MainTensors,
-    histosys_code: str,
-    normsys_code: str,
-) -> torch.Tensor:
+    pars: Tensor, element: Tensor, main: MainTensors, histosys_code: str, normsys_code: str
+) -> Tensor:
     """Expected main data ``[B, N]``: each row sums the variants of its own element."""
     n_main = main.bins.shape[0]
     expected = torch.zeros(pars.shape[0], n_main, dtype=pars.dtype, device=pars.device)
     for block in _blocks(element, main):
         if block.nominal.shape[1]:
             f = _rate_factors(pars, block, histosys_code, normsys_code)
-            expected = expected + _summed(f.base * f.normsys * f.multipliers, block, n_main)
+            expected = expected + _summed(f.rates, block, n_main)
     return expected
 
 
 def variant_rates(
-    pars: torch.Tensor,
-    element: torch.Tensor,
-    main: MainTensors,
-    histosys_code: str,
-    normsys_code: str,
-) -> torch.Tensor:
+    pars: Tensor, element: Tensor, main: MainTensors, histosys_code: str, normsys_code: str
+) -> Tensor:
     """Rates ``[B, U + S, N]`` of every sample variant a row can see, unsummed: the ``U``
     common variants (without their membership counts), then the row's element's ``S`` own
     slots (zeros in empty slots). :func:`expected_main` is their weighted sum."""
@@ -259,7 +247,7 @@ def variant_rates(
     for block in _blocks(element, main):
         if block.nominal.shape[1]:
             f = _rate_factors(pars, block, histosys_code, normsys_code)
-            parts.append((f.base * f.normsys * f.multipliers).reshape(rows, -1, n_main))
+            parts.append(f.rates.reshape(rows, -1, n_main))
     return torch.cat(parts, dim=1)
 
 
@@ -269,11 +257,11 @@ class JacobianColumns(NamedTuple):
     ``[B, N, K]`` Jacobian, or a per-bin parameter's entry of ``[B, M]`` (its one bin's
     derivative). Index ``P`` (the "times 1" padding) maps past both."""
 
-    shared: torch.Tensor  # [P + 1] column among the K shared parameters (K: not shared)
-    per_bin: torch.Tensor  # [P + 1] position among the M per-bin parameters (M: not per-bin)
+    shared: Tensor  # [P + 1] column among the K shared parameters (K: not shared)
+    per_bin: Tensor  # [P + 1] position among the M per-bin parameters (M: not per-bin)
     n_shared: int  # K
     n_per_bin: int  # M
-    slot: torch.Tensor  # [P + 1] a per-bin parameter's slot among its bin's G (G: not per-bin)
+    slot: Tensor  # [P + 1] a per-bin parameter's slot among its bin's G (G: not per-bin)
     slot_width: int  # G, the most per-bin parameters a bin has
 
 
@@ -281,41 +269,19 @@ class RatesCurvature(NamedTuple):
     """:func:`main_rates_curvature` in the block form of :class:`JacobianColumns`: nothing
     structurally zero built (two per-bin parameters of different bins never meet)."""
 
-    shared: torch.Tensor  # [B, K, K] over the shared parameters
-    cross: torch.Tensor  # [B, N, G, K] per bin and slot, against the shared parameters
-    per_bin: torch.Tensor  # [B, N, G, G] per bin, among its slots
-
-
-@overload
-def expected_main_jacobian(
-    pars: torch.Tensor,
-    element: torch.Tensor,
-    main: MainTensors,
-    histosys_code: str,
-    normsys_code: str,
-    columns: None = None,
-) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-
-@overload
-def expected_main_jacobian(
-    pars: torch.Tensor,
-    element: torch.Tensor,
-    main: MainTensors,
-    histosys_code: str,
-    normsys_code: str,
-    columns: JacobianColumns,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+    shared: Tensor  # [B, K, K] over the shared parameters
+    cross: Tensor  # [B, N, G, K] per bin and slot, against the shared parameters
+    per_bin: Tensor  # [B, N, G, G] per bin, among its slots
 
 
 def expected_main_jacobian(
-    pars: torch.Tensor,
-    element: torch.Tensor,
+    pars: Tensor,
+    element: Tensor,
     main: MainTensors,
     histosys_code: str,
     normsys_code: str,
     columns: JacobianColumns | None = None,
-) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
     """Expected main data ``[B, N]`` and its Jacobian ``[B, N, P]``, in closed form.
 
     One forward pass per modifier kind, no autograd: the fit loop runs on any device, and
@@ -327,20 +293,18 @@ def expected_main_jacobian(
     n_main = main.bins.shape[0]
     # flattened (bin, parameter) with one spare slot for "no parameter" (or a per-bin one)
     if columns is None:
-        shared, per_bin, width = None, None, n_pars + 1
+        shared, per_bin, width, bin_jacobian = None, None, n_pars + 1, None
     else:
         shared, per_bin, width = columns.shared, columns.per_bin, columns.n_shared + 1
+        bin_jacobian = pars.new_zeros(rows, columns.n_per_bin + 1)
     expected = torch.zeros(rows, n_main, dtype=pars.dtype, device=pars.device)
     jacobian = torch.zeros(rows, n_main * width, dtype=pars.dtype, device=pars.device)
-    bin_jacobian = None
-    if columns is not None:
-        bin_jacobian = pars.new_zeros(rows, columns.n_per_bin + 1)
     for block in _blocks(element, main):
         n_columns = block.nominal.shape[1]
         if not n_columns:
             continue
         factors = _rate_factors(pars, block, histosys_code, normsys_code, with_slopes=True)
-        rates = factors.base * factors.normsys * factors.multipliers
+        rates = factors.rates
         expected = expected + _summed(rates, block, n_main)
         weight = block.weight if block.weight is not None else torch.ones_like(rates)
         column_bin = main.bins.repeat(n_columns // n_main)  # [Q]
@@ -355,10 +319,10 @@ def expected_main_jacobian(
         if block.normsys_column.shape[-1]:
             assert factors.normsys_slope is not None
             weighted = _take(rates * weight, block.normsys_column)
-            target = column_bin.index_select(0, block.normsys_column.reshape(-1)).reshape_as(
-                block.normsys_column
-            ) * width + _remap(shared, block.normsys_param)
-            _add_at_(jacobian, target, factors.normsys_slope * weighted)
+            target = _remap(column_bin, block.normsys_column) * width + _remap(
+                shared, block.normsys_param
+            )
+            _add_at(jacobian, target, factors.normsys_slope * weighted, inplace=True)
         if block.multiplier_params.shape[-2]:
             assert factors.multiplier_values is not None
             others = _others(factors.multiplier_values)
@@ -366,9 +330,9 @@ def expected_main_jacobian(
             values = (others * scale).reshape(rows, -1)
             params = block.multiplier_params  # [M, Q] or [B, M, Q]
             target = column_bin * width + _remap(shared, params)
-            _add_at_(jacobian, target.flatten(-2), values)
+            _add_at(jacobian, target.flatten(-2), values, inplace=True)
             if bin_jacobian is not None:
-                _add_at_(bin_jacobian, _remap(per_bin, params).flatten(-2), values)
+                _add_at(bin_jacobian, _remap(per_bin, params).flatten(-2), values, inplace=True)
     jacobian = jacobian.reshape(rows, n_main, width).narrow(2, 0, width - 1)
     if bin_jacobian is None or columns is None:
         return expected, jacobian
@@ -376,13 +340,13 @@ def expected_main_jacobian(
 
 
 def expected_main_gradient(
-    pars: torch.Tensor,
-    element: torch.Tensor,
+    pars: Tensor,
+    element: Tensor,
     main: MainTensors,
     histosys_code: str,
     normsys_code: str,
-    residual: Callable[[torch.Tensor], torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor]:
+    residual: Callable[[Tensor], Tensor],
+) -> tuple[Tensor, Tensor]:
     """Expected main data ``[B, N]`` and ``sum_n r_n d(expected bin n) / d pars`` ``[B, P]``
     for ``r = residual(expected)`` ``[B, N]``: a vector-Jacobian product in closed form, the
     Jacobian ``[B, N, P]`` never built (each block's factors computed once, contracted with
@@ -395,7 +359,7 @@ def expected_main_gradient(
     for block in _blocks(element, main):
         if block.nominal.shape[1]:
             factors = _rate_factors(pars, block, histosys_code, normsys_code, with_slopes=True)
-            rates = factors.base * factors.normsys * factors.multipliers
+            rates = factors.rates
             expected = expected + _summed(rates, block, n_main)
             parts.append((block, factors, rates))
     r = residual(expected)
@@ -430,7 +394,7 @@ def expected_main_gradient(
     return expected, gradient.narrow(1, 0, n_pars)
 
 
-def _remap(table: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor:
+def _remap(table: Tensor | None, index: Tensor) -> Tensor:
     """``table`` at every entry of ``index`` (any shape); ``index`` itself without a table."""
     if table is None:
         return index
@@ -438,14 +402,14 @@ def _remap(table: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor:
 
 
 def main_rates_curvature(
-    pars: torch.Tensor,
-    element: torch.Tensor,
+    pars: Tensor,
+    element: Tensor,
     main: MainTensors,
     histosys_code: str,
     normsys_code: str,
-    bin_weights: torch.Tensor,
+    bin_weights: Tensor,
     columns: JacobianColumns | None = None,
-) -> torch.Tensor | RatesCurvature:
+) -> Tensor | RatesCurvature:
     """``sum_n w_n d2(expected bin n) / d pars2`` ``[B, P, P]`` for bin weights ``[B, N]``:
     the second-order term of a Hessian that Gauss-Newton drops, in closed form. With
     ``columns``, in block form (:class:`RatesCurvature`): a per-bin parameter ``p`` is a
@@ -598,7 +562,7 @@ def main_rates_curvature(
     )
 
 
-def _others(values: torch.Tensor) -> torch.Tensor:
+def _others(values: Tensor) -> Tensor:
     """``[B, M, Q]``: for each multiplier of a column, the product of the column's others
     (no division: a multiplier may be 0)."""
     if values.shape[1] <= 2:  # the other one, or none (times 1)
@@ -609,9 +573,7 @@ def _others(values: torch.Tensor) -> torch.Tensor:
     return before * after.narrow(1, 0, values.shape[1]).flip(1)
 
 
-def _histosys_per_bin(
-    block: _Block, scale: torch.Tensor, slope: torch.Tensor, n_main: int
-) -> torch.Tensor:
+def _histosys_per_bin(block: _Block, scale: Tensor, slope: Tensor, n_main: int) -> Tensor:
     """``[B, N, J]``: d(expected bin n) / d(alpha_j) through the histosys shifts of the block;
     ``scale [B, Q]``: what multiplies each column's shifted nominal."""
     rows = scale.shape[0]
@@ -630,19 +592,17 @@ def _histosys_per_bin(
     return (scaled * slope.unsqueeze(3)).sum(dim=1).transpose(1, 2)  # [B, N, J]
 
 
-def expected_aux(
-    pars: torch.Tensor, element: torch.Tensor, constraint: ConstraintTensors
-) -> torch.Tensor:
+def expected_aux(pars: Tensor, element: Tensor, constraint: ConstraintTensors) -> Tensor:
     """Expected auxiliary data ``[B, A]``: the parameter (times tau for Poisson constraints)."""
     return pars.index_select(1, constraint.param) * constraint.scale.index_select(0, element)
 
 
-def poisson_logpdf(observed: torch.Tensor, rate: torch.Tensor) -> torch.Tensor:
+def poisson_logpdf(observed: Tensor, rate: Tensor) -> Tensor:
     """Continuous Poisson ``log p(n | lambda)`` as pyhf: ``xlogy(n, lam) - lam - lgamma(n + 1)``."""
     return torch.xlogy(observed, rate) - rate - torch.lgamma(observed + 1)
 
 
-def poisson_deviance(observed: torch.Tensor, rate: torch.Tensor) -> torch.Tensor:
+def poisson_deviance(observed: Tensor, rate: Tensor) -> Tensor:
     """``-2 log p(n | lambda)`` minus its value at ``lambda = n``: ``2 (lambda - n - n log(lambda
     / n))`` (``2 lambda`` for ``n = 0``). Non-negative and small near a good fit, so that sums of
     many terms keep their precision, in float32 too."""
@@ -651,14 +611,14 @@ def poisson_deviance(observed: torch.Tensor, rate: torch.Tensor) -> torch.Tensor
     return 2.0 * (rate - observed - torch.where(positive, observed * torch.log(ratio), 0.0))
 
 
-def poisson_saturated(observed: torch.Tensor) -> torch.Tensor:
+def poisson_saturated(observed: Tensor) -> Tensor:
     """``-2 log p(n | lambda = n)``, what :func:`poisson_deviance` leaves out."""
     return 2.0 * (observed - torch.xlogy(observed, observed) + torch.lgamma(observed + 1))
 
 
 def constraint_deviance(
-    pars: torch.Tensor, aux_data: torch.Tensor, element: torch.Tensor, constraint: ConstraintTensors
-) -> torch.Tensor:
+    pars: Tensor, aux_data: Tensor, element: Tensor, constraint: ConstraintTensors
+) -> Tensor:
     """``-2 x`` :func:`constraint_logpdf` minus :func:`constraint_saturated`, per row ``[B]``:
     squared pulls for Normal constraints, Poisson deviances for Poisson ones."""
     pull, _, rate = _constraint_terms(pars, aux_data, element, constraint)
@@ -667,8 +627,8 @@ def constraint_deviance(
 
 
 def constraint_saturated(
-    aux_data: torch.Tensor, element: torch.Tensor, constraint: ConstraintTensors
-) -> torch.Tensor:
+    aux_data: Tensor, element: Tensor, constraint: ConstraintTensors
+) -> Tensor:
     """The data-only part of ``-2 x`` :func:`constraint_logpdf`, per row ``[B]``."""
     sigma = constraint.sigma.index_select(0, element)
     normal = 2.0 * (torch.log(sigma) + LOG_SQRT_2PI)
@@ -677,8 +637,8 @@ def constraint_saturated(
 
 
 def constraint_logpdf(
-    pars: torch.Tensor, aux_data: torch.Tensor, element: torch.Tensor, constraint: ConstraintTensors
-) -> torch.Tensor:
+    pars: Tensor, aux_data: Tensor, element: Tensor, constraint: ConstraintTensors
+) -> Tensor:
     """Sum of the Normal and Poisson constraint terms per row ``[B]``."""
     pull, sigma, rate = _constraint_terms(pars, aux_data, element, constraint)
     normal = -0.5 * pull**2 - torch.log(sigma) - LOG_SQRT_2PI
@@ -686,17 +646,15 @@ def constraint_logpdf(
     return _present(torch.where(constraint.is_poisson, poisson, normal), element, constraint)
 
 
-def _present(
-    terms: torch.Tensor, element: torch.Tensor, constraint: ConstraintTensors
-) -> torch.Tensor:
+def _present(terms: Tensor, element: Tensor, constraint: ConstraintTensors) -> Tensor:
     """Per row ``[B]``: the sum of the constraint terms ``[B, A]`` its element has."""
     present = constraint.present.index_select(0, element)
     return torch.where(present, terms, 0.0).sum(dim=1)
 
 
 def _constraint_terms(
-    pars: torch.Tensor, aux_data: torch.Tensor, element: torch.Tensor, constraint: ConstraintTensors
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    pars: Tensor, aux_data: Tensor, element: Tensor, constraint: ConstraintTensors
+) -> tuple[Tensor, Tensor, Tensor]:
     """Per auxiliary datum ``[B, A]``: the Normal pull ``(a - theta) / sigma``, the sigma, and
     the Poisson rate ``tau theta``. The Poisson term is evaluated on every slot and kept on
     Poisson slots only, so the Normal slots get a harmless rate (1): no NaN reaches a gradient

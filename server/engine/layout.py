@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -113,12 +114,7 @@ class ElementLayout:
 
     def par_start(self, name: str) -> int:
         """pyhf's ``config.par_slice(name).start``."""
-        start = 0
-        for parset in self.parameters:
-            if parset.name == name:
-                return start
-            start += parset.n_parameters
-        raise KeyError(name)
+        return offsets({p.name: p.n_parameters for p in self.parameters})[name]
 
     @property
     def stack_key(self) -> str:
@@ -134,13 +130,30 @@ def interpolation_codes(model: pyhf.Model) -> tuple[str, str]:
     A type missing from ``modifier_settings`` takes the default of pyhf's applier, as pyhf does.
     """
     settings = model.config.modifier_settings or {}
+    histosys, normsys = (
+        settings.get(mtype, {}).get("interpcode", applier_code(mtype))
+        for mtype in ("histosys", "normsys")
+    )
+    return histosys, normsys
 
-    def code(mtype: str) -> str:
-        applier = pyhf.modifiers.histfactory_set[mtype][1]
-        default = inspect.signature(applier.__init__).parameters["interpcode"].default
-        return settings.get(mtype, {}).get("interpcode", default)
 
-    return code("histosys"), code("normsys")
+def applier_code(mtype: str) -> str:
+    """The interpolation code pyhf's applier of ``mtype`` takes when none is set."""
+    applier = pyhf.modifiers.histfactory_set[mtype][1]
+    return inspect.signature(applier.__init__).parameters["interpcode"].default
+
+
+def offsets(sizes: dict[str, int]) -> dict[str, int]:
+    """Where each consecutive block of the given sizes starts.
+
+    >>> offsets({"a": 2, "b": 3, "c": 1})
+    {'a': 0, 'b': 2, 'c': 5}
+    """
+    starts, start = {}, 0
+    for key, size in sizes.items():
+        starts[key] = start
+        start += size
+    return starts
 
 
 def _bin_offsets_of_per_bin_modifiers(config, spec) -> dict[str, dict[str, int]]:
@@ -148,58 +161,65 @@ def _bin_offsets_of_per_bin_modifiers(config, spec) -> dict[str, dict[str, int]]
 
     pyhf numbers such a parameter over the global bins of the channels that carry it.
     """
-    carriers: dict[str, list[str]] = {}
+    carriers: dict[str, set[str]] = {}
     for channel in spec["channels"]:
         for sample in channel["samples"]:
             for modifier in sample["modifiers"]:
                 if modifier["type"] in ("staterror", "shapesys"):
-                    names = carriers.setdefault(modifier["name"], [])
-                    if channel["name"] not in names:
-                        names.append(channel["name"])
-    offsets: dict[str, dict[str, int]] = {}
+                    carriers.setdefault(modifier["name"], set()).add(channel["name"])
+    per_bin: dict[str, dict[str, int]] = {}
     for name, channels in carriers.items():
-        offset = 0
-        offsets[name] = {}
-        for channel in config.channels:  # pyhf's (sorted) channel order
-            if channel in channels:
-                offsets[name][channel] = offset
-                offset += config.channel_nbins[channel]
-        if offset != config.param_set(name).n_parameters:
+        # pyhf's (sorted) channel order
+        nbins = {c: config.channel_nbins[c] for c in config.channels if c in channels}
+        if sum(nbins.values()) != config.param_set(name).n_parameters:
             raise UnsupportedModelError(f"modifier {name!r}: unexpected parameter layout")
-    return offsets
+        per_bin[name] = offsets(nbins)
+    return per_bin
 
 
-def _aux_layout(config) -> tuple[np.ndarray, ...]:
+def aux_arrays(
+    sets: Iterable[tuple[int, int, bool, Sequence[float] | None, Sequence[float] | None]],
+) -> dict[str, np.ndarray]:
+    """:class:`ElementLayout`'s ``aux_*`` arrays from the constrained parameter sets in pyhf's
+    ``auxdata_order``, each as (first parameter, size, Poisson, Normal widths (None: 1),
+    Poisson factors)."""
     params: list[int] = []
     is_poisson: list[bool] = []
     sigmas: list[float] = []
     scales: list[float] = []
+    for start, n, poisson, widths, factors in sets:
+        params.extend(range(start, start + n))
+        is_poisson.extend([poisson] * n)
+        sigmas.extend([1.0] * n if poisson or widths is None else widths)
+        if poisson:  # a Poisson constraint's parameter set has its factors
+            assert factors is not None
+            scales.extend(factors)
+        else:
+            scales.extend([1.0] * n)
+    return {
+        "aux_param": np.asarray(params, dtype=np.int64),
+        "aux_is_poisson": np.asarray(is_poisson, dtype=bool),
+        "aux_sigma": np.asarray(sigmas, dtype=np.float64),
+        "aux_scale": np.asarray(scales, dtype=np.float64),
+    }
+
+
+def _aux_layout(config) -> dict[str, np.ndarray]:
+    sets = []
     for name in config.auxdata_order:
         parset = config.param_set(name)
-        start = config.par_slice(name).start
-        n = parset.n_parameters
-        params.extend(range(start, start + n))
-        if parset.pdf_type == "poisson":
-            is_poisson.extend([True] * n)
-            sigmas.extend([1.0] * n)
-            scales.extend(parset.factors)
-        elif parset.pdf_type == "normal":
-            is_poisson.extend([False] * n)
-            sigma = getattr(parset, "sigmas", None)
-            sigmas.extend(sigma if sigma is not None else [1.0] * n)
-            scales.extend([1.0] * n)
-        else:
+        if parset.pdf_type not in ("poisson", "normal"):
             raise UnsupportedModelError(
                 f"constraint type {parset.pdf_type!r} of parameter {name!r} is not supported"
             )
-    if len(params) != len(config.auxdata):
+        poisson = parset.pdf_type == "poisson"
+        sigmas = None if poisson else getattr(parset, "sigmas", None)
+        factors = parset.factors if poisson else None
+        sets.append((config.par_slice(name).start, parset.n_parameters, poisson, sigmas, factors))
+    arrays = aux_arrays(sets)
+    if len(arrays["aux_param"]) != len(config.auxdata):
         raise UnsupportedModelError("auxiliary data layout does not match pyhf's")
-    return (
-        np.asarray(params, dtype=np.int64),
-        np.asarray(is_poisson, dtype=bool),
-        np.asarray(sigmas, dtype=np.float64),
-        np.asarray(scales, dtype=np.float64),
-    )
+    return arrays
 
 
 def read_model(model: pyhf.Model, observed: list[float], name: str = "nominal") -> ElementLayout:
@@ -280,7 +300,6 @@ def read_model(model: pyhf.Model, observed: list[float], name: str = "nominal") 
             samples[sname].normsys_bin = bins_.astype(np.int64)
             samples[sname].normsys_coefficients = normsys_coefficients(normsys_code, lo, hi)
 
-    aux_param, aux_is_poisson, aux_sigma, aux_scale = _aux_layout(config)
     parameters = []
     for pname in config.par_order:
         parset = config.param_set(pname)
@@ -299,10 +318,7 @@ def read_model(model: pyhf.Model, observed: list[float], name: str = "nominal") 
         normsys_code=normsys_code,
         histosys_params=[config.par_slice(n).start for n in histosys_names],
         normsys_params=[config.par_slice(n).start for n in normsys_names],
-        aux_param=aux_param,
-        aux_is_poisson=aux_is_poisson,
-        aux_sigma=aux_sigma,
-        aux_scale=aux_scale,
+        **_aux_layout(config),
         init=np.asarray(config.suggested_init(), dtype=np.float64),
         bounds=np.asarray(config.suggested_bounds(), dtype=np.float64),
         fixed=np.asarray(config.suggested_fixed(), dtype=bool),

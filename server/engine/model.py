@@ -27,11 +27,13 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, Protocol, overload
 
 import numpy as np
 import pyhf
 import torch
+from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
 
 from . import schema
@@ -199,7 +201,7 @@ class HistFactoryModel:
         """The same model on another device and/or dtype (a new instance)."""
         return type(self)(self.elements, device or self.device, dtype or self.dtype)
 
-    def _tensor(self, array: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def _tensor(self, array: Any, dtype: torch.dtype | None = None) -> Tensor:
         """``array`` as a tensor on the model's device: copied from host memory once, at build
         time; under FakeTensorMode (the device hygiene tests), where no host tensor may meet
         a fake one, made by a factory call on the device from Python numbers."""
@@ -276,43 +278,38 @@ class HistFactoryModel:
         return self.stack.columns[element].tolist()
 
     # ------------------------------------------------------------------ evaluation
-    def tensors(self) -> dict[str, torch.Tensor]:
+    def tensors(self) -> dict[str, Tensor]:
         """Every tensor the model holds, by name (all on ``self.device``, in ``self.dtype``
         for floating point)."""
-        found = {k: v for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
+        found = {k: v for k, v in vars(self).items() if isinstance(v, Tensor)}
         found.update({f"main.{k}": v for k, v in self.main._asdict().items()})
         found.update({f"constraint.{k}": v for k, v in self.constraint._asdict().items()})
         return found
 
-    def element_index(self, element: torch.Tensor | None, rows: int) -> torch.Tensor:
+    def element_index(self, element: Tensor | None, rows: int) -> Tensor:
         """``element`` as a LongTensor ``[rows]`` on the device (element 0 for every row if None)."""
         if element is None:
             return torch.zeros(rows, dtype=torch.long, device=self.device)
         return element
 
     def expected_data(
-        self,
-        pars: torch.Tensor,
-        element: torch.Tensor | None = None,
-        include_auxdata: bool = True,
-    ) -> torch.Tensor:
+        self, pars: Tensor, element: Tensor | None = None, include_auxdata: bool = True
+    ) -> Tensor:
         """Expected main (and auxiliary) data ``[B, N (+ A)]`` for parameters ``[B, P]``."""
         element = self.element_index(element, pars.shape[0])
-        main = self._expected_main(pars, element, self.main, self.histosys_code, self.normsys_code)
+        main = self._main_rates(pars, element, None)
         if not include_auxdata:
             return main
         return torch.cat([main, expected_aux(pars, element, self.constraint)], dim=1)
 
-    def _main_rates(
-        self, pars: torch.Tensor, element: torch.Tensor, rates: torch.Tensor | None
-    ) -> torch.Tensor:
-        if rates is not None:
-            return rates
-        return self._expected_main(pars, element, self.main, self.histosys_code, self.normsys_code)
+    def _kernel(self, kernel: Callable[..., Any], pars: Tensor, element: Tensor, *args: Any) -> Any:
+        """``kernel`` (of :mod:`.kernel`, or compiled) on the model's main tensors and codes."""
+        return kernel(pars, element, self.main, self.histosys_code, self.normsys_code, *args)
 
-    def logpdf(
-        self, pars: torch.Tensor, data: torch.Tensor, element: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def _main_rates(self, pars: Tensor, element: Tensor, rates: Tensor | None) -> Tensor:
+        return self._kernel(self._expected_main, pars, element) if rates is None else rates
+
+    def logpdf(self, pars: Tensor, data: Tensor, element: Tensor | None = None) -> Tensor:
         """``log L`` per row ``[B]`` of data ``[B, N + A]`` at parameters ``[B, P]``, as pyhf."""
         element = self.element_index(element, pars.shape[0])
         main_data = data.narrow(1, 0, self.n_main)
@@ -320,19 +317,13 @@ class HistFactoryModel:
         main = poisson_logpdf(main_data, self._main_rates(pars, element, None)).sum(dim=1)
         return main + constraint_logpdf(pars, aux_data, element, self.constraint)
 
-    def twice_nll(
-        self, pars: torch.Tensor, data: torch.Tensor, element: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def twice_nll(self, pars: Tensor, data: Tensor, element: Tensor | None = None) -> Tensor:
         """``-2 log L`` per row ``[B]``."""
         return -2.0 * self.logpdf(pars, data, element)
 
     def deviance(
-        self,
-        pars: torch.Tensor,
-        data: torch.Tensor,
-        element: torch.Tensor | None = None,
-        rates: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        self, pars: Tensor, data: Tensor, element: Tensor | None = None, rates: Tensor | None = None
+    ) -> Tensor:
         """``-2 log L`` minus :meth:`saturated_twice_nll` (a function of the data alone), per
         row ``[B]``: Poisson deviances of the main bins and of Poisson constraints, squared
         pulls of Normal constraints. Every term is non-negative and small near a good fit, so
@@ -347,9 +338,7 @@ class HistFactoryModel:
         aux = data.narrow(1, self.n_main, self.n_aux)
         return main + constraint_deviance(pars, aux, element, self.constraint)
 
-    def saturated_twice_nll(
-        self, data: torch.Tensor, element: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def saturated_twice_nll(self, data: Tensor, element: Tensor | None = None) -> Tensor:
         """``twice_nll - deviance`` ``[B]``: ``-2 log L`` of data ``[B, N + A]`` with every
         expectation equal to its observation (Normal constraints: their normalisation)."""
         element = self.element_index(element, data.shape[0])
@@ -358,13 +347,11 @@ class HistFactoryModel:
         return main + constraint_saturated(aux, element, self.constraint)
 
     def expected_main_jacobian(
-        self, pars: torch.Tensor, element: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, pars: Tensor, element: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
         """Expected main data ``[B, N]`` and its closed-form Jacobian ``[B, N, P]``."""
         element = self.element_index(element, pars.shape[0])
-        return expected_main_jacobian(
-            pars, element, self.main, self.histosys_code, self.normsys_code
-        )
+        return self._kernel(expected_main_jacobian, pars, element)
 
     def jacobian_columns(self) -> JacobianColumns:
         """Where the block Jacobian puts each parameter (:mod:`.sparsity`), on the device (built
@@ -402,53 +389,30 @@ class HistFactoryModel:
         return self._bin_blocks
 
     def expected_main_block_jacobian(
-        self, pars: torch.Tensor, element: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self, pars: Tensor, element: Tensor | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """Expected main data ``[B, N]`` and its Jacobian in the two parts of
         :attr:`bin_parameters`: ``[B, N, K]`` over the shared parameters and ``[B, M]``, each
         per-bin parameter's derivative of its own bin (no structural zeros built). Eager."""
         element = self.element_index(element, pars.shape[0])
-        return expected_main_jacobian(
-            pars,
-            element,
-            self.main,
-            self.histosys_code,
-            self.normsys_code,
-            self.jacobian_columns(),
-        )
+        return self._kernel(expected_main_jacobian, pars, element, self.jacobian_columns())
 
     def expected_main_gradient(
-        self,
-        pars: torch.Tensor,
-        element: torch.Tensor,
-        residual: Callable[[torch.Tensor], torch.Tensor],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, pars: Tensor, element: Tensor, residual: Callable[[Tensor], Tensor]
+    ) -> tuple[Tensor, Tensor]:
         """Expected main data ``[B, N]`` and ``sum_n r_n d(expected bin n) / d pars`` ``[B,
         P]`` for ``r = residual(expected)``, the Jacobian never built
         (:func:`~.kernel.expected_main_gradient`). Eager."""
-        return expected_main_gradient(
-            pars, element, self.main, self.histosys_code, self.normsys_code, residual
-        )
+        return self._kernel(expected_main_gradient, pars, element, residual)
 
     def main_rates_curvature(
-        self,
-        pars: torch.Tensor,
-        element: torch.Tensor,
-        bin_weights: torch.Tensor,
-        block: bool = False,
-    ) -> torch.Tensor | RatesCurvature:
+        self, pars: Tensor, element: Tensor, bin_weights: Tensor, block: bool = False
+    ) -> Tensor | RatesCurvature:
         """``sum_n w_n d2(expected bin n) / d pars2`` ``[B, P, P]`` for bin weights ``w [B,
         N]``, in closed form (the second-order term Gauss-Newton drops); ``block``: in the
         block form of :meth:`jacobian_columns` (:class:`~.kernel.RatesCurvature`)."""
-        return main_rates_curvature(
-            pars,
-            element,
-            self.main,
-            self.histosys_code,
-            self.normsys_code,
-            bin_weights,
-            self.jacobian_columns() if block else None,
-        )
+        columns = self.jacobian_columns() if block else None
+        return self._kernel(main_rates_curvature, pars, element, bin_weights, columns)
 
     # ------------------------------------------------------------------ per sample
     @property
@@ -461,29 +425,25 @@ class HistFactoryModel:
         sample axis for its rows (padded with zero rates up to :attr:`n_samples`)."""
         return [s.name for s in self.elements[element].samples]
 
-    def sample_rates(self, pars: torch.Tensor, element: torch.Tensor | None = None) -> torch.Tensor:
+    def sample_rates(self, pars: Tensor, element: Tensor | None = None) -> Tensor:
         """Expected main rates per sample ``[B, S, N]`` for parameters ``[B, P]`` (pyhf's
         ``main_model.expected_data(pars, return_by_sample=True)`` per row): sample ``s`` of a
         row is the ``s``-th of its element's :meth:`sample_names`, zeros past its last one.
         Summed over ``S`` it is ``expected_data(pars, element, include_auxdata=False)``.
         Eager (never the compiled kernels); everything stays on the device."""
         element = self.element_index(element, pars.shape[0])
-        rates = variant_rates(pars, element, self.main, self.histosys_code, self.normsys_code)
+        rates = self._kernel(variant_rates, pars, element)
         padded = torch.cat([rates, torch.zeros_like(rates.narrow(1, 0, 1))], dim=1)
-        index = self._sample_variant().index_select(0, element)  # [B, S]
+        index = self._sample_variant_index.index_select(0, element)  # [B, S]
         index = index.unsqueeze(2).expand(-1, -1, self.n_main)
         return padded.gather(1, index)
 
-    def _sample_variant(self) -> torch.Tensor:
+    @cached_property
+    def _sample_variant_index(self) -> Tensor:
         """``[E, S]``: per element and sample, its position on :func:`variant_rates`' variant
         axis (the padding position ``U + S_own`` past the element's last sample), as the
         stack laid it out (:attr:`StackLayout.sample_variant`); on the device on first use."""
-        cached = self.__dict__.get("_sample_variant_index")
-        if cached is None:
-            cached = self._sample_variant_index = self._tensor(
-                self.stack.sample_variant, torch.long
-            )
-        return cached
+        return self._tensor(self.stack.sample_variant, torch.long)
 
     def enable_compile(self, kernels: KernelCache) -> None:
         """Evaluate the main model through ``kernels`` (compiled per structure and batch
@@ -500,10 +460,9 @@ class HistFactoryModel:
         """:meth:`expected_main_jacobian` evaluated by ``kernel`` (the same signature)."""
 
         def expected_main_jacobian(
-            pars: torch.Tensor, element: torch.Tensor | None = None
-        ) -> tuple[torch.Tensor, torch.Tensor]:
-            element = self.element_index(element, pars.shape[0])
-            return kernel(pars, element, self.main, self.histosys_code, self.normsys_code)
+            pars: Tensor, element: Tensor | None = None
+        ) -> tuple[Tensor, Tensor]:
+            return self._kernel(kernel, pars, self.element_index(element, pars.shape[0]))
 
         expected_main_jacobian.__doc__ = HistFactoryModel.expected_main_jacobian.__doc__
         return expected_main_jacobian

@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import jsonpatch
@@ -60,8 +61,8 @@ class _CopyOnWrite:
                 if part not in container:
                     break
                 key: Any = part
-            elif _ARRAY_INDEX.fullmatch(part) and int(part) < len(container):
-                key = int(part)
+            elif (index := _index(part)) is not None and index < len(container):
+                key = index
             else:
                 break
             child = container[key]
@@ -92,12 +93,12 @@ def _move_targets(operation: jsonpatch.MoveOperation) -> list[list[str]]:
     return paths
 
 
+@dataclass(eq=False)
 class _Uncopied:
     """An operation's ``value`` that jsonpatch's deep copy leaves as it is: the patched
     document may share it, as any container is copied before it is changed."""
 
-    def __init__(self, value: Any) -> None:
-        self.value = value
+    value: Any
 
     def __deepcopy__(self, memo: dict) -> Any:
         return self.value

@@ -1,13 +1,12 @@
 """pyhf's JSON schemas, checked by compiled validators; pyhf's own errors when a check fails.
 
 ``pyhf.schema.validate`` builds a jsonschema validator on every call and walks the instance
-in Python: 0.2-0.6 s for a published workspace. Here each schema of pyhf
-(``pyhf/schemas/1.0.0``, ``$ref`` to ``defs.json`` resolved locally) is compiled once by
-``jsonschema-rs`` (Rust; an order of magnitude faster than the Python code ``fastjsonschema``
-generates, see BENCHMARKS.md). A valid instance costs only the compiled check; when it fails, pyhf's
-validator runs on the instance, so :func:`validate` raises exactly pyhf's
-:class:`~pyhf.exceptions.InvalidSpecification` (message, JSON path, schema name) and accepts
-whatever pyhf accepts (pyhf also takes booleans as numbers and numpy arrays as arrays).
+in Python. Here each schema of pyhf (``pyhf/schemas/1.0.0``, ``$ref`` to ``defs.json``
+resolved locally) is compiled once by ``jsonschema-rs`` (BENCHMARKS.md). A valid instance
+costs only the compiled check; when it fails, pyhf's validator runs on the instance, so
+:func:`validate` raises exactly pyhf's :class:`~pyhf.exceptions.InvalidSpecification`
+(message, JSON path, schema name) and accepts whatever pyhf accepts (pyhf also takes
+booleans as numbers and numpy arrays as arrays).
 Tuples are arrays to the compiled check, not to pyhf: parsed JSON never holds them.
 
 :func:`loads` reads JSON with orjson, which refuses ``NaN``, ``Infinity`` and numbers that

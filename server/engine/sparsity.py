@@ -4,9 +4,9 @@ A HistFactory likelihood's per-bin parameters (staterror and shapesys gammas, a 
 a normfactor of a one-bin region) each multiply the rates of ONE main bin: their columns of
 the rate Jacobian have one entry, and the Gauss-Newton curvature ``J^T W J`` is a dense block
 over the *shared* parameters bordered by a block-diagonal one (per bin) over the per-bin
-parameters. A large analysis (1600 bins, a gamma per bin, a few hundred shared systematics)
-is mostly per-bin parameters, so this structure decides what a fit iteration costs:
-``O(N K^2 + K^3)`` with ``K`` shared parameters, not ``O(N P^2 + P^3)``
+parameters. A large analysis (a gamma per bin) is mostly per-bin parameters, so this
+structure decides what a fit iteration costs: ``O(N K^2 + K^3)`` with ``K`` shared
+parameters, not ``O(N P^2 + P^3)``
 (:class:`~pyhf_gpu_server.inference.curvature.BlockCurvature`).
 
 A parameter is per-bin here when, in every element of the stack, it is only a multiplier
@@ -15,15 +15,13 @@ same main bin. Found once per model, on the host, from the stacked layout.
 
 Example:
     >>> import pyhf
-    >>> from pyhf_gpu_server.engine import HistFactoryModel
-    >>> spec = pyhf.simplemodels.uncorrelated_background([5.0, 6.0], [10.0, 9.0], [2.5, 2.0]).spec
-    >>> ws = {**spec, "observations": [{"name": "singlechannel", "data": [12.0, 10.0]}],
-    ...       "measurements": [{"name": "m", "config": {"poi": "mu", "parameters": []}}],
-    ...       "version": "1.0.0"}
-    >>> model = HistFactoryModel.from_workspace(ws)
-    >>> model.par_names, model.bin_parameters.params.tolist(), model.bin_parameters.bins.tolist()
+    >>> from pyhf_gpu_server.engine.layout import read_model
+    >>> model = pyhf.simplemodels.uncorrelated_background([5.0, 6.0], [10.0, 9.0], [2.5, 2.0])
+    >>> layout = read_model(model, [12.0, 10.0, *model.config.auxdata])
+    >>> found = bin_parameters(StackLayout([layout]))
+    >>> layout.par_names, found.params.tolist(), found.bins.tolist()
     (['mu', 'uncorr_bkguncrt[0]', 'uncorr_bkguncrt[1]'], [1, 2], [0, 1])
-    >>> model.bin_parameters.slots.tolist()  # per bin, its per-bin parameters (2: none)
+    >>> found.slots.tolist()  # per bin, its per-bin parameters (2: none)
     [[0], [1]]
 """
 

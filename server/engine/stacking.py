@@ -36,7 +36,7 @@ import numpy as np
 
 from .errors import IncompatibleModelsError
 from .interpolation import KINKED_CODES, histosys_slopes_at_nominal
-from .layout import ElementLayout, ParameterSet, SampleLayout
+from .layout import ElementLayout, ParameterSet, SampleLayout, offsets
 
 
 @dataclass(frozen=True)
@@ -137,11 +137,9 @@ def partition(
 
 def _histosys_names(element: ElementLayout) -> list[str]:
     """The names of an element's histosys parameters (scalar parameter sets)."""
-    starts, start = {}, 0
-    for parset in element.parameters:
-        starts[start] = parset.name
-        start += parset.n_parameters
-    return [starts[i] for i in element.histosys_params]
+    starts = offsets({p.name: p.n_parameters for p in element.parameters})
+    name_at = {start: name for name, start in starts.items()}
+    return [name_at[i] for i in element.histosys_params]
 
 
 def split_reason(first: ElementLayout, other: ElementLayout) -> str:
@@ -192,11 +190,8 @@ class StackLayout:
             for parset in element.parameters:
                 sets.setdefault(parset.name, parset)
         self.parameters = list(sets.values())
-        starts, start = {}, 0
-        for parset in self.parameters:
-            starts[parset.name] = start
-            start += parset.n_parameters
-        self.n_pars = start
+        starts = offsets({p.name: p.n_parameters for p in self.parameters})
+        self.n_pars = sum(p.n_parameters for p in self.parameters)
         self.par_names = [label for p in self.parameters for label in p.labels()]
         self.poi_name = self.elements[0].poi_name
         self.poi_index = None if self.poi_name is None else starts[self.poi_name]

@@ -10,17 +10,14 @@ classes with pyhf's messages (:class:`UnsupportedModelError` where the engine re
 as ``read_model`` does).
 
 Where pyhf fails without one of its own exceptions, or builds something the engine cannot use,
-this module raises instead: a staterror carried by samples on different sets of channels
-(pyhf: ``AssertionError``), a lumi parameter without ``inits``/``bounds``/``auxdata`` in the
-measurement (pyhf: ``TypeError``), interpolation codes or options pyhf's appliers do not take
-and settings of unknown modifier types (``AssertionError``/``TypeError``/ignored; here
-``InvalidInterpCode``/``Unsupported``/``InvalidModifier``, checked before the workspace);
-as :class:`DuplicateNameError`, before any other check, a name used twice where it must be
-unique (channels and samples within a channel, which pyhf merges; a modifier's name and type
-on one sample; measurements; observations); as :class:`InvalidWorkspaceError`, bounds set in
-the measurement that are not [low, high] pairs with low < high and inits outside their bounds;
-as :class:`UnsupportedModelError`, a shapefactor on channels of different sizes and lumi
-settings with other than one value. These messages name the JSON path of what is wrong.
+this module raises instead, naming the JSON path of what is wrong: pyhf's exception classes
+for a staterror carried by samples on different sets of channels (pyhf: ``AssertionError``),
+a lumi parameter without ``inits``/``bounds``/``auxdata`` in the measurement (pyhf:
+``TypeError``) and bad ``modifier_settings`` (:func:`codes_from_settings`, checked before the
+workspace); :class:`DuplicateNameError`, before any other check, for a name used twice where
+it must be unique; :class:`InvalidWorkspaceError` for measurement bounds that are not [low,
+high] pairs with low < high and inits outside their bounds; :class:`UnsupportedModelError`
+for a shapefactor on channels of different sizes and lumi settings with other than one value.
 
 :class:`WorkspaceTranslator` is the warm form for many patches of one background: a patch is
 applied without copying what it leaves alone (:mod:`.patching`), the samples it does not touch
@@ -52,7 +49,6 @@ Example:
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property, partial
@@ -83,7 +79,7 @@ from .interpolation import (
     histosys_coefficients,
     normsys_coefficients,
 )
-from .layout import ElementLayout, ParameterSet, SampleLayout
+from .layout import ElementLayout, ParameterSet, SampleLayout, applier_code, aux_arrays, offsets
 from .paramsets import (
     Paramset,
     build_paramset,
@@ -145,9 +141,7 @@ def codes_from_settings(modifier_settings: Mapping[str, Any] | None) -> tuple[st
             )
     codes = []
     for mtype in ("histosys", "normsys"):
-        applier = pyhf.modifiers.histfactory_set[mtype][1]
-        default = inspect.signature(applier.__init__).parameters["interpcode"].default
-        code = settings.get(mtype, {}).get("interpcode", default)
+        code = settings.get(mtype, {}).get("interpcode", applier_code(mtype))
         if code not in _CODES[mtype]:
             raise InvalidInterpCode(
                 f"{mtype} interpolation code {code!r} at /modifier_settings/{mtype}/interpcode "
@@ -263,10 +257,7 @@ class WorkspaceTranslator:
         self._background_readings = {id(reading) for reading in self._readings.values()}
         self._paramsets: dict[tuple, tuple[dict | None, tuple[dict, ...], Paramset]] = {}
         self._kept_values: dict[str, dict[tuple, Any]] = {
-            "keys": {},
-            "normsys": {},
-            "staterror": {},
-            "samples": {},
+            kind: {} for kind in ("keys", "normsys", "staterror", "samples")
         }
         # model numberings (parameters, histosys and normsys lists, bins) -> an id never
         # given twice, the key of the samples kept for them
@@ -339,9 +330,8 @@ class WorkspaceTranslator:
         """The background samples' histosys arrays kept for ``numbering`` (most recent
         ``KEPT_HISTOSYS_NUMBERINGS`` numberings: a stream of signals with their own histosys
         names makes a new one each time)."""
-        kept = self._histosys_arrays.pop(numbering, None)
-        kept = {} if kept is None else kept
-        self._histosys_arrays[numbering] = kept
+        kept = self._histosys_arrays.pop(numbering, {})
+        self._histosys_arrays[numbering] = kept  # now the most recent
         while len(self._histosys_arrays) > KEPT_HISTOSYS_NUMBERINGS:
             del self._histosys_arrays[next(iter(self._histosys_arrays))]
         return kept
@@ -409,7 +399,7 @@ class _Assembly:
         self.by_channel = dict(zip(names, readings, strict=True))
         self.channels = sorted(names)
         self.nbins = {c: self.by_channel[c][0].n_bins for c in self.channels}
-        self.start = _offsets(self.nbins)
+        self.start = offsets(self.nbins)
         self.n_main = sum(self.nbins.values())
         self.samples = sorted({r.name for channel in readings for r in channel})
         by_name = attrgetter("name")
@@ -612,6 +602,11 @@ class _Assembly:
         return REQUIRED_PARSET["staterror"](sigmas, fixed)
 
     @cached_property
+    def n_basis(self) -> int:
+        """The histosys basis functions of the translator's code (``K``)."""
+        return histosys_coefficients(self.translator.histosys_code, [0.0], [0.0], [0.0]).shape[0]
+
+    @cached_property
     def nominals(self) -> dict[str, np.ndarray]:
         """Each sample's nominal rates over all main bins (zeros where it is absent)."""
         nominals = {s: np.zeros(self.n_main) for s in self.samples}
@@ -697,7 +692,7 @@ class _Assembly:
 
     # --- the layout ------------------------------------------------------------------------------
     def _element(self, name: str, paramsets: list[Paramset], poi: str | None) -> ElementLayout:
-        par_start = _offsets({p.name: p.n_parameters for p in paramsets})
+        par_start = offsets({p.name: p.n_parameters for p in paramsets})
         first_type: dict[str, str] = {}
         for mname, mtype in self.modifiers:
             first_type.setdefault(mname, mtype)
@@ -736,12 +731,11 @@ class _Assembly:
         bound = self.translator.max_layout_bytes
         if bound is None or not n_histosys:
             return
-        n_basis = histosys_coefficients(self.translator.histosys_code, [0.0], [0.0], [0.0]).shape[0]
-        need = 8 * n_basis * n_histosys * self.n_main * len(self.samples)
+        need = 8 * self.n_basis * n_histosys * self.n_main * len(self.samples)
         if need > bound:
             raise ModelTooLargeError(
                 f"its histosys arrays would take ~{need / 2**20:.0f} MiB ({len(self.samples)} "
-                f"samples x {n_histosys} histosys modifiers x {self.n_main} bins x {n_basis} "
+                f"samples x {n_histosys} histosys modifiers x {self.n_main} bins x {self.n_basis} "
                 "coefficients: each sample is laid out over every histosys modifier and bin), "
                 f"more than the {bound / 2**20:.0f} MiB one model may take"
             )
@@ -754,13 +748,12 @@ class _Assembly:
         for cname, channel in zip(self.spec_channels, self.spec_readings, strict=True):
             for reading in channel:
                 carriers[reading.name].append((cname, self.start[cname], reading))
-        n_basis = histosys_coefficients(self.translator.histosys_code, [0.0], [0.0], [0.0]).shape[0]
-        offsets = self._per_bin_offsets()
+        per_bin = self._per_bin_offsets()
         numbering = _Numbering(
             par_start,
-            offsets,
+            per_bin,
             self._columns(histosys),
-            (n_basis, len(histosys), self.n_main),
+            (self.n_basis, len(histosys), self.n_main),
             self._columns(normsys),
             self.translator._kept_histosys((*histosys, self.n_main)),
         )
@@ -770,7 +763,7 @@ class _Assembly:
                 tuple(histosys),
                 tuple(normsys),
                 tuple(par_start.items()),
-                tuple((m, tuple(channels.items())) for m, channels in offsets.items()),
+                tuple((m, tuple(channels.items())) for m, channels in per_bin.items()),
             )
         )
         if numbering_id is None:  # a numbering seen first: kept once it comes again
@@ -827,11 +820,11 @@ class _Assembly:
 
     def _multipliers(self, parts, numbering: _Numbering) -> list[list[int]]:
         """Per bin, the parameters that multiply one sample, in workspace order."""
-        par_start, offsets = numbering.par_start, numbering.offsets
+        par_start, per_bin = numbering.par_start, numbering.offsets
         bins: list[list[int]] = [[] for _ in range(self.n_main)]
         for cname, start, reading in parts:
             template = [
-                (par_start[m] + offsets[m][cname], 1)
+                (par_start[m] + per_bin[m][cname], 1)
                 if t in _PER_BIN_TYPES
                 else (par_start[m], int(t == "shapefactor"))
                 for t, m in reading.multipliers
@@ -870,7 +863,7 @@ class _Assembly:
             for mname in reading.shapesys:
                 carriers[mname] = {cname: None}  # shapesys can not be shared
         return {
-            mname: _offsets({c: self.nbins[c] for c in channels})
+            mname: offsets({c: self.nbins[c] for c in channels})
             for mname, channels in carriers.items()
         }
 
@@ -933,15 +926,6 @@ def _raise_duplicate_modifier(reading: SampleReading, channel: str, path: str) -
         first[key] = i
 
 
-def _offsets(sizes: dict[str, int]) -> dict[str, int]:
-    """Where each consecutive block of the given sizes starts."""
-    offsets, start = {}, 0
-    for key, size in sizes.items():
-        offsets[key] = start
-        start += size
-    return offsets
-
-
 def _sample_histosys(
     carriers: list[tuple[int, SampleReading]], column: np.ndarray, shape: tuple[int, int, int]
 ) -> np.ndarray:
@@ -960,28 +944,9 @@ def _sample_histosys(
 
 
 def _aux_layout(paramsets: list[Paramset], par_start: dict[str, int]) -> dict[str, np.ndarray]:
-    """The constrained parameters of each auxiliary datum, their Normal widths (1 for Poisson)
-    and Poisson factors (1 for Normal), in pyhf's ``auxdata_order``."""
-    params: list[int] = []
-    is_poisson: list[bool] = []
-    sigmas: list[float] = []
-    scales: list[float] = []
-    for p in paramsets:
-        if p.constraint is None:
-            continue
-        n = p.n_parameters
-        params.extend(range(par_start[p.name], par_start[p.name] + n))
-        poisson = p.constraint == "poisson"
-        is_poisson.extend([poisson] * n)
-        sigmas.extend([1.0] * n if poisson or p.sigmas is None else p.sigmas)
-        if poisson:  # a Poisson constraint's parameter set has its factors
-            assert p.factors is not None
-            scales.extend(p.factors)
-        else:
-            scales.extend([1.0] * n)
-    return {
-        "aux_param": np.asarray(params, dtype=np.int64),
-        "aux_is_poisson": np.asarray(is_poisson, dtype=bool),
-        "aux_sigma": np.asarray(sigmas, dtype=np.float64),
-        "aux_scale": np.asarray(scales, dtype=np.float64),
-    }
+    """The ``aux_*`` arrays of the constrained parameter sets (:func:`.layout.aux_arrays`)."""
+    return aux_arrays(
+        (par_start[p.name], p.n_parameters, p.constraint == "poisson", p.sigmas, p.factors)
+        for p in paramsets
+        if p.constraint is not None
+    )

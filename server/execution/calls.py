@@ -183,22 +183,18 @@ class EngineCall:
         elements = [index[row.element] for row in rows]
         poi = None
         if operation.pois_field is not None:
-            values = [r.poi for r in rows]
-            poi = torch.tensor(values, dtype=model.dtype, device=model.device)
+            poi = torch.tensor([r.poi for r in rows], dtype=model.dtype, device=model.device)
         fit = FitOptions(
             minimize=MinimizeOptions(solver=self.fit_plan.solver),
             max_rows=self.max_rows,
             stop=stop,
         )
-        toys = None
-        if operation.toys(self.options):
-            toys = [row.toy_slice() for row in rows]
         return EngineRows(
             torch.tensor(elements, dtype=torch.long, device=model.device),
             poi,
             [model.element_columns(e) for e in elements],
             fit,
-            toys,
+            [row.toy_slice() for row in rows] if operation.toys(self.options) else None,
         )
 
     def run(
@@ -213,10 +209,8 @@ class EngineCall:
         iterations once ``stop()`` is true (nobody waits for the answer).
 
         It runs in ``torch.inference_mode`` (as does the kernels' warm-up, so the compiled
-        ones are traced in the mode they run in): no autograd or version-counter bookkeeping
-        on its ~1,000 operations an iteration (BENCHMARKS.md). The derivatives the fits use are
-        closed-form or ``torch.func`` transforms, which run in it; every tensor the service
-        keeps of a warm model is made here or at build time, so none meets autograd later.
+        ones are traced in the mode they run in): no autograd bookkeeping. The fits'
+        derivatives are closed-form or ``torch.func`` transforms, which run in it.
 
         A toy-based call runs its rows ``toy_rows`` at a time, one after the other: a run
         holds every toy it draws at once, besides its fits (``FitLimits.toy_call``)."""

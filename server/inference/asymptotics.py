@@ -32,7 +32,7 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -113,6 +113,7 @@ class AsymptoticStats:
     fits: dict[str, FitStatus]
 
 
+@dataclass(eq=False)
 class AsymptoticCalculator:
     """Asymptotic CLs for many (dataset, mu) rows of one model.
 
@@ -126,28 +127,19 @@ class AsymptoticCalculator:
         calc_base_dist: ``"normal"`` or ``"clipped_normal"`` (pyhf's option).
     """
 
-    def __init__(
-        self,
-        model: HistFactoryModel,
-        data: Tensor,
-        element: Tensor,
-        stat: TestStatistic,
-        spec: FitSpec,
-        calc_base_dist: str = "normal",
-    ) -> None:
-        self.model = model
-        self.data = data
-        self.element = element
-        self.stat = stat
-        self.spec = spec
-        self.calc_base_dist = calc_base_dist
-        self.free_data: FitResults | None = None
-        self.free_asimov: FitResults | None = None
-        self.asimov_fit: FitResults | None = None
-        self.asimov_data: Tensor | None = None
-        # every conditional fit so far: (tested POI [H], dataset index [H], data fit minima
-        # [H, P], Asimov fit minima [H, P]), the warm starts of later calls
-        self.conditional_minima: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
+    model: HistFactoryModel
+    data: Tensor
+    element: Tensor
+    stat: TestStatistic
+    spec: FitSpec
+    calc_base_dist: str = "normal"
+    free_data: FitResults | None = field(default=None, init=False)
+    free_asimov: FitResults | None = field(default=None, init=False)
+    asimov_fit: FitResults | None = field(default=None, init=False)
+    asimov_data: Tensor | None = field(default=None, init=False)
+    # every conditional fit so far: (tested POI [H], dataset index [H], data fit minima
+    # [H, P], Asimov fit minima [H, P]), the warm starts of later calls
+    conditional_minima: tuple[Tensor, ...] | None = field(default=None, init=False)
 
     @property
     def options(self) -> FitOptions:
@@ -170,15 +162,10 @@ class AsymptoticCalculator:
         return data_start, asimov_start
 
     def _remember(self, tested: Tensor, index: Tensor, data: FitResults, asimov: FitResults):
-        new = (tested, index, data.bestfit, asimov.bestfit)
+        new: tuple[Tensor, ...] = (tested, index, data.bestfit, asimov.bestfit)
         if self.conditional_minima is not None:
-            mus, datasets, data_minima, asimov_minima = self.conditional_minima
-            new = (
-                torch.cat([mus, tested]),
-                torch.cat([datasets, index]),
-                torch.cat([data_minima, data.bestfit]),
-                torch.cat([asimov_minima, asimov.bestfit]),
-            )
+            pairs = zip(self.conditional_minima, new, strict=True)
+            new = tuple(torch.cat([before, now]) for before, now in pairs)
         self.conditional_minima = new
 
     def teststatistic(self, mu: Tensor, index: Tensor) -> AsymptoticStats:
@@ -189,26 +176,13 @@ class AsymptoticCalculator:
             D = self.element.shape[0]
             nan = torch.full((D,), torch.nan, dtype=model.dtype, device=model.device)
             asimov_poi = torch.full((D,), stat.asimov_mu, dtype=model.dtype, device=model.device)
-            # The Asimov data first: its fit at the Asimov POI (a few iterations), then
-            # every other fit in ONE call, so that the slowest fit to the data and the
-            # slowest fit to the Asimov data (both conditional at the tested POI, where a
-            # strongly excluded signal pulls the nuisance parameters far) run side by side
-            # instead of one after the other
+            # The Asimov fit first, then every other fit in one call (see the module
+            # docstring), so that the slowest fits, conditional at the tested POI, run side
+            # by side
             (self.asimov_fit,) = fit_requests(
                 model, [FitRequest(self.data, self.element, asimov_poi)], self.spec
             )
             self.asimov_data = model.expected_data(self.asimov_fit.bestfit, self.element)
-            # The Asimov fits start where their data came from: the free fit's minimum is
-            # that point (pyhf starts from the init and lands there, less exactly). The free
-            # fit to the data starts there too: at the conditional minimum at the Asimov POI
-            # on the same data, so the minimum it finds is never above that one, and it
-            # converges in a few iterations where the POI's estimate is near the Asimov POI
-            # (an excluded signal), leaving the slow conditional fits to run with fewer rows
-            # The conditional fits to the Asimov data start there too; unless one start is
-            # asked for, they are run again, in the same call, from the conditional minimum
-            # on the data at the same POI value as soon as it is found, the lower kept: where
-            # a nuisance parameter has two minima, the Asimov minimum can lead to the higher
-            # one (published sbottom points: 112.9844 against pyhf's 112.9714)
             requests = [
                 FitRequest(self.data, self.element, nan, self.asimov_fit.bestfit),
                 FitRequest(data, element, tested),

@@ -3,13 +3,8 @@ reads them (``model_utils.asimov_parameters``, ``prefit_uncertainties``): shared
 ranking (pre-fit impacts, pulls) and the pre-fit yields.
 
 Example:
-    >>> import pyhf
-    >>> from pyhf_gpu_server.engine import HistFactoryModel
-    >>> spec = pyhf.simplemodels.uncorrelated_background([5.0], [10.0], [2.5]).spec
-    >>> ws = {**spec, "observations": [{"name": "singlechannel", "data": [12.0]}],
-    ...       "measurements": [{"name": "m", "config": {"poi": "mu", "parameters": []}}],
-    ...       "version": "1.0.0"}
-    >>> model = HistFactoryModel.from_workspace(ws)
+    >>> from pyhf_gpu_server.inference.examples import simple_model
+    >>> model = simple_model([5.0], [10.0], [2.5], data=[12.0])
     >>> [round(v, 4) for v in prefit_uncertainties(model)[0].tolist()]  # mu, gamma (shapesys)
     [0.0, 0.25]
     >>> asimov_parameters(model)[0].tolist()

@@ -4,7 +4,7 @@ Every iteration of :func:`~pyhf_gpu_server.inference.minimize.minimize` solves, 
 per damping ``lambda_k``, ``(C + lambda_k |diag C|) p = -g`` on the movable parameters, where
 ``C`` is the row's curvature: the objective's Gauss-Newton matrix ``H`` plus, when the
 objective gives the rate Jacobian ``J`` and residuals ``r``, the second-order term ``S``
-learnt by Dennis, Gay and Welsch's secant update (NL2SOL). Two representations:
+learnt by Dennis, Gay and Welsch's secant update (NL2SOL). Three representations:
 
 - :class:`DenseCurvature`: ``H`` and ``S`` as ``[R, P, P]`` matrices, steps by Cholesky
   factorisation: ``O(P^3)`` per row. Any objective (an exact Hessian included).
@@ -12,9 +12,10 @@ learnt by Dennis, Gay and Welsch's secant update (NL2SOL). Two representations:
   the constraint terms' curvature), and ``S`` as its last ``m`` secant pairs, so that
   ``C = diag(E) + U U^T - V V^T`` with ``r = N + 2m + F`` columns (``F``: the parameters whose
   ``d`` may vanish, see below). Steps by the Woodbury identity and one Schur complement:
-  ``O(P r^2)`` per row, and no ``P x P`` matrix in memory. HistFactory likelihoods often have
-  many constrained nuisance parameters and few bins (a published one: 119 parameters, 5 bins),
-  where this is the cheaper one by an order of magnitude.
+  ``O(P r^2)`` per row, and no ``P x P`` matrix in memory: the cheaper one for the many
+  constrained nuisance parameters and few bins of many HistFactory likelihoods.
+- :class:`BlockCurvature`: the per-bin parameters (one bin each) eliminated bin by bin, then
+  a dense Cholesky of the shared parameters' Schur complement.
 
 The low-rank solve: with ``B = diag(E) + U U^T`` (positive definite as ``E > 0``),
 ``C = B - V V^T`` is positive definite exactly when the Schur complement ``I - V^T B^-1 V``
@@ -305,8 +306,9 @@ class LowRankCurvature(_SecantMemory):
     """``C = diag(d) + J^T diag(w) J + sum_k c_k (a_k y_k^T + y_k a_k^T)`` with the last
     ``memory`` secant pairs ``(a_k, y_k)`` (``[R, m, P]`` each, weights ``c [R, m]``); no
     secant term when ``r`` is None or ``memory`` is 0. ``flat [F]``: the parameters whose
-    ``d`` may be zero (kept as their one-hot rows ``[F, P]``). Columns are stored ``[R, columns, P]``, parameters innermost, so that
-    scaling them by a per-parameter diagonal runs over contiguous memory."""
+    ``d`` may be zero (kept as their one-hot rows ``[F, P]``). Columns are stored ``[R,
+    columns, P]``, parameters innermost, so that scaling them by a per-parameter diagonal
+    runs over contiguous memory."""
 
     d: Tensor
     J: Tensor

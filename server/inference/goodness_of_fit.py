@@ -15,14 +15,9 @@ its :meth:`~pyhf_gpu_server.engine.HistFactoryModel.deviance` at the best fit (e
 directly, without subtracting two large numbers). Everything stays on the model's device.
 
 Example:
-    >>> import pyhf
-    >>> from pyhf_gpu_server.engine import HistFactoryModel
+    >>> from pyhf_gpu_server.inference.examples import simple_model
     >>> from pyhf_gpu_server.inference import fit
-    >>> spec = pyhf.simplemodels.uncorrelated_background([12.0, 11.0], [50.0, 52.0], [3.0, 7.0]).spec
-    >>> ws = {**spec, "observations": [{"name": "singlechannel", "data": [51.0, 48.0]}],
-    ...       "measurements": [{"name": "m", "config": {"poi": "mu", "parameters": []}}],
-    ...       "version": "1.0.0"}
-    >>> model = HistFactoryModel.from_workspace(ws)
+    >>> model = simple_model([12.0, 11.0], [50.0, 52.0], [3.0, 7.0], data=[51.0, 48.0])
     >>> gof = goodness_of_fit(model, fit(model))
     >>> gof.ndof.tolist(), round(float(gof.p_value[0]), 4)
     ([1], 0.67)

@@ -5,13 +5,8 @@ A row is one (element, dataset, tested POI value). The rows of one call, e.g. a 
 :mod:`~pyhf_gpu_server.inference.asymptotics` and :mod:`~pyhf_gpu_server.inference.toys`.
 
 Example:
-    >>> import pyhf
-    >>> from pyhf_gpu_server.engine import HistFactoryModel
-    >>> spec = pyhf.simplemodels.uncorrelated_background([12.0, 11.0], [50.0, 52.0], [3.0, 7.0]).spec
-    >>> ws = {**spec, "observations": [{"name": "singlechannel", "data": [51.0, 48.0]}],
-    ...       "measurements": [{"name": "m", "config": {"poi": "mu", "parameters": []}}],
-    ...       "version": "1.0.0"}
-    >>> model = HistFactoryModel.from_workspace(ws)
+    >>> from pyhf_gpu_server.inference.examples import simple_model
+    >>> model = simple_model([12.0, 11.0], [50.0, 52.0], [3.0, 7.0], data=[51.0, 48.0])
     >>> res = hypotest(model, [1.0, 2.0])
     >>> [round(v, 6) for v in res.cls_obs.tolist()]
     [0.052516, 0.000227]
@@ -202,8 +197,7 @@ def hypotest_of(
             raise InferenceError("toy slices are given, but calctype is not 'toybased'")
         if len(toys) != poi.shape[0]:
             raise InferenceError(f"{len(toys)} toy slices for {poi.shape[0]} rows")
-        return run_calculator(calc, poi, index, toys)
-    return run_calculator(calc, poi, index)
+    return run_calculator(calc, poi, index, toys)
 
 
 def run_calculator(
@@ -246,13 +240,8 @@ def join_toy_parts(parts: list[HypotestResults]) -> HypotestResults:
     toys, as one call drawing them all would give.
 
     Example:
-        >>> import pyhf
-        >>> from pyhf_gpu_server.engine import HistFactoryModel
-        >>> spec = pyhf.simplemodels.uncorrelated_background([5.0], [10.0], [2.0]).spec
-        >>> ws = {**spec, "observations": [{"name": "singlechannel", "data": [12.0]}],
-        ...       "measurements": [{"name": "m", "config": {"poi": "mu", "parameters": []}}],
-        ...       "version": "1.0.0"}
-        >>> model = HistFactoryModel.from_workspace(ws)
+        >>> from pyhf_gpu_server.inference.examples import simple_model
+        >>> model = simple_model([5.0], [10.0], [2.0], data=[12.0])
         >>> whole = hypotest(model, 1.0, calctype="toybased", ntoys=120, seed=3)
         >>> slices = [hypotest(model, 1.0, calctype="toybased", ntoys=120, seed=3, toys=[s])
         ...           for s in ToySlice.cut(0, 120)]

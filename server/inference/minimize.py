@@ -9,27 +9,16 @@ fixed-parameter mask) is advanced in one loop. Every iteration:
    (projected Newton: the active set of the box constraints),
 3. solves ``(H + lambda D) p = -g`` for the damping ``lambda`` of the row and for
    ``lambda = 0`` (pure Newton, whose decrement tests convergence; ``D = |diag H|`` is
-   Marquardt's scaling), so a non-positive-definite ``H`` is handled by damping; for a
-   Gauss-Newton curvature, ``H`` includes a second-order term learnt by secant updates (NL2SOL's),
-   which turns the linear convergence of Gauss-Newton into a superlinear one. The solve is
-   a Cholesky factorisation of the ``P x P`` matrix, or, for an objective that gives ``H`` as
-   diagonal plus low rank (many constrained parameters, few bins), Woodbury's identity on
-   ``r << P`` columns, or, for one whose per-bin parameters touch one bin each (many bins, a
-   gamma per bin), their elimination bin by bin and a Cholesky factorisation of the shared
-   parameters' Schur complement (:mod:`~pyhf_gpu_server.inference.curvature`),
+   Marquardt's scaling). For a Gauss-Newton curvature, ``H`` includes a second-order term
+   learnt by secant updates (NL2SOL's), for superlinear convergence. The solve is dense
+   (Cholesky), low-rank (Woodbury) or by blocks of per-bin parameters
+   (:mod:`~pyhf_gpu_server.inference.curvature`),
 4. takes the derivatives at the projected trial point ``clip(x + p, lo, hi)`` of the damped
    step, and keeps it if it lowers the objective (Levenberg-Marquardt), else raises the
-   damping: one derivative evaluation per iteration. (``trials="grid"`` instead evaluates
-   the objective at every candidate and a few step lengths, keeps the best, and takes its
-   derivatives afterwards: fewer iterations, each dearer, so slower where an iteration costs
-   its arithmetic; used for the last few rows of a call, whose iterations cost their
-   dispatch: ``tail_rows``, and for every row still running after ``tail_after_all``
-   iterations;
-   from ``exact_newton_after`` iterations on, the grid also tries, at its full length, the
-   Newton step of the exact curvature where the objective gives the second-order term and
-   that curvature is positive definite.)
-   Either way the damping follows the row's own step: a quarter after a success, 256
-   times after a failure.
+   damping. (``trials="grid"`` instead evaluates the objective at several candidates and
+   step lengths and keeps the best; the tail of a call runs so, see
+   :class:`MinimizeOptions`.) Either way the damping follows the row's own step: a quarter
+   after a success, 256 times after a failure.
 
 A row has converged when its Newton decrement ``-g.p`` (twice the decrease a quadratic model
 predicts) falls below ``tol`` with a positive-definite reduced Hessian (the model's, or where
@@ -150,14 +139,12 @@ class MinimizeOptions:
         check_every: iterations between two host-side looks at the convergence flags, to
             drop finished rows; ``0`` never looks: a fixed budget of ``max_iter`` iterations
             with no host synchronisation (converged rows stop moving), as a CUDA graph or
-            FakeTensorMode needs. ``None``: every iteration on the CPU (where a look costs
-            nothing and saves the iterations a finished batch would idle), every 4th elsewhere.
+            FakeTensorMode needs. ``None``: every iteration on the CPU, every 4th elsewhere.
         trials: ``"damped"``: one trial point per iteration, the damped step, with its
             derivatives (they are the next iteration's when it is accepted); ``"grid"``: the
             objective at every candidate (pure Newton and :data:`GRID_DAMPING_FACTORS`)
-            times every :data:`GRID_STEP_LENGTHS`, the best one kept. ``"damped"`` takes a
-            few more iterations, each with one objective evaluation instead of a grid of
-            them: the cheaper fit (BENCHMARKS.md, "Figures behind defaults").
+            times every :data:`GRID_STEP_LENGTHS`, the best one kept: fewer iterations,
+            each dearer (BENCHMARKS.md, "Figures behind defaults").
         secant: learn the second-order term missing from a Gauss-Newton curvature by secant
             updates (when the objective provides ``J`` and ``r``, see :class:`Derivatives`).
         solver: how steps are solved from the curvature (see
@@ -169,21 +156,15 @@ class MinimizeOptions:
         tail_rows: once at most this many rows still run after :data:`TAIL_AFTER`
             iterations (and the host looks, see ``check_every``), iterate with ``"grid"``
             trials over :data:`TAIL_DAMPING_FACTORS` x :data:`TAIL_STEP_LENGTHS`: an
-            iteration of a few rows costs its operations' dispatch, not their arithmetic, so
-            ten trial points cost about what one does, and the slow fits that set the length of a call
-            (conditional fits of excluded signals, down a curved valley where the damped
-            step falls short) need fewer iterations (BENCHMARKS.md, "Figures behind
-            defaults"). ``0``: never.
+            iteration of a few rows costs its dispatch, not its arithmetic, and the slow
+            fits that set the length of a call need fewer iterations so. ``0``: never.
         tail_after_all: iterations after which the tail starts however many rows still run
-            (only the hard fits are left by then: conditional fits of strongly excluded
-            signals, crawling for 100+ iterations where the damped step keeps failing).
+            (only the hard fits are left by then).
         exact_newton_after: with ``"grid"`` trials (the tail's too), from this iteration on
             also try the Newton step of the exact curvature where it is positive definite,
             when the objective gives the second-order term its Gauss-Newton curvature drops
-            (:class:`SecondOrderObjective`): a fit that crept for tens of iterations on the
-            Gauss-Newton model once the likelihood is convex around it ends in a few
-            (``benchmarks/bench_tail.py``). Fits that end sooner (most) do not pay for the
-            exact curvature. ``None``: never.
+            (:class:`SecondOrderObjective`): a fit that creeps on the Gauss-Newton model
+            where the likelihood is convex ends in a few iterations. ``None``: never.
     """
 
     max_iter: int = 200
@@ -315,11 +296,9 @@ def decrement_tolerance(f: Tensor, tol: float, scale: Tensor | float = 0.0) -> T
     """The Newton decrement ``-g.p`` under which a row has converged: ``tol``, or where that
     is more, what rounding leaves of ``f``: 64 units in the last place of ``|f|``, plus one of
     ``scale``, the size of the terms ``f`` is summed from (:class:`BatchedObjective` may give
-    ``rounding_scale``: a deviance of order 1000 summed from Poisson terms of counts ~10^6, as
-    shapesys with Poisson scales of 10^4-10^6 make, carries rounding errors of ~10^-8, and no
-    step can show a smaller decrease). Either side of 0: a decrement below minus this is an uphill step,
-    which a positive definite curvature cannot give, so no certificate (a solve that has lost
-    its digits, as where a bin's rate is ~0, can give one).
+    ``rounding_scale``): no step can show a smaller decrease than their rounding errors.
+    Either side of 0: a decrement below minus this is an uphill step, which a positive
+    definite curvature cannot give, so no certificate.
 
     >>> f = torch.tensor([1881.0, 2.0], dtype=torch.float64)
     >>> decrement_tolerance(f, 1e-10, torch.tensor([5.7e7, 40.0], dtype=torch.float64))
@@ -352,8 +331,8 @@ def _iterate(
     exact: bool = False,
 ) -> _State:
     """One damped-Newton iteration of every running row of ``s`` (in place on ``s``);
-    ``constants``: the candidate steps (:func:`_candidates`); ``exact``: the grid also tries the exact curvature's Newton
-    step (see ``exact_newton_after``)."""
+    ``constants``: the candidate steps (:func:`_candidates`); ``exact``: the grid also tries
+    the exact curvature's Newton step (see ``exact_newton_after``)."""
     factors, alphas, own_candidate = constants
     running = torch.logical_not(s.ended(options.max_iter))
     movable = _movable(s.x, s.g, lo, hi, free, BOUND_TOL)
@@ -518,22 +497,18 @@ def minimize(
 ) -> MinimizeResult:
     """Minimise ``B`` independent objectives at once; every tensor stays on ``init.device``.
 
-    ``stop`` (a host-side predicate, no device sync) is asked before every iteration; when it
-    answers true the call raises :class:`~pyhf_gpu_server.inference.errors.FitStopped`.
-
-    ``follows``: blocks of rows (:class:`Follow`) that start, their free parameters, from the
-    end points of other rows, when the host sees each end; the others start at once from
-    their ``init``. A second fit of a minimum from another objective runs in the same call
-    as the fit that finds that minimum, instead of in a call after it. Needs host looks
-    (``check_every`` not 0).
-
     Args:
         objective: the batched objective (:class:`BatchedObjective`).
         init: ``[B, P]`` start points; fixed parameters stay at their value here.
         bounds: ``[B, P, 2]`` (or broadcastable ``[P, 2]``) box bounds ``[lo, hi]``.
         fixed: ``[B, P]`` bool (or ``[P]``); ``None`` means nothing fixed.
         options: :class:`MinimizeOptions`.
-        stop, follows: as above.
+        stop: a host-side predicate (no device sync) asked before every iteration; when it
+            answers true the call raises :class:`~pyhf_gpu_server.inference.errors.FitStopped`.
+        follows: blocks of rows (:class:`Follow`) that start, their free parameters, from
+            the end points of other rows when the host sees each end (the others start at
+            once from ``init``): a second fit of a minimum runs in the same call as the fit
+            that finds it. Needs host looks (``check_every`` not 0).
 
     Returns:
         :class:`MinimizeResult` with one entry per row.

@@ -7,13 +7,9 @@ value). Start points, bounds and fixed parameters default to the model's (pyhf's
 POI, as pyhf does.
 
 Example:
-    >>> import pyhf, torch
-    >>> from pyhf_gpu_server.engine import HistFactoryModel
-    >>> spec = pyhf.simplemodels.uncorrelated_background([12.0, 11.0], [50.0, 52.0], [3.0, 7.0]).spec
-    >>> ws = {**spec, "observations": [{"name": "singlechannel", "data": [51.0, 48.0]}],
-    ...       "measurements": [{"name": "m", "config": {"poi": "mu", "parameters": []}}],
-    ...       "version": "1.0.0"}
-    >>> model = HistFactoryModel.from_workspace(ws)
+    >>> import torch
+    >>> from pyhf_gpu_server.inference.examples import simple_model
+    >>> model = simple_model([12.0, 11.0], [50.0, 52.0], [3.0, 7.0], data=[51.0, 48.0])
     >>> res = fit(model)
     >>> [round(v, 4) for v in res.bestfit[0].tolist()], round(res.best_twice_nll.item(), 4)
     ([0.0, 1.0031, 0.9627], 24.9839)
@@ -35,8 +31,8 @@ from torch import Tensor
 
 from .minimize import Follow, MinimizeOptions, MinimizeResult, follow_rows, minimize
 from .objective import Curvature, TwiceNLL
-from .results import FitResults
-from .rows import as_float, rows_of
+from .results import FitResults, map_tensors
+from .rows import as_float, row_bounds, rows_of
 from .starts import (
     FitStatus,
     StartOptions,
@@ -139,11 +135,7 @@ def _start(
     B = element.shape[0]
     init = model.init.index_select(0, element) if init is None else as_float(model, init)
     init = init.expand(B, -1)
-    bounds = (
-        model.bounds.index_select(0, element)
-        if bounds is None
-        else as_float(model, bounds).expand(B, -1, -1)
-    )
+    bounds = row_bounds(model, element, bounds)
     fixed = (
         model.fixed.index_select(0, element) if fixed is None else fixed.to(model.device)
     ).expand(B, -1)
@@ -264,20 +256,16 @@ def _global_minima(
         options,
     )
     tried = _per_row(
-        _each(first, lambda t: t.unsqueeze(1)), _each(extra, lambda t: t.unflatten(0, (B, S)))
+        map_tensors(first, lambda t: t.unsqueeze(1)),
+        map_tensors(extra, lambda t: t.unflatten(0, (B, S))),
     )
     lowest = torch.where(torch.isfinite(tried.fun), tried.fun, torch.inf).argmin(1)
     seed = tried.x.flatten(0, 1).index_select(0, rows * (S + 1) + lowest)
     settled, K = _settle_kinks(model, data, element, bounds, fixed, seed, options)
-    tried = _per_row(tried, _each(settled, lambda t: t.unflatten(0, (B, K))))
+    tried = _per_row(tried, map_tensors(settled, lambda t: t.unflatten(0, (B, K))))
     best, status = best_of_starts(tried.fun, tried.converged, options.starts.agree_twice_nll)
     flat = rows * (S + 1 + K) + best
-    return _each(tried, lambda t: t.flatten(0, 1).index_select(0, flat)), status
-
-
-def _each(result: MinimizeResult, change) -> MinimizeResult:
-    """``result`` with ``change`` applied to each of its per-row tensors."""
-    return MinimizeResult(*map(change, _columns(result)))
+    return map_tensors(tried, lambda t: t.flatten(0, 1).index_select(0, flat)), status
 
 
 def _per_row(*parts: MinimizeResult) -> MinimizeResult:
@@ -377,8 +365,7 @@ def fit_rows(
         unc, corr = hessian_uncertainties(model, data, element, x, fixed, options)
     else:
         unc = torch.full_like(x, torch.nan)
-        # a view of one NaN: B x P x P numbers would be held for nothing (69 MB for 6 rows of
-        # a 1201-parameter model, at the memory peak of the fit that made them)
+        # a view of one NaN: B x P x P numbers would be held for nothing, at the memory peak
         corr = x.new_full((1, 1, 1), torch.nan).expand(B, P, P)
     return FitResults(
         bestfit=x,
@@ -451,13 +438,8 @@ def fit_requests(
     block.
 
     >>> import torch
-    >>> from pyhf_gpu_server.engine import HistFactoryModel
-    >>> import pyhf
-    >>> spec = pyhf.simplemodels.uncorrelated_background([5.0], [10.0], [2.5]).spec
-    >>> ws = {**spec, "observations": [{"name": "singlechannel", "data": [12.0]}],
-    ...       "measurements": [{"name": "m", "config": {"poi": "mu", "parameters": []}}],
-    ...       "version": "1.0.0"}
-    >>> model = HistFactoryModel.from_workspace(ws)
+    >>> from pyhf_gpu_server.inference.examples import simple_model
+    >>> model = simple_model([5.0], [10.0], [2.5], data=[12.0])
     >>> e = torch.zeros(1, dtype=torch.long)
     >>> free, pinned = fit_requests(model, [
     ...     FitRequest(model.observed, e, torch.full((1,), torch.nan, dtype=torch.float64)),

@@ -17,13 +17,9 @@ derivative call costs about one forward pass per modifier kind, and runs whereve
 does, FakeTensorMode included.
 
 Example:
-    >>> import pyhf, torch
-    >>> from pyhf_gpu_server.engine import HistFactoryModel
-    >>> spec = pyhf.simplemodels.uncorrelated_background([5.0], [10.0], [2.5]).spec
-    >>> ws = {**spec, "observations": [{"name": "singlechannel", "data": [12.0]}],
-    ...       "measurements": [{"name": "m", "config": {"poi": "mu", "parameters": []}}],
-    ...       "version": "1.0.0"}
-    >>> model = HistFactoryModel.from_workspace(ws)
+    >>> import torch
+    >>> from pyhf_gpu_server.inference.examples import simple_model
+    >>> model = simple_model([5.0], [10.0], [2.5], data=[12.0])
     >>> nll = TwiceNLL(model, model.observed, torch.zeros(1, dtype=torch.long), "hessian")
     >>> f, g, H, *_ = nll.derivatives(model.init, torch.arange(1))
     >>> constant = model.saturated_twice_nll(model.observed)  # f leaves it out
@@ -229,8 +225,7 @@ class TwiceNLL:
     def _exact(self, x: Tensor, rows: Tensor) -> Derivatives:
         """Exact derivatives, all in closed form: the Gauss-Newton matrix, the rates' own
         second derivatives weighted by the residuals (:meth:`second_order`) and the
-        constraint terms' diagonal (equal to ``torch.func``'s, tests; an order of magnitude
-        faster, BENCHMARKS.md)."""
+        constraint terms' diagonal (equal to ``torch.func``'s, and cheaper: BENCHMARKS.md)."""
         data, element = self.data.index_select(0, rows), self.element.index_select(0, rows)
         g, rates, J, ratio, residual, diagonal = self._gradient(x, data, element)
         gauss_newton = (J * (2.0 * ratio / rates).unsqueeze(-1)).mT @ J

@@ -2,10 +2,8 @@
 
 For every row (an element of the model and its dataset) the free fit gives the best fit
 ``theta_hat`` and, from the exact Hessian, the post-fit uncertainties ``sigma_post``; the
-pre-fit uncertainties ``sigma_pre`` are the widths of the constraint terms, as cabinetry's
-``model_utils.prefit_uncertainties``: a Normal constraint's sigma (1 for normsys/histosys,
-the lumi sigma, a staterror's relative uncertainty), ``1 / sqrt(tau)`` for a Poisson one
-(shapesys), and 0 for unconstrained (normfactor, shapefactor) and fixed parameters.
+pre-fit uncertainties ``sigma_pre`` are the widths of the constraint terms
+(:func:`~pyhf_gpu_server.inference.constraints.prefit_uncertainties`, cabinetry's).
 
 Then, for every ranked parameter of the row (each free, non-POI parameter of the row's own
 element, or a named subset), the POI is refitted with that parameter fixed at
@@ -21,13 +19,8 @@ moved onto the bound, as MINUIT moves it (pyhf, and so cabinetry's ranking, refu
 start point with a ValueError).
 
 Example:
-    >>> import pyhf
-    >>> from pyhf_gpu_server.engine import HistFactoryModel
-    >>> spec = pyhf.simplemodels.uncorrelated_background([12.0, 11.0], [50.0, 52.0], [3.0, 7.0]).spec
-    >>> ws = {**spec, "observations": [{"name": "singlechannel", "data": [62.0, 61.0]}],
-    ...       "measurements": [{"name": "m", "config": {"poi": "mu", "parameters": []}}],
-    ...       "version": "1.0.0"}
-    >>> res = ranking(HistFactoryModel.from_workspace(ws))
+    >>> from pyhf_gpu_server.inference.examples import simple_model
+    >>> res = ranking(simple_model([12.0, 11.0], [50.0, 52.0], [3.0, 7.0], data=[62.0, 61.0]))
     >>> order = res.order(0)  # by impact, as cabinetry's plot sorts
     >>> [res.labels[c] for c in order], [round(res.postfit_up[0, c].item(), 4) for c in order]
     (['uncorr_bkguncrt[1]', 'uncorr_bkguncrt[0]'], [-0.2464, -0.1665])
@@ -49,7 +42,7 @@ from .minimize import BOUND_TOL
 from .mle import FitOptions, fit_rows, hessian_uncertainties
 from .objective import TwiceNLL
 from .results import FittedRows
-from .rows import Rows, as_float, rows_of
+from .rows import Rows, row_bounds, rows_of
 from .starts import FitStatus
 
 __all__ = [
@@ -257,11 +250,7 @@ def ranking_of(
     elements = rows.host_elements()
     data, element = rows.data, rows.element
     B, P, k = element.shape[0], model.n_pars, model.poi_index
-    bounds = (
-        model.bounds.index_select(0, element)
-        if bounds is None
-        else as_float(model, bounds).expand(B, -1, -1)
-    )
+    bounds = row_bounds(model, element, bounds)
     free = fit_rows(model, data, element, bounds=bounds, options=options)
     fixed_rows = model.fixed.index_select(0, element)
     postfit, corr = hessian_uncertainties(model, data, element, free.bestfit, fixed_rows, options)

@@ -18,8 +18,9 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -28,6 +29,8 @@ from .starts import FitStatus
 from .test_statistics import get_test_stat
 
 if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
     from .toys import ToyStats
 
 __all__ = [
@@ -36,7 +39,16 @@ __all__ = [
     "HypotestResults",
     "SignificanceResults",
     "UpperLimitResults",
+    "map_tensors",
 ]
+
+R = TypeVar("R", bound="DataclassInstance")
+
+
+def map_tensors(result: R, change: Callable[[Tensor], Tensor]) -> R:
+    """``result`` (a dataclass) with ``change`` applied to each of its tensor fields."""
+    values = {f.name: getattr(result, f.name) for f in fields(result)}
+    return replace(result, **{k: change(v) for k, v in values.items() if isinstance(v, Tensor)})
 
 
 class FittedRows:
@@ -101,19 +113,7 @@ class FitResults(FittedRows):
                 return t.narrow(0, start, stop - start)
             return t[index]
 
-        return FitResults(
-            bestfit=rows(self.bestfit),
-            uncertainty=rows(self.uncertainty),
-            corr_mat=rows(self.corr_mat),
-            best_twice_nll=rows(self.best_twice_nll),
-            deviance=rows(self.deviance),
-            converged=rows(self.converged),
-            iterations=rows(self.iterations),
-            labels=self.labels,
-            element=rows(self.element),
-            starts=rows(self.starts),
-            starts_agreed=rows(self.starts_agreed),
-        )
+        return map_tensors(self, rows)
 
     def lower_of(self, other: FitResults, agree_twice_nll: float = 1e-6) -> FitResults:
         """Per row, the fit of ``self`` or ``other`` (the same rows fitted from other starts)
@@ -132,16 +132,12 @@ class FitResults(FittedRows):
         def pick(a: Tensor, b: Tensor) -> Tensor:
             return torch.where(take.reshape(-1, *[1] * (a.dim() - 1)), b, a)
 
-        return FitResults(
-            bestfit=pick(self.bestfit, other.bestfit),
-            uncertainty=pick(self.uncertainty, other.uncertainty),
-            corr_mat=pick(self.corr_mat, other.corr_mat),
-            best_twice_nll=pick(ours, theirs),
-            deviance=pick(self.deviance, other.deviance),
-            converged=pick(self.converged, other.converged),
+        names = ("bestfit", "uncertainty", "corr_mat", "best_twice_nll", "deviance", "converged")
+        picked: dict[str, Any] = {k: pick(getattr(self, k), getattr(other, k)) for k in names}
+        return replace(
+            self,
+            **picked,
             iterations=self.iterations + other.iterations,
-            labels=self.labels,
-            element=self.element,
             starts=self.starts + other.starts,
             starts_agreed=agreed,
         )
@@ -150,18 +146,12 @@ class FitResults(FittedRows):
         """The same fits over the parameters ``columns`` only, in that order (a stacked
         element's own parameters: the others are held fixed in its rows)."""
         index = torch.tensor(columns, dtype=torch.long, device=self.bestfit.device)
-        return FitResults(
+        return replace(
+            self,
             bestfit=self.bestfit.index_select(1, index),
             uncertainty=self.uncertainty.index_select(1, index),
             corr_mat=self.corr_mat.index_select(1, index).index_select(2, index),
-            best_twice_nll=self.best_twice_nll,
-            deviance=self.deviance,
-            converged=self.converged,
-            iterations=self.iterations,
             labels=[self.labels[c] for c in columns],
-            element=self.element,
-            starts=self.starts,
-            starts_agreed=self.starts_agreed,
         )
 
 
@@ -198,19 +188,10 @@ class HypotestResults:
         def one(t: Tensor) -> Tensor:
             return t[i : i + 1].cpu()
 
-        return HypotestResults(
-            one(self.poi),
-            one(self.element),
-            self.test_stat,
-            one(self.cls_obs),
-            one(self.cls_exp),
-            one(self.clsb_obs),
-            one(self.clb_obs),
-            one(self.clsb_exp),
-            one(self.clb_exp),
-            one(self.teststat),
-            {name: FitStatus(*(one(t) for t in s)) for name, s in self.fits.items()},
-            None if self.toys is None else self.toys.row(i),
+        return replace(
+            map_tensors(self, one),
+            fits={name: FitStatus(*(one(t) for t in s)) for name, s in self.fits.items()},
+            toys=None if self.toys is None else self.toys.row(i),
         )
 
     @property

@@ -34,7 +34,7 @@ from torch import Tensor
 if TYPE_CHECKING:
     from ..engine.model import HistFactoryModel
 
-__all__ = ["Rows", "as_float", "as_index", "rows_of", "unique_datasets"]
+__all__ = ["Rows", "as_float", "as_index", "row_bounds", "rows_of", "unique_datasets"]
 
 
 def as_float(model: HistFactoryModel, value: float | Sequence[float] | Tensor) -> Tensor:
@@ -48,6 +48,14 @@ def as_index(model: HistFactoryModel, value: int | Sequence[int] | Tensor) -> Te
     if isinstance(value, Tensor) and value.dtype == torch.long and _on(model.device, value):
         return torch.atleast_1d(value)
     return torch.atleast_1d(torch.as_tensor(value, dtype=torch.long, device=model.device))
+
+
+def row_bounds(model: HistFactoryModel, element: Tensor, bounds: Tensor | None = None) -> Tensor:
+    """``[B, P, 2]`` bounds of the rows of ``element [B]``: ``bounds`` (``[P, 2]`` or
+    ``[B, P, 2]``), or the model's suggested ones of each row's element."""
+    if bounds is None:
+        return model.bounds.index_select(0, element)
+    return as_float(model, bounds).expand(element.shape[0], -1, -1)
 
 
 @dataclass(frozen=True)

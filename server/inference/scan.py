@@ -16,13 +16,9 @@ value outside the scanned parameter's bounds (say, a negative POI where the POI 
 at 0) is refused rather than moved onto the bound.
 
 Example:
-    >>> import pyhf, torch
-    >>> from pyhf_gpu_server.engine import HistFactoryModel
-    >>> spec = pyhf.simplemodels.uncorrelated_background([12.0, 11.0], [50.0, 52.0], [3.0, 7.0]).spec
-    >>> ws = {**spec, "observations": [{"name": "singlechannel", "data": [62.0, 61.0]}],
-    ...       "measurements": [{"name": "m", "config": {"poi": "mu", "parameters": []}}],
-    ...       "version": "1.0.0"}
-    >>> model = HistFactoryModel.from_workspace(ws)
+    >>> import torch
+    >>> from pyhf_gpu_server.inference.examples import simple_model
+    >>> model = simple_model([12.0, 11.0], [50.0, 52.0], [3.0, 7.0], data=[62.0, 61.0])
     >>> res = scan(model, "mu", [0.0, 1.0, 2.0])
     >>> [round(v, 4) for v in res.delta_nlls[0].tolist()], round(res.bestfit[0].item(), 4)
     ([2.9556, 0.0127, 3.3366], 0.9365)
@@ -49,7 +45,7 @@ from .minimize import BOUND_TOL
 from .mle import FitOptions, fit_rows, hessian_uncertainties
 from .ranking import poi_on_bound
 from .results import FittedRows
-from .rows import Rows, as_float, rows_of
+from .rows import Rows, as_float, row_bounds, rows_of
 from .starts import FitStatus
 
 __all__ = ["AUTO_SIGMAS", "Scan2DResults", "ScanResults", "grid_problem", "scan", "scan2d"]
@@ -195,11 +191,7 @@ def _profile(
     data, element_rows = rows.data, rows.element
     B, P = element_rows.shape[0], model.n_pars
     _check(model, names, columns, host_axes, elements, bounds)
-    box = (
-        model.bounds.index_select(0, element_rows)
-        if bounds is None
-        else as_float(model, bounds).expand(B, -1, -1)
-    )
+    box = row_bounds(model, element_rows, bounds)
     init = model.init.index_select(0, element_rows)
     fixed = model.fixed.index_select(0, element_rows)
     automatic = any(v is None for v in axes)

@@ -7,13 +7,8 @@ values are, asymptotically, from pyhf's Asimov dataset at ``mu = 1``; with
 ``ToyCalculator``, each row's toys from ``seed``: :mod:`~pyhf_gpu_server.inference.toys`).
 
 Example:
-    >>> import pyhf
-    >>> from pyhf_gpu_server.engine import HistFactoryModel
-    >>> spec = pyhf.simplemodels.uncorrelated_background([12.0, 11.0], [50.0, 52.0], [3.0, 7.0]).spec
-    >>> ws = {**spec, "observations": [{"name": "singlechannel", "data": [60.0, 62.0]}],
-    ...       "measurements": [{"name": "m", "config": {"poi": "mu", "parameters": []}}],
-    ...       "version": "1.0.0"}
-    >>> res = significance(HistFactoryModel.from_workspace(ws))
+    >>> from pyhf_gpu_server.inference.examples import simple_model
+    >>> res = significance(simple_model([12.0, 11.0], [50.0, 52.0], [3.0, 7.0], data=[60.0, 62.0]))
     >>> round(res.z_obs.item(), 4), round(res.z_exp.item(), 4)
     (1.5741, 1.8289)
 """

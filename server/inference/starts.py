@@ -3,8 +3,7 @@
 pyhf's ``code0`` histosys and ``code1`` normsys interpolations have a kink at ``alpha = 0``
 (their slope jumps there). A likelihood built with them can have a local minimum on each side
 of a kink, and a fit started at the kink (the init, ``alpha = 0``) rolls into whichever side its
-first step picks: pyhf's ``2bin_2channel_coupledhistosys`` validation case has minima of
-``-2 log L`` 30.285 at ``alpha = -0.19`` and 29.287 at ``alpha = 0.31``.
+first step picks (as in pyhf's ``2bin_2channel_coupledhistosys`` validation case).
 
 So after the first fit of every row, fits whose model has kinked parameters are started again
 from ``S`` more points, all in one batched minimiser call, and each row keeps its lowest
@@ -14,15 +13,13 @@ minimum:
   that parameter moved to the other side of the kink (``-alpha``, at least ``kink_step`` away);
 - ``spread`` points: the first minimum with every kinked parameter at ``+spread`` and at
   ``-spread``;
-- the lowest of those minima, settled on its kinks: a minimum AT a kink (the objective
-  rises on both sides) has no zero gradient, so Newton's criterion never holds there, and
-  fits of likelihoods with many kinked parameters end near many kinks. So the kinked
-  parameters near their kink (``|alpha| < on_kink``) are pinned to it and the rest refitted;
-  then, a few rounds, those whose one-sided slopes show a way down (:func:`one_sided_slopes`)
-  are released on that side (and, where the refit did not converge, free ones that came
-  near their kink pinned) and the rest refitted again; the point counts as converged when the
-  last refit did and every parameter still pinned has both slopes uphill
-  (:func:`kink_is_minimum`).
+- the lowest of those minima, settled on its kinks (a minimum AT a kink has no zero
+  gradient, so Newton's criterion never holds there): the kinked parameters near their kink
+  (``|alpha| < on_kink``) are pinned to it and the rest refitted; then, a few rounds, those
+  whose one-sided slopes show a way down (:func:`one_sided_slopes`) are released on that
+  side (and, where the refit did not converge, free ones that came near their kink pinned)
+  and the rest refitted again; the point counts as converged when the last refit did and
+  every parameter still pinned has both slopes uphill (:func:`kink_is_minimum`).
 
 Every fit, kinked model or not, starts the parameters whose every shift is even (``hi == lo``:
 the model's ``symmetric_params``) off 0 (:func:`off_symmetric_points`): their likelihood is
@@ -30,9 +27,8 @@ stationary at 0 whatever the data, a saddle where it curves down there, which a 
 on it (pyhf's init) never leaves and reports as a minimum.
 
 A model without kinked parameters (pyhf's default codes, ``code4p``/``code4``, are smooth) fits
-once, although smooth likelihoods can have several minima too: the conditional fits of
-strongly excluded published sbottom points have 16-31 (BENCHMARKS.md, "Several minima of
-smooth published likelihoods"), and one start lands in one of them, as pyhf's does. Each
+once, although smooth likelihoods can have several minima too (BENCHMARKS.md, "Several
+minima of smooth published likelihoods"): one start lands in one of them, as pyhf's does. Each
 row reports how many starts it ran and whether every start that converged reached the same
 minimum (:class:`FitStatus`).
 

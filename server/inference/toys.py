@@ -16,12 +16,11 @@ For each row (dataset, tested POI ``mu``), as pyhf:
 3. the test statistic of every toy: an unconditional fit, then a conditional fit where the
    statistic is not clipped to 0 by the best-fit POI, started at the unconditional minimum
    (pyhf runs both fits for every toy, from its init: the statistics are the same, found
-   with 25-32% fewer iterations in all on the shared workspaces).
+   with fewer iterations).
 
 The toy fits of all rows (slices) run as two batched minimisations (split into ``max_rows``
-chunks).
-p-values are the fractions of toys at or above the observed statistic; the expected band
-takes the background toys' own CLs values at pyhf's percentiles (linear interpolation).
+chunks). p-values are the fractions of toys at or above the observed statistic; the expected
+band takes the background toys' own CLs values at pyhf's percentiles (linear interpolation).
 
 Example:
     >>> import torch
@@ -240,6 +239,7 @@ def join_toy_stats(parts: list[ToyStats]) -> ToyStats:
     )
 
 
+@dataclass(eq=False)
 class ToyCalculator:
     """Toy-based CLs for many (dataset, mu) rows of one model, reproducible from ``seed``.
 
@@ -252,23 +252,13 @@ class ToyCalculator:
         seed: seeds every row's toy stream (:func:`toy_seed`).
     """
 
-    def __init__(
-        self,
-        model: HistFactoryModel,
-        data: Tensor,
-        element: Tensor,
-        stat: TestStatistic,
-        spec: FitSpec,
-        ntoys: int,
-        seed: int,
-    ) -> None:
-        self.model = model
-        self.data = data
-        self.element = element
-        self.stat = stat
-        self.spec = spec
-        self.ntoys = ntoys
-        self.seed = seed
+    model: HistFactoryModel
+    data: Tensor
+    element: Tensor
+    stat: TestStatistic
+    spec: FitSpec
+    ntoys: int
+    seed: int
 
     @property
     def options(self) -> FitOptions:
@@ -284,7 +274,6 @@ class ToyCalculator:
         model, stat = self.model, self.stat
         if slices is None:
             slices = [ToySlice(r, 0, self.ntoys) for r in range(mu.shape[0])]
-        # rows of one key are slices of one hypothesis: its observed fits run once
         first_of: dict[int, int] = {}
         for r, toy_slice in enumerate(slices):
             first_of.setdefault(toy_slice.key, r)

@@ -34,7 +34,7 @@ from torch import Tensor
 from .asymptotics import N_SIGMA, AsymptoticCalculator
 from .errors import InferenceError
 from .hypotest import CalculatorSpec, HypotestKeywords, make_calculator, run_calculator
-from .results import HypotestResults, UpperLimitResults
+from .results import HypotestResults, UpperLimitResults, map_tensors
 from .rows import as_float, rows_of
 from .starts import FitStatus
 
@@ -50,15 +50,8 @@ def interp(x: Tensor, xp: Tensor, fp: Tensor) -> Tensor:
     """``np.interp(x[r], xp[r], fp[r])`` for every row ``r`` (``xp`` increasing per row)."""
     n = xp.shape[-1]
     j = torch.searchsorted(xp.contiguous(), x.unsqueeze(-1).contiguous(), right=True).squeeze(-1)
-    j = j.clamp(1, n - 1)
-    x0, x1 = (
-        xp.gather(-1, (j - 1).unsqueeze(-1)).squeeze(-1),
-        xp.gather(-1, j.unsqueeze(-1)).squeeze(-1),
-    )
-    f0, f1 = (
-        fp.gather(-1, (j - 1).unsqueeze(-1)).squeeze(-1),
-        fp.gather(-1, j.unsqueeze(-1)).squeeze(-1),
-    )
+    j = j.clamp(1, n - 1).unsqueeze(-1)
+    x0, x1, f0, f1 = (t.gather(-1, k).squeeze(-1) for t in (xp, fp) for k in (j - 1, j))
     inner = f0 + (x - x0) * (f1 - f0) / (x1 - x0)
     out = torch.where(x < xp[..., 0], fp[..., 0], inner)
     return torch.where(x >= xp[..., -1], fp[..., -1], out)
@@ -93,19 +86,27 @@ def linear_grid_scan(
     xp = curves.flip(-1)
     fp = scan.flip(0).expand_as(xp)
     limits = interp(torch.full(xp.shape[:-1], level, dtype=xp.dtype, device=xp.device), xp, fp)
-    grouped = res.status.grouped(D)
-    out = UpperLimitResults(
+    outside = _outside(curves.select(-1, 0) < level, curves.select(-1, -1) > level)
+    out = _limits(limits, level, elements, res.status.grouped(D), S, outside_scan=outside)
+    return _per_row(out, index), res
+
+
+def _limits(
+    limits: Tensor, level: float, elements: Tensor, status: FitStatus, hypotests: int, **more
+) -> UpperLimitResults:
+    """The results of limits ``[R, 6]`` (observed, then expected) found with ``hypotests``
+    tests per row; ``more``: the optional fields."""
+    return UpperLimitResults(
         obs=limits[:, 0],
         exp=limits[:, 1:],
         level=level,
         element=elements,
-        converged=grouped.converged,
-        hypotests=torch.full((D,), S, dtype=torch.long, device=limits.device),
-        starts=grouped.starts,
-        starts_agreed=grouped.agreed,
-        outside_scan=_outside(curves.select(-1, 0) < level, curves.select(-1, -1) > level),
+        converged=status.converged,
+        hypotests=torch.full_like(elements, hypotests),
+        starts=status.starts,
+        starts_agreed=status.agreed,
+        **more,
     )
-    return _per_row(out, index), res
 
 
 def _outside(below: Tensor, above: Tensor) -> Tensor:
@@ -116,19 +117,7 @@ def _outside(below: Tensor, above: Tensor) -> Tensor:
 
 def _per_row(res: UpperLimitResults, index: Tensor) -> UpperLimitResults:
     """Limits of the distinct datasets mapped back onto the requested rows."""
-    return UpperLimitResults(
-        obs=res.obs[index],
-        exp=res.exp[index],
-        level=res.level,
-        element=res.element[index],
-        converged=res.converged[index],
-        hypotests=res.hypotests[index],
-        starts=res.starts[index],
-        starts_agreed=res.starts_agreed[index],
-        bounds=None if res.bounds is None else res.bounds[index],
-        beyond_bounds=None if res.beyond_bounds is None else res.beyond_bounds[index],
-        outside_scan=None if res.outside_scan is None else res.outside_scan[index],
-    )
+    return map_tensors(res, lambda t: t[index])
 
 
 def _brackets(mus: Tensor, values: Tensor, lo: Tensor, level: float) -> tuple[Tensor, Tensor]:
@@ -263,17 +252,9 @@ def toms748_like_scan(
         points = torch.where(done, b, _next_points(mus, values, a, b, level, rtol))
     a, b = _brackets(mus, values, lo, level)
     limits = _root(mus, values, a, b, level)
-    out = UpperLimitResults(
-        obs=limits[:, 0],
-        exp=limits[:, 1:],
-        level=level,
-        element=elements,
-        converged=status.converged & torch.isfinite(b).all(-1),
-        hypotests=torch.full((R,), mus.shape[1], dtype=torch.long, device=lo.device),
-        starts=status.starts,
-        starts_agreed=status.agreed,
-        bounds=bounds,
-        beyond_bounds=beyond,
+    status = status._replace(converged=status.converged & torch.isfinite(b).all(-1))
+    out = _limits(
+        limits, level, elements, status, mus.shape[1], bounds=bounds, beyond_bounds=beyond
     )
     return _per_row(out, index)
 

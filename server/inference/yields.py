@@ -17,13 +17,8 @@ per-sample rates (:meth:`~pyhf_gpu_server.engine.HistFactoryModel.sample_rates`)
 of at most ``max_rows`` points; every tensor stays on the model's device.
 
 Example:
-    >>> import pyhf
-    >>> from pyhf_gpu_server.engine import HistFactoryModel
-    >>> spec = pyhf.simplemodels.uncorrelated_background([5.0], [10.0], [2.5]).spec
-    >>> ws = {**spec, "observations": [{"name": "singlechannel", "data": [12.0]}],
-    ...       "measurements": [{"name": "m", "config": {"poi": "mu", "parameters": []}}],
-    ...       "version": "1.0.0"}
-    >>> model = HistFactoryModel.from_workspace(ws)
+    >>> from pyhf_gpu_server.inference.examples import simple_model
+    >>> model = simple_model([5.0], [10.0], [2.5], data=[12.0])
     >>> res = yields(model)
     >>> res.samples[0], res.prefit.yields[0].tolist(), res.prefit.stdev[0].tolist()
     (['background', 'signal'], [[10.0], [5.0]], [[2.5], [0.0]])

@@ -4,11 +4,10 @@ A kind is a function ``draw(result, **options) -> Figure`` registered under its 
 :func:`register`; :func:`render` looks it up (one registry, as pyhf's ``get_test_stat``),
 checks the options against its signature, builds the figure and writes it out.
 
-Thread safety: matplotlib shares a few things process-wide that drawing mutates (the mathtext
-parser keeps its parse state on one shared instance; contour labels and layout measure text
-with it), so each figure is built and drawn under one lock. Figures are never registered with
-``pyplot`` and no rcParams are set, so nothing outlives a call. The work is bound by the GIL
-anyway, so the lock costs little parallelism.
+Thread safety: drawing mutates state matplotlib shares process-wide (the mathtext parser,
+with which layout and contour labels measure text), so each figure is built and drawn under
+one lock (the work is GIL-bound: it costs little parallelism). No figure is registered with
+``pyplot`` and no rcParams are set, so nothing outlives a call.
 """
 
 from __future__ import annotations
@@ -122,12 +121,10 @@ def kinds() -> dict[str, str]:
 
 def get_kind(name: str) -> Kind:
     """The registered kind ``name``; PlotInputError naming the known kinds otherwise."""
-    try:
-        return KINDS[name]
-    except (KeyError, TypeError):
-        raise PlotInputError(
-            f"unknown plot kind {name!r}; one of {', '.join(sorted(KINDS))}"
-        ) from None
+    kind = KINDS.get(name) if isinstance(name, str) else None
+    if kind is None:
+        raise PlotInputError(f"unknown plot kind {name!r}; one of {', '.join(sorted(KINDS))}")
+    return kind
 
 
 def figure(
@@ -183,8 +180,7 @@ def render(
     """The figure of ``kind`` for ``result`` as SVG or PNG bytes.
 
     Args:
-        kind: one of :data:`KINDS` (``brazil``, ``exclusion``, ``pulls``, ``ranking``,
-            ``correlation``, ``yields``, ``scan``).
+        kind: one of :data:`KINDS`.
         result: the service's result JSON for that kind (parsed: dicts, lists, numbers).
         fmt: ``"svg"`` or ``"png"``.
         dpi: PNG resolution (default 150); the PNG is ``figsize * dpi`` pixels.
@@ -200,7 +196,7 @@ def render(
     """
     if fmt not in FORMATS:
         raise PlotInputError(f"unknown format {fmt!r}; one of {', '.join(FORMATS)}")
-    resolution = DEFAULT_DPI if dpi is None else _number(kind, "dpi", dpi)
+    resolution = DEFAULT_DPI if dpi is None else number(kind, "dpi", dpi)
     if not 10 <= resolution <= 1200:
         raise PlotInputError(f"{kind} plot: dpi must be within 10..1200, not {dpi!r}")
     with _drawing(kind, abandoned):
@@ -312,16 +308,12 @@ def to_float(value: Any) -> float:
     return float(value)
 
 
-def _number(kind: str, field: str, value: Any) -> float:
+def number(kind: str, field: str, value: Any) -> float:
+    """``value`` as a float (``null``: NaN), or an error naming ``field``."""
     try:
         return to_float(value)
     except (TypeError, ValueError):
         raise fail(kind, f"{field} must be a number, not {_type(value)}") from None
-
-
-def number(kind: str, field: str, value: Any) -> float:
-    """``value`` as a float (``null``: NaN), or an error naming ``field``."""
-    return _number(kind, field, value)
 
 
 def numbers(kind: str, field: str, values: Any, length: int | None = None) -> list[float]:
@@ -371,7 +363,7 @@ def count_option(
 
 def level_option(kind: str, value: Any) -> float:
     """A CLs level in (0, 1)."""
-    level = _number(kind, "level", value)
+    level = number(kind, "level", value)
     if not 0.0 < level < 1.0:
         raise fail(kind, f"level must be within (0, 1), not {value!r}")
     return level

@@ -24,6 +24,7 @@ from matplotlib.axes import Axes
 from matplotlib.axis import Axis
 from matplotlib.backends.backend_agg import FigureCanvasAgg, RendererAgg
 from matplotlib.collections import Collection, PathCollection
+from matplotlib.colorbar import Colorbar
 from matplotlib.figure import Figure
 from matplotlib.font_manager import FontProperties
 from matplotlib.layout_engine import ConstrainedLayoutEngine
@@ -423,6 +424,16 @@ def experiment_label(ax: Axes, label: str | None, rlabel: str | None) -> None:
             )
     if rlabel:
         ax.set_title(rlabel, loc="right", pad=5, **text_kw(LABEL_SIZE - 1))
+
+
+def colorbar(fig: Figure, mappable: Any, ax: Axes, label: str, **kwargs: Any) -> Colorbar:
+    """A colorbar beside ``ax`` (``kwargs``: ``fig.colorbar``'s), labelled at its top, its
+    ticks outside on the right."""
+    bar = fig.colorbar(mappable, ax=ax, **kwargs)
+    bar.set_label(label, loc="top", **text_kw())
+    style_axes(bar.ax, minor_x=False, minor_y=False, top=False)
+    bar.ax.tick_params(which="both", direction="out", left=False, right=True)
+    return bar
 
 
 def clamp(value: float, low: float, high: float) -> float:

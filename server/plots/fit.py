@@ -14,17 +14,7 @@ from matplotlib import colormaps
 from matplotlib.figure import Figure
 
 from . import _style
-from ._base import (
-    count_option,
-    fail,
-    matrix,
-    need,
-    number,
-    numbers,
-    one_patch,
-    register,
-    strings,
-)
+from ._base import count_option, fail, matrix, need, number, numbers, one_patch, register, strings
 
 _INDEXED = re.compile(r"^(.*)\[(\d+)\]$")
 
@@ -249,36 +239,30 @@ def pulls(
         overrides = {str(k): numbers(kind, f"prefit[{k!r}]", v, 2) for k, v in prefit.items()}
     selected = _selection(kind, fit.labels, fit.sets, parameters)
     rows: list[tuple[str, float, float]] = []
-    unknown = free = fixed = 0
+    unknown = 0
     for i, label in enumerate(fit.labels):
         name, index, set_size = fit.sets[i]
         if not selected[i] or name == poi or label == poi:
             continue
         if fit.uncertainty[i] == 0.0 or (constraints is not None and name in constraints.fixed):
-            fixed += 1
-            continue
+            continue  # fixed
         if label in overrides:
             constraint: Any = tuple(overrides[label])
-        elif constraints is not None:
-            widths = constraints.sets.get(name)
-            if widths is None:
-                constraint = "unknown"
-            elif not widths:
-                constraint = None
-            else:
-                constraint = widths[index] if index < len(widths) else "unknown"
-        else:
+        elif constraints is None:
             constraint = guessed_constraint(name, set_size)
-        if constraint is None:
-            free += 1
+        elif name not in constraints.sets:
+            constraint = "unknown"
+        elif not constraints.sets[name]:  # normfactor, shapefactor
+            constraint = None
+        else:
+            widths = constraints.sets[name]
+            constraint = widths[index] if index < len(widths) else "unknown"
+        if constraint is None:  # free
             continue
-        if constraint == "unknown":
+        if constraint == "unknown" or not constraint[1] > 0:
             unknown += 1
             continue
         centre, width = constraint
-        if not width > 0:
-            unknown += 1
-            continue
         rows.append((label, (fit.bestfit[i] - centre) / width, fit.uncertainty[i] / width))
     if not rows:
         raise fail(kind, "no constrained parameter to draw (all free, fixed, or of unknown width)")
@@ -300,13 +284,14 @@ def pulls(
     y = np.arange(n)[::-1]
     value = np.array([r[1] for r in rows])
     error = np.array([r[2] for r in rows])
+    xerr = np.where(np.isfinite(error), error, 0)
     ax.axvspan(-2, 2, color=_style.BAND_2SIGMA, lw=0, zorder=0)
     ax.axvspan(-1, 1, color=_style.BAND_1SIGMA, lw=0, zorder=0)
     ax.axvline(0, color="black", ls="--", lw=1, zorder=1)
     ax.errorbar(
         value,
         y,
-        xerr=np.where(np.isfinite(error), error, 0),
+        xerr=xerr,
         fmt="o",
         color="black",
         ms=max(2.5, min(5.0, size * 0.45)),
@@ -314,7 +299,7 @@ def pulls(
         capsize=0,
         zorder=2,
     )
-    reach = np.nanmax(np.abs(value) + np.where(np.isfinite(error), error, 0))
+    reach = np.nanmax(np.abs(value) + xerr)
     limit = max(3.0, math.ceil(float(reach) + 0.25)) if np.isfinite(reach) else 3.0
     ax.set_xlim(-limit, limit)
     ax.set_ylim(-0.75, n - 0.25)
@@ -366,41 +351,21 @@ def ranking(result: Any, *, top: int | None = 20, poi_label: str = "μ") -> Figu
     ax_pulls.patch.set_visible(False)
     y = np.arange(n)[::-1]
     up, down = _style.COLORS[0], _style.COLORS[6]
-    theta = r"$\theta = \hat{\theta}"
-    ax_impact.barh(
-        y,
-        impacts["prefit_up"][order],
-        fill=False,
-        edgecolor=up,
-        hatch="////",
-        lw=1,
-        height=0.75,
-        label=theta + r" + \Delta\theta$ (pre-fit)",
-    )
-    ax_impact.barh(
-        y,
-        impacts["prefit_down"][order],
-        fill=False,
-        edgecolor=down,
-        hatch="\\\\\\\\",
-        lw=1,
-        height=0.75,
-        label=theta + r" - \Delta\theta$ (pre-fit)",
-    )
-    ax_impact.barh(
-        y,
-        impacts["postfit_up"][order],
-        color=up,
-        height=0.75,
-        label=theta + r" + \Delta\hat{\theta}$ (post-fit)",
-    )
-    ax_impact.barh(
-        y,
-        impacts["postfit_down"][order],
-        color=down,
-        height=0.75,
-        label=theta + r" - \Delta\hat{\theta}$ (post-fit)",
-    )
+    hatches = {"prefit_up": "////", "prefit_down": "\\\\\\\\"}
+    for field in _RANKING_FIELDS:  # pre-fit: hatched outlines; post-fit: filled bars
+        color, sign = (up, "+") if field.endswith("_up") else (down, "-")
+        if field in hatches:
+            style: dict[str, Any] = {
+                "fill": False,
+                "edgecolor": color,
+                "hatch": hatches[field],
+                "lw": 1,
+            }
+            delta = r"\Delta\theta$ (pre-fit)"
+        else:
+            style, delta = {"color": color}, r"\Delta\hat{\theta}$ (post-fit)"
+        label = rf"$\theta = \hat{{\theta}} {sign} {delta}"
+        ax_impact.barh(y, impacts[field][order], height=0.75, label=label, **style)
     ax_pulls.errorbar(
         bestfit[order],
         y,
@@ -566,10 +531,7 @@ def correlation(
                         color="white" if abs(v) > 0.6 else "black",
                         **text,
                     )
-    colorbar = fig.colorbar(image, ax=ax, fraction=0.046, pad=0.02, shrink=0.8)
-    colorbar.set_label("correlation", loc="top", **_style.text_kw())
-    _style.style_axes(colorbar.ax, minor_x=False, minor_y=False, top=False)
-    colorbar.ax.tick_params(which="both", direction="out", left=False, right=True)
+    _style.colorbar(fig, image, ax, "correlation", fraction=0.046, pad=0.02, shrink=0.8)
     _style.note(fig, notes)
     return fig
 

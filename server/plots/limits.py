@@ -191,30 +191,13 @@ def _brazil_figure(
         ax.set_yscale("log")
     ax.fill_between(x, exp[0], exp[4], color=_style.BAND_2SIGMA, lw=0, label="Expected ±2σ")
     ax.fill_between(x, exp[1], exp[3], color=_style.BAND_1SIGMA, lw=0, label="Expected ±1σ")
-    ax.plot(x, exp[2], color=_style.EXPECTED, ls="--", lw=2, label=f"Expected {CLS_LABEL}")
-    ax.plot(
-        x,
-        curve.obs,
-        color=_style.OBSERVED,
-        lw=2,
-        marker="o",
-        ms=4,
-        label=f"Observed {CLS_LABEL}",
-    )
-    ax.axhline(level, color=_style.LEVEL_LINE, lw=1.5, label=f"{CLS_LABEL} = {level:g}")
+    _cls_curves(ax, x, curve.obs, exp[2], level)
     obs_limit, exp_limits = limits
     cl = f"{100 * (1 - level):g}% CL"
     if math.isfinite(obs_limit):
         ax.axvline(obs_limit, color=_style.OBSERVED, lw=1.2, ls=":", zorder=1)
-        ax.plot(
-            [obs_limit],
-            [level],
-            ls="none",
-            marker="v",
-            ms=9,
-            color=_style.LEVEL_LINE,
-            mec="black",
-            label=f"Observed {cl} limit: {obs_limit:.3g}",
+        _limit_marks(
+            ax, [obs_limit], level, observed=True, label=f"Observed {cl} limit: {obs_limit:.3g}"
         )
     if len(exp_limits) == 5 and math.isfinite(exp_limits[2]):
         median, lo, hi = exp_limits[2], exp_limits[1], exp_limits[3]
@@ -223,16 +206,7 @@ def _brazil_figure(
             if math.isfinite(lo) and math.isfinite(hi)
             else f"{median:.3g}"
         )
-        ax.plot(
-            [median],
-            [level],
-            ls="none",
-            marker="v",
-            ms=9,
-            color="white",
-            mec="black",
-            label=f"Expected {cl} limit: {value}",
-        )
+        _limit_marks(ax, [median], level, observed=False, label=f"Expected {cl} limit: {value}")
     ax.set_xlim(float(x[0]), float(x[-1]))
     if not log_y:
         ax.set_ylim(0.0, 1.05 * max(1.0, float(np.nanmax(exp[4]))) if exp.size else 1.05)
@@ -249,6 +223,52 @@ def _brazil_figure(
         _style.note(fig, [f"{CLS_LABEL} does not fall to {level:g} in the tested range: no limit"])
     _legend_in_order(ax)  # once the layout is final
     return fig
+
+
+def _cls_curves(
+    ax, x: np.ndarray, obs: np.ndarray, median: np.ndarray, level: float, joined: bool = True
+) -> None:
+    """The expected (median) and observed CLs curves, points only unless ``joined``, and the
+    line at ``level``."""
+    ax.plot(
+        x,
+        median,
+        color=_style.EXPECTED,
+        ls="--" if joined else "none",
+        marker="none" if joined else "_",
+        ms=10,
+        lw=2,
+        label=f"Expected {CLS_LABEL}",
+    )
+    ax.plot(
+        x,
+        obs,
+        color=_style.OBSERVED,
+        ls="-" if joined else "none",
+        lw=2,
+        marker="o",
+        ms=4,
+        label=f"Observed {CLS_LABEL}",
+    )
+    ax.axhline(level, color=_style.LEVEL_LINE, lw=1.5, label=f"{CLS_LABEL} = {level:g}")
+
+
+def _limit_marks(
+    ax, where: Sequence[float], level: float, *, observed: bool, label: str | None = None
+) -> None:
+    """Triangles on the ``level`` line where the observed (red) or expected (white) CLs
+    falls to it."""
+    face = _style.LEVEL_LINE if observed else "white"
+    ax.plot(
+        where,
+        [level] * len(where),
+        ls="none",
+        marker="v",
+        ms=9,
+        color=face,
+        mec="black",
+        label=label,
+    )
 
 
 def _legend_in_order(ax, **kwargs: Any) -> None:
@@ -290,24 +310,17 @@ def _limits_only(obs: float, exp: list[float], level: float, xlabel: str) -> Fig
         lw=2,
         label=f"Expected: {exp[2]:.3g}",
     )
-    ax.barh(
-        0.45,
-        exp[3] - exp[1],
-        left=exp[1],
-        height=0.5,
-        color=_style.BAND_1SIGMA,
-        label="Expected ±1σ",
-        zorder=0.6,
-    )
-    ax.barh(
-        0.45,
-        exp[4] - exp[0],
-        left=exp[0],
-        height=0.5,
-        color=_style.BAND_2SIGMA,
-        label="Expected ±2σ",
-        zorder=0.5,
-    )
+    for sigma, color, zorder in ((1, _style.BAND_1SIGMA, 0.6), (2, _style.BAND_2SIGMA, 0.5)):
+        low, high = exp[2 - sigma], exp[2 + sigma]
+        ax.barh(
+            0.45,
+            high - low,
+            left=low,
+            height=0.5,
+            color=color,
+            label=f"Expected ±{sigma}σ",
+            zorder=zorder,
+        )
     values = [v for v in [obs, *exp] if math.isfinite(v)]
     if values:
         lo, hi = min(values), max(values)
@@ -528,15 +541,9 @@ def exclusion(
     labels = strings(kind, "labels", labels)
     if len(labels) < len(axes):
         raise fail(kind, f"labels must name the {len(axes)} axes")
-    notes = []
-    if errors:
-        notes.append(f"{errors} patch{'es' if errors > 1 else ''} answered an error (skipped)")
-    if missing:
-        notes.append(f"{missing} patch{'es' if missing > 1 else ''} without values (skipped)")
-    if nonfinite:
-        notes.append(
-            f"{nonfinite} patch{'es' if nonfinite > 1 else ''} with non-finite CLs (skipped)"
-        )
+    skipped = {"answered an error": errors, "without values": missing}
+    skipped["with non-finite CLs"] = nonfinite
+    notes = [f"{n} patch{'es' if n > 1 else ''} {why} (skipped)" for why, n in skipped.items() if n]
     if len(axes) == 1:
         return _exclusion_1d(data, level, labels[0], notes, chosen.caption)
     return _exclusion_2d(data, level, labels, notes, show_points, chosen.caption)
@@ -549,8 +556,7 @@ def _exclusion_1d(
     x = data.coords[order, 0]
     obs, exp = data.obs[order], data.exp[order].T
     shared = len(x) - len(np.unique(x))
-    line = "-" if shared == 0 else "none"  # points sharing a value: no curve through them
-    if shared:
+    if shared:  # points sharing a value: no curve through them
         notes.append(f"{shared} patches share a value with another: no curve through them")
     fig = _style.new_figure(7.5, 5.5)
     ax = fig.add_subplot()
@@ -567,40 +573,12 @@ def _exclusion_1d(
             lw=4,
             label="Expected ±1σ",
         )
-    ax.plot(
-        x,
-        exp[2],
-        color=_style.EXPECTED,
-        ls="--" if shared == 0 else "none",
-        marker="_" if shared else "none",
-        ms=10,
-        lw=2,
-        label=f"Expected {CLS_LABEL}",
-    )
-    ax.plot(
-        x,
-        obs,
-        color=_style.OBSERVED,
-        ls=line,
-        lw=2,
-        marker="o",
-        ms=4,
-        label=f"Observed {CLS_LABEL}",
-    )
-    ax.axhline(level, color=_style.LEVEL_LINE, lw=1.5, label=f"{CLS_LABEL} = {level:g}")
+    _cls_curves(ax, x, obs, exp[2], level, joined=shared == 0)
     if shared == 0:
-        for values, marker, face in ((obs, "v", _style.LEVEL_LINE), (exp[2], "v", "white")):
+        for values, observed in ((obs, True), (exp[2], False)):
             where = crossings(x, values, level)
             if where:
-                ax.plot(
-                    where,
-                    [level] * len(where),
-                    ls="none",
-                    marker=marker,
-                    ms=9,
-                    color=face,
-                    mec="black",
-                )
+                _limit_marks(ax, where, level, observed=observed)
     low = float(min(np.min(exp[1]), np.min(obs), level))
     ax.set_ylim(max(low / 3, level * 1e-3), 2.0)
     if len(x) > 1 and x[-1] > x[0]:
@@ -667,35 +645,25 @@ def _exclusion_2d(
                 tri, band, levels=[band.min() - 1.0, 0.0], colors=[_style.BAND_2SIGMA], zorder=1
             ).set_gid("expected-band")
             handles.append(Patch(color=_style.BAND_2SIGMA, label="Expected ±1σ"))
-        contours: list[tuple[Any, dict[str, Any], str, str]] = [
-            (
-                log_exp[2],
-                {"colors": "#1f3b99", "linestyles": "--", "linewidths": 2.5},
-                "expected-contour",
-                "Expected",
-            ),
-            (
-                log_obs,
-                {"colors": "#d00000", "linestyles": "-", "linewidths": 3},
-                "observed-contour",
-                "Observed",
-            ),
-        ]
-        for values, style, gid, text in contours:
+        contours = (  # the CLs, its name (and the contour's gid), colour, line style and width
+            (log_exp[2], "Expected", "#1f3b99", "--", 2.5),
+            (log_obs, "Observed", "#d00000", "-", 3),
+        )
+        for values, text, color, ls, lw in contours:
             if values.min() < log_level < values.max():
-                ax.tricontour(tri, values, levels=[log_level], zorder=3, **style).set_gid(gid)
+                ax.tricontour(
+                    tri,
+                    values,
+                    levels=[log_level],
+                    zorder=3,
+                    colors=color,
+                    linestyles=ls,
+                    linewidths=lw,
+                ).set_gid(f"{text.lower()}-contour")
             else:
                 notes.append(f"{text} {CLS_LABEL} never crosses {level:g}: no contour")
-            handles.append(
-                Line2D(
-                    [],
-                    [],
-                    color=style["colors"],
-                    ls=style["linestyles"],
-                    lw=style["linewidths"],
-                    label=f"{text} limit ({CLS_LABEL} = {level:g})",
-                )
-            )
+            label = f"{text} limit ({CLS_LABEL} = {level:g})"
+            handles.append(Line2D([], [], color=color, ls=ls, lw=lw, label=label))
     if show_points:
         low = max(float(data.obs.min()), 1e-6)
         points = ax.scatter(
@@ -710,10 +678,7 @@ def _exclusion_2d(
             zorder=4,
             label="Tested points",
         )
-        colorbar = fig.colorbar(points, ax=ax, pad=0.02)
-        colorbar.set_label(f"Observed {CLS_LABEL}", loc="top", **_style.text_kw())
-        _style.style_axes(colorbar.ax, minor_x=False, minor_y=False, top=False)
-        colorbar.ax.tick_params(which="both", direction="out", left=False, right=True)
+        _style.colorbar(fig, points, ax, f"Observed {CLS_LABEL}", pad=0.02)
         handles.append(points)
     pad_x, pad_y = 0.04 * (np.ptp(x) or 1.0), 0.04 * (np.ptp(y) or 1.0)
     ax.set_xlim(x.min() - pad_x, x.max() + pad_x)

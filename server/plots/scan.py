@@ -41,10 +41,8 @@ def scan(
         raise fail(kind, "parameter_values needs at least 2 values")
     order = np.argsort(x, kind="stable")
     x, y = x[order], y[order]
-    bestfit = number(kind, "bestfit", result["bestfit"]) if "bestfit" in result else math.nan
-    unc = (
-        number(kind, "uncertainty", result["uncertainty"]) if "uncertainty" in result else math.nan
-    )
+    bestfit = number(kind, "bestfit", result.get("bestfit"))  # absent: NaN, as null
+    unc = number(kind, "uncertainty", result.get("uncertainty"))
     fig = _style.new_figure(7.5, 5.5)
     ax = fig.add_subplot()
     finite = np.isfinite(y)
@@ -110,31 +108,18 @@ def _scan_2d(
     ax = fig.add_subplot()
     cap = max(TWO_D_LEVELS[-1][0] * 2.0, 1.0)
     grid = np.clip(z.T, 0, cap)  # [y, x] for contourf
+    masked = np.ma.masked_invalid(grid)
     filled = ax.contourf(
-        vx,
-        vy,
-        np.ma.masked_invalid(grid),
-        levels=np.linspace(0, cap, 25),
-        cmap="viridis_r",
-        extend="max",
+        vx, vy, masked, levels=np.linspace(0, cap, 25), cmap="viridis_r", extend="max"
     )
     filled.set_gid("scan-filled")
-    colorbar = fig.colorbar(filled, ax=ax, pad=0.02)
-    colorbar.set_label(Y_LABEL, loc="top", **_style.text_kw())
+    colorbar = _style.colorbar(fig, filled, ax, Y_LABEL, pad=0.02)
     colorbar.set_ticks(np.arange(0, cap + 0.1, 2).tolist())
-    _style.style_axes(colorbar.ax, minor_x=False, minor_y=False, top=False)
-    colorbar.ax.tick_params(which="both", direction="out", left=False, right=True)
     handles = []
     for (level, text), style in zip(TWO_D_LEVELS, ("-", "--"), strict=True):
         if np.nanmin(grid) < level < np.nanmax(grid):
             lines = ax.contour(
-                vx,
-                vy,
-                np.ma.masked_invalid(grid),
-                levels=[level],
-                colors="white",
-                linestyles=style,
-                linewidths=2.2,
+                vx, vy, masked, levels=[level], colors="white", linestyles=style, linewidths=2.2
             )
             lines.set_gid(f"contour-{text.split('%')[0]}")
         handles.append(

@@ -156,9 +156,7 @@ def yields(
     parsed = [_channel(kind, name, all_channels[name]) for name in names]
     if len(parsed) > 1 and columns is None and all(_one_bin(c) for c in parsed):
         parsed = [_side_by_side(parsed)]
-    sample_names: list[str] = []
-    for channel in parsed:
-        sample_names += [s for s, _ in channel.samples if s not in sample_names]
+    sample_names = _sample_names(parsed)
     palette = _style.palette(len(sample_names))
     colors = dict(zip(sample_names, palette, strict=True))
     n = len(parsed)
@@ -197,6 +195,14 @@ def yields(
     return fig
 
 
+def _sample_names(channels: list[Channel]) -> list[str]:
+    """The channels' sample names, in the order they first appear."""
+    names: list[str] = []
+    for channel in channels:
+        names += [s for s, _ in channel.samples if s not in names]
+    return names
+
+
 def _one_bin(channel: Channel) -> bool:
     return len(channel.total) == 1 and channel.bin_labels is None
 
@@ -204,11 +210,8 @@ def _one_bin(channel: Channel) -> bool:
 def _side_by_side(channels: list[Channel]) -> Channel:
     """Channels of one bin each as the bins of one panel, named by their channels (a summary
     of the regions, as published), a sample missing from a channel counted 0 there."""
-    names: list[str] = []
-    for channel in channels:
-        names += [s for s, _ in channel.samples if s not in names]
     samples = []
-    for name in names:
+    for name in _sample_names(channels):
         values = [dict(c.samples).get(name) for c in channels]
         samples.append((name, np.array([0.0 if v is None else float(v[0]) for v in values])))
     stdevs = [c.total_stdev for c in channels]
@@ -249,13 +252,8 @@ def _grid(
     touch (placed by hand: a layout engine would pad between them)."""
     single = len(parsed) == 1
     cell_w, cell_h = _CELL[single]
-    legend_rows = (
-        0
-        if single
-        else math.ceil(
-            (len({s for c in parsed for s, _ in c.samples}) + 2) / _legend_columns(99, ncols)
-        )
-    )
+    entries = len({s for c in parsed for s, _ in c.samples}) + 2  # the samples, uncertainty, data
+    legend_rows = 0 if single else math.ceil(entries / _legend_columns(99, ncols))
     head = 0.15 + 0.3 * legend_rows
     left, right, top, bottom = _MARGINS
     scale = 1.0 if single else 0.8
@@ -366,37 +364,19 @@ def _draw_channel(
             label=sample,
         )
         bottom = bottom + values
-    total = channel.total
-    if channel.total_stdev is not None:
-        ax.bar(
-            centers,
-            2 * channel.total_stdev,
-            width=widths,
-            bottom=total - channel.total_stdev,
-            fill=False,
-            hatch="////",
-            edgecolor="0.3",
-            lw=0,
-            label="Uncertainty",
-        )
-    if channel.data is not None:
-        low, high = poisson_interval(channel.data)
-        ax.errorbar(
-            centers,
-            channel.data,
-            yerr=[low, high],
-            fmt="o",
-            color="black",
-            ms=5 * scale,
-            lw=1.2,
-            label="Data",
-        )
-    band = channel.total_stdev if channel.total_stdev is not None else 0.0
-    top_parts = [total + band]
+    total, stdev, data = channel.total, channel.total_stdev, channel.data
+    # the model's uncertainty band and the data points, in both panels
+    band: dict[str, Any] = {"width": widths, "fill": False, "hatch": "////", "edgecolor": "0.3"}
+    points: dict[str, Any] = {"fmt": "o", "color": "black", "ms": 5 * scale, "lw": 1.2}
+    if stdev is not None:
+        ax.bar(centers, 2 * stdev, bottom=total - stdev, lw=0, label="Uncertainty", **band)
+    top_parts = [total + (stdev if stdev is not None else 0.0)]
     positive_parts = [total[total > 0]]
-    if channel.data is not None:
-        top_parts.append(channel.data + poisson_interval(channel.data)[1])
-        positive_parts.append(channel.data[channel.data > 0])
+    if data is not None:
+        low, high = poisson_interval(data)
+        ax.errorbar(centers, data, yerr=[low, high], label="Data", **points)
+        top_parts.append(data + high)
+        positive_parts.append(data[data > 0])
     tops = np.concatenate(top_parts)
     tops = tops[np.isfinite(tops)]
     positive = np.concatenate(positive_parts)
@@ -411,61 +391,39 @@ def _draw_channel(
     # data / model
     with np.errstate(divide="ignore", invalid="ignore"):
         rel = None
-        if channel.total_stdev is not None:
-            rel = np.where(total > 0, channel.total_stdev / total, np.nan)
-            ratio.bar(
-                centers,
-                2 * rel,
-                width=widths,
-                bottom=1 - rel,
-                fill=False,
-                hatch="////",
-                edgecolor="0.3",
-                lw=0,
-            )
+        if stdev is not None:
+            rel = np.where(total > 0, stdev / total, np.nan)
+            ratio.bar(centers, 2 * rel, bottom=1 - rel, lw=0, **band)
         ratio.axhline(1.0, color="black", lw=1, ls="--")
         value = err_low = err_high = np.array([np.nan])
-        if channel.data is not None:
-            low, high = poisson_interval(channel.data)
+        if data is not None:
             model = np.where(total > 0, total, np.nan)
-            value, err_low, err_high = channel.data / model, low / model, high / model
-            ratio.errorbar(
-                centers,
-                value,
-                yerr=[err_low, err_high],
-                fmt="o",
-                color="black",
-                ms=5 * scale,
-                lw=1.2,
-            )
+            value, err_low, err_high = data / model, low / model, high / model
+            ratio.errorbar(centers, value, yerr=[err_low, err_high], **points)
     ratio.set_ylim(*ratio_range(value, err_low, err_high, rel))
     ratio.set_xlim(edges[0], edges[-1])
     size = _style.LABEL_SIZE * scale
     tick = _style.TICK_SIZE * scale
-    _style.style_axes(ax, tick_size=tick, minor_x=channel.bin_labels is None and len(centers) > 1)
-    _style.style_axes(
-        ratio, tick_size=tick, minor_x=channel.bin_labels is None and len(centers) > 1
-    )
+    for axes in (ax, ratio):
+        _style.style_axes(
+            axes, tick_size=tick, minor_x=channel.bin_labels is None and len(centers) > 1
+        )
     ratio.set_yticks(ratio_ticks(*ratio.get_ylim()))
     ratio.yaxis.set_minor_locator(AutoMinorLocator())
     ax.tick_params(labelbottom=False)
     _style.set_ylabel(ax, "Events", size)
     _style.set_ylabel(ratio, "Data / Model", size * 0.8)
-    if channel.bin_labels is not None:
+    if channel.bin_labels is not None or len(centers) == 1:  # one tick a bin, no minor ones
         turned = len(centers) > 3
         ratio.set_xticks(
             centers,
-            channel.bin_labels,
+            channel.bin_labels or ["1"],
             rotation=45 if turned else 0,
             ha="right" if turned else "center",
             rotation_mode="anchor" if turned else "default",
         )
-        ratio.tick_params(axis="x", which="minor", bottom=False, top=False)
-        ax.tick_params(axis="x", which="minor", bottom=False, top=False)
-    elif len(centers) == 1:
-        ratio.set_xticks(centers, ["1"])
-        ratio.tick_params(axis="x", which="minor", bottom=False, top=False)
-        ax.tick_params(axis="x", which="minor", bottom=False, top=False)
+        for axes in (ax, ratio):
+            axes.tick_params(axis="x", which="minor", bottom=False, top=False)
     elif len(centers) <= 12:
         ratio.set_xticks(edges)
     else:

@@ -4,16 +4,14 @@ requests are refused.
 A batched fit holds, per row, the rate Jacobian over the ``N`` data (``N P`` numbers, twice
 while a trial point is evaluated) and the curvature of ``-2 log L`` over the ``P`` parameters.
 The dense solver keeps the ``P x P`` matrix, its factor, a secant term and the temporaries of
-their assembly, and a fit's exact Hessian is built in column blocks: ``10 P^2`` in all, as
-measured (the peak resident memory of CPU fits of 1200- and 2400-bin staterror models grows
-by 5.6 ``P^2`` + 2 ``N P`` numbers per extra row, by 10-22 ``P^2`` for a first row); the
-low-rank solver (``inference/curvature.py``: diagonal + rank ``r`` Woodbury, ``r`` = main bins
-+ secant pairs + unconstrained parameters) keeps ``2 r P + 2 r^2`` instead, and the block solver
-(the ``M`` per-bin parameters eliminated, ``K = P - M`` shared ones dense) ``3 N K + 4 K^2``
-and its secant columns' solves. Each adds what assembling the rate Jacobian holds
-(:func:`assembly_numbers`: on a 300-bin model of 8 samples as much again as the block
-solver's own). A 129 kB workspace of 6000 bins with a staterror has ``P =
-6001``: 3.8 GiB a dense row, 4.3 MiB a block one. So before any work:
+their assembly, and a fit's exact Hessian is built in column blocks: ``10 P^2`` in all (a
+bound on the measured peak resident memory of CPU fits); the low-rank solver
+(``inference/curvature.py``: diagonal + rank ``r`` Woodbury, ``r`` = main bins + secant pairs
++ unconstrained parameters) keeps ``2 r P + 2 r^2`` instead, and the block solver (the ``M``
+per-bin parameters eliminated, ``K = P - M`` shared ones dense) ``3 N K + 4 K^2`` and its
+secant columns' solves. Each adds what assembling the rate Jacobian holds
+(:func:`assembly_numbers`). A workspace of 6000 bins with a staterror has ``P = 6001``: 3.8 GiB
+a dense row, 4.3 MiB a block one. So before any work:
 
 - the solver of a model is the one the minimiser would pick (``"auto"``,
   ``inference.curvature.choose_solver``), or the low-rank one where the dense one would not
@@ -185,8 +183,7 @@ def assembly_numbers(
 #: The share of ``--max-fit-memory-mb`` left to the allocator: a minimiser call's temporaries,
 #: freed, leave holes in the heap (glibc's, on the CPU; CUDA's cache likewise) that the next
 #: call's differently sized ones do not all reuse, so resident memory grows past what the
-#: fits hold at once (~1.1x that, plus ~50 MiB, for toy fits of a 550-parameter analysis).
-#: Engine calls fit their rows within the rest.
+#: fits hold at once. Engine calls fit their rows within the rest.
 HEAP_SHARE = 0.3
 #: The share of ``--max-fit-memory-mb`` that the toys drawn in one engine call may hold (at
 #: least one row's); its fits are admitted within the rest.
@@ -198,8 +195,7 @@ def toy_bytes(shape: ModelShape) -> int:
     statistic: its pseudo-data and the fits' copies of it (``2 (N + A)``), and per fit, free
     and conditional, its start, bounds, best fit and results (``9 P``). A toy-based engine
     call holds them for all its toys at once, besides the ``max_rows`` fit rows its minimiser
-    calls hold. The tensor bytes counted per toy (``tests/test_admission_memory.py``) lie
-    within 0.75 and 1 of it on the generated analyses.
+    calls hold (checked by ``tests/test_admission_memory.py``).
 
     Example (the 550-parameter, 300-bin analysis of ``generate_large``: 845 data, 53 kB)::
 
@@ -342,8 +338,8 @@ class FitMemory:
     bytes per row), and the most any call held; read by the metrics at every scrape.
 
     After a call that held more than ``release_above`` bytes, ``release()`` hands the freed
-    memory back (on the CPU glibc keeps it otherwise: 180 MB of 490 after one fit of a
-    1200-bin model), so the process's resident memory returns to what the models hold.
+    memory back (on the CPU glibc keeps it otherwise), so the process's resident memory
+    returns to what the models hold.
 
     Example:
         >>> memory = FitMemory()

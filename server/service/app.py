@@ -71,7 +71,7 @@ def create_app(
 
     app = FastAPI(
         title="pyhf-gpu",
-        version=_package_version(),
+        version=health.package_version("pyhf-gpu") or "0",
         description=DESCRIPTION,
         lifespan=lifespan,
         docs_url=None,
@@ -106,8 +106,8 @@ def create_app(
 
 def _build_routes(app: FastAPI) -> None:
     """Build every route before the first request: FastAPI builds an included router's
-    routes (their dependants and pydantic adapters, ~0.13 s for ours) when a request first
-    walks that router, and a path that no route has walks them all."""
+    routes (their dependants and pydantic adapters) when a request first walks that router,
+    and a path that no route has walks them all."""
     scope = {"type": "http", "method": "GET", "path": "/ start-up", "root_path": ""}
     for route in app.router.routes:
         route.matches(scope)
@@ -135,13 +135,3 @@ def _add_docs(app: FastAPI) -> None:
             swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
             swagger_favicon_url=f"{DOCS_ASSETS}/favicon.png",
         )
-
-
-def _package_version() -> str:
-    """The installed pyhf-gpu version."""
-    from importlib import metadata
-
-    try:
-        return metadata.version("pyhf-gpu")
-    except metadata.PackageNotFoundError:
-        return "0"

@@ -17,7 +17,7 @@ import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import cached_property, partial
 from typing import Any
 
@@ -422,17 +422,14 @@ class Dispatcher:
         if element.layout is None:
             return element
         refusal = likelihood_refusal(element.layout)
-        if refusal is not None:
-            return replace(element, layout=None, error=Unprocessable(refusal))
-        if self.limits is None:
-            return element
-        shape = layout_shape(element.layout)
-        refusal = self.limits.refusal(shape)
-        if refusal is not None and shape.solver != "low-rank":
-            # the block solver may fit it: its per-bin parameters counted only now (a walk
-            # over the layout's bins, kept off the path of the models that fit anyway)
-            shape = replace(shape, n_per_bin=layout_per_bin_count(element.layout))
+        if refusal is None and self.limits is not None:
+            shape = layout_shape(element.layout)
             refusal = self.limits.refusal(shape)
+            if refusal is not None and shape.solver != "low-rank":
+                # the block solver may fit it: its per-bin parameters counted only now (a walk
+                # over the layout's bins, kept off the path of the models that fit anyway)
+                shape = replace(shape, n_per_bin=layout_per_bin_count(element.layout))
+                refusal = self.limits.refusal(shape)
         if refusal is None:
             return element
         return replace(element, layout=None, error=Unprocessable(refusal))
@@ -575,13 +572,13 @@ def model_shape(model: HistFactoryModel) -> ModelShape:
     return ModelShape(model.n_pars, model.n_main, model.n_aux, n_flat, n_per_bin, n_assembly)
 
 
+@dataclass
 class _Progress:
     """Rows done over all the work items of one request, reported as one count."""
 
-    def __init__(self, total: int, report: Callable[[int, int], None] | None) -> None:
-        self.total = total
-        self.report = report
-        self.done: dict[int, int] = {}
+    total: int
+    report: Callable[[int, int], None] | None
+    done: dict[int, int] = field(default_factory=dict)
 
     def callback(self) -> Callable[[int, int], None] | None:
         """The progress callback of the next work item."""

@@ -15,7 +15,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -69,27 +69,23 @@ class Element:
     error: ServiceError | None = None
 
 
+@dataclass(eq=False, repr=False)
 class ElementStore:
-    """Warm translators per background, translated elements per (background, patch); LRU."""
+    """Warm translators per background, translated elements per (background, patch); LRU:
+    ``max_backgrounds`` translators and ``max_elements`` elements. ``workers`` translate shares
+    of a request's new patches when there are many; an element whose histosys arrays would take
+    more than ``max_layout_bytes`` is refused (422)."""
 
-    def __init__(
-        self,
-        max_backgrounds: int = 8,
-        max_elements: int = 4096,
-        workers: LocalWorkers | None = None,
-        max_layout_bytes: int | None = None,
-    ) -> None:
-        """Keep ``max_backgrounds`` translators and ``max_elements`` elements; ``workers``
-        translate shares of a request's new patches when there are many; an element whose
-        histosys arrays would take more than ``max_layout_bytes`` is refused (422)."""
-        self.max_backgrounds = max_backgrounds
-        self.max_elements = max_elements
-        self.workers = workers
-        self.max_layout_bytes = max_layout_bytes
-        self._translators: OrderedDict[tuple, WorkspaceTranslator] = OrderedDict()
-        self._elements: OrderedDict[tuple, Element] = OrderedDict()
-        self._lock = threading.Lock()
-        self.total_bytes = 0  # host bytes of the cached elements' layouts
+    max_backgrounds: int = 8
+    max_elements: int = 4096
+    workers: LocalWorkers | None = None
+    max_layout_bytes: int | None = None
+    _translators: OrderedDict[tuple, WorkspaceTranslator] = field(
+        init=False, default_factory=OrderedDict
+    )
+    _elements: OrderedDict[tuple, Element] = field(init=False, default_factory=OrderedDict)
+    _lock: threading.Lock = field(init=False, default_factory=threading.Lock)
+    total_bytes: int = field(init=False, default=0)  # host bytes of the cached elements' layouts
 
     def elements(self, background: Background, patches: Sequence[PatchSpec]) -> list[Element]:
         """The element of each patch on ``background``; cached ones are not read again, new

@@ -1,17 +1,15 @@
 """An engine call's elements shared between the device thread and idle local workers (CPU).
 
-On a CPU device a fit iteration is mostly torch's per-operation dispatch from Python (~650
-torch calls an iteration whatever the batch size), which one process cannot spread over two
-cores: intra-op threads help only the largest tensors, and two Python threads take turns on
-the GIL. :class:`EngineShares`, the scheduler's runner in process when the server has local
-workers that take engine shares (:mod:`.local_workers`, ``fork(..., engine=True)``), splits a
-batch's elements (or a lone element's rows) into shares: one for each idle worker, one for
-the device thread. A worker fits its share's rows on its own warm model of those elements (built from their layouts,
-which travel once per model and worker), the device thread fits its share on the batch's
-model, one intra-op thread each (the device thread also when nothing is shared: a second
-OpenMP thread of it spins against the workers, and against any other process on a shared
-node). A row's fits depend on its own element's data only, so its
-answer is the same (to ~1e-12, as any two stacks holding the element) wherever it is fitted.
+On a CPU device a fit iteration is mostly torch's per-operation dispatch from Python, which
+one process cannot spread over two cores: intra-op threads help only the largest tensors, and
+two Python threads take turns on the GIL. :class:`EngineShares`, the scheduler's runner in
+process when the server has local workers that take engine shares (:mod:`.local_workers`,
+``fork(..., engine=True)``), splits a batch's elements (or a lone element's rows) into shares:
+one for each idle worker, one for the device thread. A worker fits its share's rows on its own
+warm model of those elements (built from their layouts, which travel once per model and
+worker), the device thread fits its share on the batch's model, one intra-op thread each
+(:func:`intra_op_threads`). A row's fits depend on its own element's data only, so its answer
+is the same (to rounding, as any two stacks holding the element) wherever it is fitted.
 
 A toy row's draws follow its own hypothesis and slice (:mod:`~pyhf_gpu_server.inference.toys`),
 so the slices of toy rows are shared as other rows are. Not shared: batches of one row, and
@@ -67,8 +65,8 @@ def intra_op_threads(count: int) -> Iterator[None]:
     """The calling thread's torch intra-op threads set to ``count`` while the block runs.
 
     OpenMP's thread count is per calling thread: the device thread's own fits run on one core
-    while a worker process fits on the other (two OpenMP threads beside a busy worker spin
-    against it: 2-3x slower)."""
+    while a worker process fits on the other (a second OpenMP thread of the device thread
+    spins against the workers, and against any other process on a shared node)."""
     before = torch.get_num_threads()
     torch.set_num_threads(count)
     try:
@@ -88,8 +86,7 @@ class EngineShares:
         self, context: BatchContext, rows: Sequence[Row], stop: Callable[[], bool] | None = None
     ) -> list[ComputedRow]:
         """ONE engine call's answers for ``rows``, in their order, fitted on one intra-op
-        thread: the workers are the other cores' work, and a second OpenMP thread of the device
-        thread spins against them and against any other process on the node."""
+        thread (:func:`intra_op_threads`) beside the workers."""
         with intra_op_threads(1):
             return self._shared(context, rows, stop)
 

@@ -176,12 +176,6 @@ def error_response(exc: ServiceError) -> JSONResponse:
     return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)
 
 
-async def _service_error(request: Request, exc: Exception) -> JSONResponse:
-    """Handler for :class:`ServiceError`."""
-    assert isinstance(exc, ServiceError)
-    return error_response(exc)
-
-
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     """FastAPI's 422 for query/path problems, without echoing inputs back."""
     assert isinstance(exc, RequestValidationError)
@@ -198,7 +192,8 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def _client_error(request: Request, exc: Exception) -> JSONResponse:
-    """A library error that stands for bad input (:func:`translate`): its 4xx."""
+    """A :class:`ServiceError`, or a library error that stands for bad input
+    (:func:`translate`): its 4xx."""
     mapped = translate(exc)
     assert mapped is not None
     return error_response(mapped)
@@ -216,7 +211,7 @@ async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
 
 def install_error_handlers(app: FastAPI) -> None:
     """Register the JSON error handlers on ``app``."""
-    app.add_exception_handler(ServiceError, _service_error)
+    app.add_exception_handler(ServiceError, _client_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     for client_error in _CLIENT_ERRORS:

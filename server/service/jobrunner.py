@@ -22,6 +22,7 @@ import contextlib
 import logging
 import sys
 from collections.abc import Awaitable, Callable
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from .dispatch import Dispatcher
@@ -39,13 +40,13 @@ IDLE_POLL_S = 5.0
 UNAVAILABLE_RETRY_DELAYS_S = (5.0, 10.0, 20.0, 40.0, 80.0)
 
 
+@dataclass(eq=False)
 class ProgressRelay:
     """The progress callback of a synchronous run: kept, and passed on to the job the run
     becomes (:meth:`JobRunner.adopt`)."""
 
-    def __init__(self) -> None:
-        self.last: tuple[int, int] | None = None
-        self.target: Callable[[int, int], None] | None = None
+    last: tuple[int, int] | None = None
+    target: Callable[[int, int], None] | None = None
 
     def __call__(self, done: int, total: int) -> None:
         self.last = (done, total)
@@ -53,34 +54,25 @@ class ProgressRelay:
             self.target(done, total)
 
 
+@dataclass(eq=False, repr=False)
 class JobRunner:
-    """Worker tasks that take queued jobs and run them in the ``jobs`` lane."""
+    """Worker tasks that take queued jobs and run them in the ``jobs`` lane: up to
+    ``concurrency`` at once; new ones refused past ``max_queued`` queued or running; a job whose
+    process ended ``max_attempts`` times running it is failed at start."""
 
-    def __init__(
-        self,
-        store: JobStore,
-        workspaces: WorkspaceStore,
-        dispatcher: Dispatcher,
-        *,
-        concurrency: int,
-        max_queued: int,
-        max_attempts: int,
-        result_ttl_s: float,
-    ) -> None:
-        """Run up to ``concurrency`` jobs at once; refuse new ones past ``max_queued`` queued or
-        running; fail at start a job whose process ended ``max_attempts`` times running it."""
-        self.store = store
-        self.workspaces = workspaces
-        self.dispatcher = dispatcher
-        self.concurrency = concurrency
-        self.max_queued = max_queued
-        self.max_attempts = max_attempts
-        self.result_ttl_s = result_ttl_s
-        self._wakeup = asyncio.Event()
-        self._tasks: list[asyncio.Task[None]] = []
-        self._running: dict[str, asyncio.Task[None]] = {}
-        self._adopted: set[asyncio.Task[None]] = set()
-        self._watchers: set[asyncio.Event] = set()
+    store: JobStore
+    workspaces: WorkspaceStore
+    dispatcher: Dispatcher
+    _: KW_ONLY
+    concurrency: int
+    max_queued: int
+    max_attempts: int
+    result_ttl_s: float
+    _wakeup: asyncio.Event = field(init=False, default_factory=asyncio.Event)
+    _tasks: list[asyncio.Task[None]] = field(init=False, default_factory=list)
+    _running: dict[str, asyncio.Task[None]] = field(init=False, default_factory=dict)
+    _adopted: set[asyncio.Task[None]] = field(init=False, default_factory=set)
+    _watchers: set[asyncio.Event] = field(init=False, default_factory=set)
 
     async def start(self) -> None:
         """Fail poison jobs, re-queue the others a crash left running, purge expired ones, start

@@ -63,6 +63,14 @@ CREATE INDEX IF NOT EXISTS jobs_created ON jobs (created_at);
 _VISIBLE = "(owner = ? OR owner IS NULL)"
 
 
+def _one(job_id: str, visible_to: str | None) -> tuple[str, tuple[str, ...]]:
+    """The ``WHERE`` clause and parameters of job ``job_id``, if ``visible_to`` that caller
+    (``None``: anyone's)."""
+    if visible_to is None:
+        return "WHERE id = ?", (job_id,)
+    return f"WHERE id = ? AND {_VISIBLE}", (job_id, visible_to)
+
+
 class Refused(enum.Enum):
     """Why :meth:`JobStore.create` stored no job: the cap that was reached."""
 
@@ -155,21 +163,19 @@ class JobStore:
         (existing jobs have none) and its index. Only when missing (an up-to-date database is
         not written), in one write transaction, so concurrent openers agree."""
 
-        def current() -> bool:
+        def missing() -> tuple[bool, bool]:
+            """Whether the ``owner`` column, and its index, are missing."""
             columns = {row["name"] for row in self._db.execute("PRAGMA table_info(jobs)")}
             index = self._db.execute(
                 "SELECT 1 FROM sqlite_master WHERE type = 'index' AND name = 'jobs_owner_status'"
             ).fetchone()
-            return "owner" in columns and index is not None
+            return "owner" not in columns, index is None
 
         with self._lock:
-            if current():
+            if not any(missing()):
                 return
             with self._transaction():
-                if current():  # another process migrated meanwhile
-                    return
-                columns = {row["name"] for row in self._db.execute("PRAGMA table_info(jobs)")}
-                if "owner" not in columns:
+                if missing()[0]:  # (another process may have migrated meanwhile)
                     self._db.execute("ALTER TABLE jobs ADD COLUMN owner TEXT")
                 self._db.execute(
                     "CREATE INDEX IF NOT EXISTS jobs_owner_status ON jobs (owner, status)"
@@ -294,12 +300,8 @@ class JobStore:
     ) -> dict[str, Any] | None:
         """The public view of a job (see ``schemas.JobView``), or ``None`` (also when
         ``visible_to`` is a caller other than its owner; ``None``: anyone's job)."""
-        if visible_to is None:
-            row = self._execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
-        else:
-            row = self._execute(
-                f"SELECT * FROM jobs WHERE id = ? AND {_VISIBLE}", (job_id, visible_to)
-            ).fetchone()
+        where, params = _one(job_id, visible_to)
+        row = self._execute(f"SELECT * FROM jobs {where}", params).fetchone()
         return None if row is None else _view(row, with_result)
 
     def request(self, job_id: str) -> tuple[str, dict[str, Any]]:
@@ -383,12 +385,8 @@ class JobStore:
         """Cancel a queued or running job; its status before (``None`` if no such job, or
         none ``visible_to`` that caller: see :meth:`get`)."""
         with self._lock:
-            if visible_to is None:
-                row = self._db.execute("SELECT status FROM jobs WHERE id = ?", (job_id,)).fetchone()
-            else:
-                row = self._db.execute(
-                    f"SELECT status FROM jobs WHERE id = ? AND {_VISIBLE}", (job_id, visible_to)
-                ).fetchone()
+            where, params = _one(job_id, visible_to)
+            row = self._db.execute(f"SELECT status FROM jobs {where}", params).fetchone()
             if row is None:
                 return None
             if row["status"] in ("queued", "running"):

@@ -3,11 +3,10 @@
 Two kinds of work are shared with the idle ones, each request or batch using a worker only
 while no other does (:meth:`LocalWorkers.idle`):
 
-- **Translation.** Translating a patch is host-side Python (~1 ms a patch, the GIL held): the
-  218 published sbottom region B points cost ~0.3 s, which no device shortens. Each worker
-  keeps its own warm translators and, for a request with at least ``min_patches`` new
-  patches, translates a share of them while the build thread translates its own; a worker's
-  elements come back pickled, in the element's own numbers.
+- **Translation.** Translating a patch is host-side Python, the GIL held, which no device
+  shortens. Each worker keeps its own warm translators and, for a request with at least
+  ``min_patches`` new patches, translates a share of them while the build thread translates
+  its own; a worker's elements come back pickled, in the element's own numbers.
 - **Engine calls, on a CPU device** (``fork(..., engine=True)``): a batch's elements are
   shared out, each worker fitting the rows of its share on its own warm model of those
   elements (:mod:`.engine_shares`), one intra-op thread each. A fit iteration on the CPU is
@@ -161,18 +160,9 @@ class LocalWorkers:
         for _ in range(count):
             mine, theirs = socket.socketpair()
             stop_flag = context.RawValue("b", 0)
-            process = context.Process(
-                target=_serve,
-                args=(
-                    theirs,
-                    [mine, *(w.channel for w in workers)],
-                    stop_flag,
-                    engine,
-                    max_layout_bytes,
-                ),
-                name="pyhf-gpu-worker",
-                daemon=True,
-            )
+            servers_ends = [mine, *(w.channel for w in workers)]
+            args = (theirs, servers_ends, stop_flag, engine, max_layout_bytes)
+            process = context.Process(target=_serve, args=args, name="pyhf-gpu-worker", daemon=True)
             process.start()
             theirs.close()
             workers.append(_Worker(process, mine, stop_flag))

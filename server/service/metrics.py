@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
@@ -17,73 +18,57 @@ class Metrics:
         """Create and register every metric in a fresh registry."""
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter(
+        counter, gauge = partial(Counter, registry=r), partial(Gauge, registry=r)
+        histogram = partial(Histogram, registry=r)
+        by_answer = ["route", "method", "status"]
+        self.requests = counter(
             "pyhf_gpu_requests",
             "HTTP requests answered, by route template, method and status",
-            ["route", "method", "status"],
-            registry=r,
+            by_answer,
         )
-        self.latency = Histogram(
+        self.latency = histogram(
             "pyhf_gpu_request_duration_seconds",
             "HTTP request latency, by route template, method and status",
-            ["route", "method", "status"],
+            by_answer,
             buckets=LATENCY_BUCKETS,
-            registry=r,
         )
-        self.queue_depth = Gauge(
-            "pyhf_gpu_queue_depth",
-            "hypotheses (rows) waiting for the device, by lane",
-            ["lane"],
-            registry=r,
+        self.queue_depth = gauge(
+            "pyhf_gpu_queue_depth", "hypotheses (rows) waiting for the device, by lane", ["lane"]
         )
-        self.batch_size = Histogram(
-            "pyhf_gpu_batch_size",
-            "hypotheses (rows) per engine call",
-            buckets=BATCH_BUCKETS,
-            registry=r,
+        self.batch_size = histogram(
+            "pyhf_gpu_batch_size", "hypotheses (rows) per engine call", buckets=BATCH_BUCKETS
         )
-        self.batch_seconds = Histogram(
-            "pyhf_gpu_batch_duration_seconds",
-            "seconds per engine call",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+        self.batch_seconds = histogram(
+            "pyhf_gpu_batch_duration_seconds", "seconds per engine call", buckets=LATENCY_BUCKETS
         )
-        self.oom_splits = Counter(
-            "pyhf_gpu_oom_splits", "batches split in two after a device out-of-memory", registry=r
+        self.oom_splits = counter(
+            "pyhf_gpu_oom_splits", "batches split in two after a device out-of-memory"
         )
-        self.cache_hits = Counter("pyhf_gpu_model_cache_hits", "warm model cache hits", registry=r)
-        self.cache_misses = Counter(
-            "pyhf_gpu_model_cache_misses", "warm model cache misses (models built)", registry=r
+        self.cache_hits = counter("pyhf_gpu_model_cache_hits", "warm model cache hits")
+        self.cache_misses = counter(
+            "pyhf_gpu_model_cache_misses", "warm model cache misses (models built)"
         )
-        self.cache_evictions = Counter(
-            "pyhf_gpu_model_cache_evictions", "models evicted from the warm cache", registry=r
+        self.cache_evictions = counter(
+            "pyhf_gpu_model_cache_evictions", "models evicted from the warm cache"
         )
-        self.cache_size = Gauge("pyhf_gpu_model_cache_size", "models in the warm cache", registry=r)
-        self.cache_bytes = Gauge(
-            "pyhf_gpu_model_cache_bytes", "tensor bytes held by warm models", registry=r
-        )
-        self.device_memory = Gauge(
+        self.cache_size = gauge("pyhf_gpu_model_cache_size", "models in the warm cache")
+        self.cache_bytes = gauge("pyhf_gpu_model_cache_bytes", "tensor bytes held by warm models")
+        self.device_memory = gauge(
             "pyhf_gpu_device_memory_bytes",
             "device memory in use (torch.cuda.memory_allocated; on cpu the warm models' bytes)",
-            registry=r,
         )
-        self.jobs = Gauge(
-            "pyhf_gpu_jobs", "jobs in the job store, by status", ["status"], registry=r
-        )
-        self.element_bytes = Gauge(
+        self.jobs = gauge("pyhf_gpu_jobs", "jobs in the job store, by status", ["status"])
+        self.element_bytes = gauge(
             "pyhf_gpu_element_cache_bytes",
             "host bytes held by translated patches (the layouts models are built from)",
-            registry=r,
         )
-        self.fit_memory = Gauge(
+        self.fit_memory = gauge(
             "pyhf_gpu_fit_memory_bytes",
             "bytes the fits of the engine call running now hold (estimated per row and solver)",
-            registry=r,
         )
-        self.fit_memory_peak = Gauge(
+        self.fit_memory_peak = gauge(
             "pyhf_gpu_fit_memory_peak_bytes",
             "the most bytes the fits of one engine call held since the start",
-            registry=r,
         )
         # process_resident_memory_bytes & co.: what the whole process holds (Linux)
         ProcessCollector(registry=r)

@@ -13,6 +13,7 @@ import time
 import uuid
 import zlib
 from collections.abc import Collection
+from typing import Any
 
 import anyio
 import h11
@@ -147,7 +148,7 @@ class TokenAuthMiddleware:
             )
         except Unauthorized as problem:
             headers = {**problem.headers, "Connection": "close"}
-            await JSONResponse({"detail": problem.detail}, 401, headers)(scope, receive, send)
+            await _reject(401, problem.detail, headers)(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
@@ -172,8 +173,7 @@ class BodyLimitMiddleware:
     A ``Content-Encoding: gzip`` body reaches the app decompressed, with the header removed.
     After a body of at least :data:`RELEASE_ABOVE`, glibc's ``malloc_trim`` hands the heap it
     and its parsed objects took back to the system (the allocator keeps blocks under 64 MiB
-    and one arena, :mod:`pyhf_gpu_server.allocator`: parallel large bodies would otherwise
-    leave hundreds of MB with the process).
+    and one arena, :mod:`pyhf_gpu_server.allocator`).
     """
 
     def __init__(self, app: ASGIApp, max_bytes: int, body_timeout_s: float) -> None:
@@ -276,13 +276,10 @@ class BodyLimitMiddleware:
 
     def _too_slow(self) -> JSONResponse:
         """The 408 answer; it closes the connection (the rest of the body is not awaited)."""
-        return JSONResponse(
-            {
-                "detail": f"the request body did not arrive within {self.body_timeout_s:g} s "
-                "(--body-timeout-s)"
-            },
-            status_code=408,
-            headers={"Connection": "close"},
+        return _reject(
+            408,
+            f"the request body did not arrive within {self.body_timeout_s:g} s (--body-timeout-s)",
+            {"Connection": "close"},
         )
 
 
@@ -325,9 +322,9 @@ def header_deadline_protocol(timeout_s: float) -> type[H11Protocol]:
     return HeaderDeadlineProtocol
 
 
-def _reject(status: int, detail: str) -> JSONResponse:
+def _reject(status: int, detail: Any, headers: dict[str, str] | None = None) -> JSONResponse:
     """A JSON error answered by the middleware itself."""
-    return JSONResponse({"detail": detail}, status_code=status)
+    return JSONResponse({"detail": detail}, status_code=status, headers=headers)
 
 
 def _set_body_headers(scope: Scope, length: int) -> None:

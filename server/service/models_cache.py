@@ -55,15 +55,15 @@ class CachedModel:
     build_s: float
 
 
+@dataclass(eq=False, repr=False)
 class WarmModels:
     """The LRU of built models, bounded by ``max_items`` and ``max_bytes`` of tensors: plain
     bookkeeping (no threads, no event loop), shared by the server's :class:`ModelCache` and a
     cluster worker's cache (:mod:`pyhf_gpu_server.cluster.plugin`)."""
 
-    def __init__(self, max_items: int, max_bytes: int) -> None:
-        self.max_items = max_items
-        self.max_bytes = max_bytes
-        self.entries: OrderedDict[Hashable, CacheEntry] = OrderedDict()
+    max_items: int
+    max_bytes: int
+    entries: OrderedDict[Hashable, CacheEntry] = field(init=False, default_factory=OrderedDict)
 
     def lookup(self, key: Hashable) -> CacheEntry | None:
         """The warm entry of ``key`` (counted as a hit, now the most recently used), or None."""

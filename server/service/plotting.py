@@ -266,16 +266,9 @@ def from_query(query: Mapping[str, list[str]]) -> tuple[dict[str, list[str]], Pl
 WorkspaceLookup = Callable[[str], "dict[str, Any] | None"]
 
 
-def _first_tested(result: Mapping[str, Any]) -> str | None:
-    """The first patch of a patchset answer that answered a result (not an error)."""
-    return next(
-        (
-            name
-            for name, entry in result.items()
-            if not (isinstance(entry, Mapping) and set(entry) == {"error"})
-        ),
-        None,
-    )
+def _is_error(entry: Any) -> bool:
+    """Whether a patchset answer's entry is a patch's error."""
+    return isinstance(entry, Mapping) and set(entry) == {"error"}
 
 
 def _one_patch(result: Any, patch: str | None) -> tuple[str, Any]:
@@ -284,7 +277,7 @@ def _one_patch(result: Any, patch: str | None) -> tuple[str, Any]:
     if not isinstance(result, Mapping) or not result:
         raise Unprocessable("the patchset answer has no patches")
     if patch is None:
-        patch = _first_tested(result)
+        patch = next((name for name, entry in result.items() if not _is_error(entry)), None)
         if patch is None:
             raise Unprocessable("no patch of this patchset answer has a result to plot")
     if patch not in result:
@@ -293,7 +286,7 @@ def _one_patch(result: Any, patch: str | None) -> tuple[str, Any]:
             f"plot option patch {patch!r} is not in the answer; its patches: {names}"
         )
     entry = result[patch]
-    if isinstance(entry, Mapping) and set(entry) == {"error"}:
+    if _is_error(entry):
         raise Unprocessable(f"patch {patch!r} answered an error, nothing to plot: {entry['error']}")
     return patch, entry
 

@@ -19,7 +19,6 @@ from typing import Any
 import numpy as np
 import orjson
 import pydantic
-import pyhf
 from pydantic import BaseModel
 
 from pyhf_gpu_server.engine import schema
@@ -30,7 +29,7 @@ from .elements import Background, Element, PatchSpec
 from .errors import BadRequest, Unprocessable, pydantic_detail
 from .operations import Operation
 from .schemas import ModelSelection
-from .workspace_store import WorkspaceStore, invalid_specification
+from .workspace_store import WorkspaceStore, check_schema
 
 
 # ---------------------------------------------------------------------------------------- parsing
@@ -376,20 +375,14 @@ def _patch_operations(patch: list[dict[str, Any]] | dict[str, Any], where: str) 
     operations = patch.get("patch") if isinstance(patch, dict) else patch
     if not isinstance(operations, list):
         raise Unprocessable(f"{where} is neither a JSON patch (a list) nor {{'patch': [...]}}")
-    try:
-        schema.validate(operations, "jsonpatch.json")
-    except pyhf.exceptions.InvalidSpecification as exc:
-        raise invalid_specification(exc, where) from None
+    check_schema(operations, "jsonpatch.json", where)
     return operations
 
 
 def _load_patchset(spec: dict[str, Any], workspace_digest: str) -> dict[str, list]:
     """The operations of each patch of a validated patchset made for this workspace
     (pyhf's schema and digest checks, as ``pyhf.PatchSet`` and its ``verify``)."""
-    try:
-        schema.validate(spec, "patchset.json")
-    except pyhf.exceptions.InvalidSpecification as exc:
-        raise invalid_specification(exc, "patchset") from None
+    check_schema(spec, "patchset.json", "patchset")
     expected = spec["metadata"]["digests"].get("sha256")
     if expected is not None and expected != workspace_digest:
         raise Unprocessable(

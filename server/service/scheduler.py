@@ -5,8 +5,8 @@ options), a context (the model and options the runner needs) and rows (hypothese
 dispatcher takes the oldest pending item, waits up to ``max_batch_delay`` for more rows with the
 same key (until ``max_batch_size`` rows are there, or none arrived for ``batch_gap``), and
 runs the rows as ONE call of the runner on the device thread (a single worker that owns the
-device). Each caller gets its own rows' results back. An item larger than ``max_batch_size`` runs in several chunks, with progress
-reported after each.
+device). Each caller gets its own rows' results back. An item larger than ``max_batch_size``
+runs in several chunks, with progress reported after each.
 
 Callers announce interactive work on its way: requests being read and checked, whose batch
 group is not known yet (:meth:`Scheduler.arriving`), then work being prepared
@@ -22,10 +22,10 @@ not delayed for batching), and jobs run in chunks sized by time: as many rows as
 ``job_chunk_s`` at the measured seconds per unit of row cost of their batch key (each item says
 what a row costs, e.g. the fits of a toy slice; a key not yet measured runs one row first, its
 time unknown until then), at least one row and at most ``max_batch_size``. So a large
-patchset or toy job (whose rows are slices of toys) delays an interactive request by at most one such chunk. Jobs are not
-starved by a steady stream of requests either: once the jobs lane has waited
-``JOB_SHARE_ROUNDS`` chunk lengths since it last ran, its next chunk goes before the
-interactive lane (jobs keep at least a fifth of a busy device).
+patchset or toy job (whose rows are slices of toys) delays an interactive request by at most
+one such chunk. Jobs are not starved by a steady stream of requests either: once the jobs
+lane has waited ``JOB_SHARE_ROUNDS`` chunk lengths since it last ran, its next chunk goes
+before the interactive lane (jobs keep at least a fifth of a busy device).
 
 A device out-of-memory error splits the batch in halves and retries; a single row that still
 does not fit fails with 503.
@@ -182,13 +182,12 @@ class Scheduler(Generic[WorkT, BatchT, RowT, ValueT]):
             task.cancel()
         if running:
             await asyncio.gather(*running, return_exceptions=True)
-        for batch in running.values():
-            for part in batch:
-                self._fail(part.item, Unavailable("the server is shutting down; retry shortly"))
+        items = [part.item for batch in running.values() for part in batch]
         for lane in LANES:
-            for item in self._lanes[lane]:
-                self._fail(item, Unavailable("the server is shutting down; retry shortly"))
+            items.extend(self._lanes[lane])
             self._lanes[lane].clear()
+        for item in items:
+            self._fail(item, Unavailable("the server is shutting down; retry shortly"))
         self._update_depth()
 
     def submit(
@@ -406,8 +405,8 @@ class Scheduler(Generic[WorkT, BatchT, RowT, ValueT]):
     def _spread(self, rows: int, room: int) -> int:
         """Rows per batch for items of ``rows`` rows in all, at most ``room``: ``room`` in
         process; with ``max_in_flight`` slots, rows that need several batches are cut into a
-        multiple of the slots, of equal size (217 rows, 64 a batch, 2 workers: 4 batches of 55, not 64+64+64+25,
-        whose last round would leave a worker idle)."""
+        multiple of the slots, of equal size (217 rows, 64 a batch, 2 workers: 4 batches of 55,
+        not 64+64+64+25, whose last round would leave a worker idle)."""
         slots = self.max_in_flight
         if slots <= 1 or rows <= room:
             return room

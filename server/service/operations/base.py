@@ -19,12 +19,14 @@ import pydantic
 from pydantic import BaseModel
 from torch import Tensor
 
+from pyhf_gpu_server import inference
 from pyhf_gpu_server.engine import HistFactoryModel
 from pyhf_gpu_server.engine.layout import ElementLayout
 from pyhf_gpu_server.execution import EngineRows
+from pyhf_gpu_server.inference.results import HypotestResults
 from pyhf_gpu_server.inference.toys import TOY_BLOCK
 
-from ..schemas import ModelSelection, PatchError, ResultFlag, result_flag
+from ..schemas import CalculatorOptions, ModelSelection, PatchError, ResultFlag, result_flag
 
 OptionsT = TypeVar("OptionsT", bound=BaseModel)
 
@@ -69,6 +71,20 @@ class RowStatus:
                 )
             )
         return found
+
+
+def hypotests(
+    model: HistFactoryModel,
+    poi: Tensor | float,
+    rows: EngineRows,
+    options: CalculatorOptions,
+    test_stat: str,
+) -> HypotestResults:
+    """``inference.hypotest`` of ``rows`` at ``poi``, with the calculator ``options``."""
+    calc = options.model_dump(include={"calctype", "ntoys", "seed"})  # pyhf's keywords
+    return inference.hypotest(
+        model, poi, rows.element, toys=rows.toys, options=rows.fit, test_stat=test_stat, **calc
+    )
 
 
 def qtilde_bound_flags(model: HistFactoryModel, element: Tensor) -> list[tuple[ResultFlag, ...]]:
@@ -140,10 +156,13 @@ class Operation(ABC, Generic[OptionsT]):
         self.response_model: Any = self._response_model()
 
     def _response_model(self) -> Any:
-        """One result, or ``{patch_name: result | error}`` for a patchset."""
-        result = self.result_model
+        """One result (or, with ``pois_field``, a list of them), or ``{patch_name: result |
+        error}`` for a patchset."""
         # a union built at run time from the class attribute: no static type
-        return result | dict[str, result | PatchError]  # type: ignore[valid-type]
+        result: Any = self.result_model
+        if self.pois_field is not None:
+            result = result | list[result]
+        return result | dict[str, result | PatchError]
 
     def options_of(self, request: BaseModel) -> OptionsT:
         """The options part of a validated request."""

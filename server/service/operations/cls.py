@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from pyhf_gpu_server import inference
 from pyhf_gpu_server.engine import HistFactoryModel
 from pyhf_gpu_server.inference.results import HypotestResults
 
-from ..schemas import ClsAnswer, ClsOptions, ClsResult, PatchError, ResultFlag
-from .base import EngineRows, Operation, RowResult, RowStatus, qtilde_bound_flags
+from ..schemas import ClsAnswer, ClsOptions, ClsResult, ResultFlag
+from .base import EngineRows, Operation, RowResult, RowStatus, hypotests, qtilde_bound_flags
 
 
 class Cls(Operation[ClsOptions]):
@@ -21,9 +19,6 @@ class Cls(Operation[ClsOptions]):
     result_model = ClsResult
     pois_field = "test_poi"
 
-    def _response_model(self) -> Any:
-        return ClsResult | list[ClsResult] | dict[str, ClsResult | list[ClsResult] | PatchError]
-
     def tested_values(self, options: ClsOptions) -> tuple[str, list[float]]:
         values = options.test_poi if isinstance(options.test_poi, list) else [options.test_poi]
         return "test_poi", values
@@ -34,17 +29,7 @@ class Cls(Operation[ClsOptions]):
     def run(
         self, model: HistFactoryModel, rows: EngineRows, options: ClsOptions
     ) -> list[RowResult]:
-        result = inference.hypotest(
-            model,
-            rows.poi,
-            element=rows.element,
-            options=rows.fit,
-            test_stat=options.test_stat,
-            calctype=options.calctype,
-            ntoys=options.ntoys,
-            seed=options.seed,
-            toys=rows.toys,
-        )
+        result = hypotests(model, rows.poi, rows, options, options.test_stat)
         statuses = RowStatus.of(result, len(rows))
         flags: list[tuple[ResultFlag, ...]] = [()] * len(rows)
         if options.test_stat == "qtilde":

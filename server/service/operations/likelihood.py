@@ -4,21 +4,10 @@ observed data, the background-only expectation or the Asimov data of a test stat
 What a likelihood front end (spey's ``BackendBase``: ``negative_loglikelihood``,
 ``minimize_negative_loglikelihood`` and their Asimov twins) asks of a model, answered for
 every (element, ``test_poi``) row in ONE batched engine call: the row's fit with the POI
-fixed at ``test_poi`` and the element's free fit (POI within ``poi_bounds``), on
-
-- ``data``: ``"observed"``, ``"apriori"`` (the background-only expectation: the nominal
-  yields of the samples the POI does not scale, summed per bin, with the nominal auxiliary
-  data: what spey-pyhf fits, its background-only workspace's samples summed) or a dataset
-  given as the element's main bins then its auxiliary data;
-- with ``asimov`` (``q``, ``qtilde`` or ``q0``), also on the Asimov dataset built from that
-  data as pyhf and spey build it: the expected data (auxiliary data included) at the
-  conditional fit to the data at POI 0 (``q0``: 1).
-
-A fixed POI value may lie outside the POI's bounds (an upper-limit search tests far values):
-the fixed fits widen the POI's bounds to it; the free fits bound the POI by ``poi_bounds``
-(default: the model's). With ``describe``, a row also says its model's parameters (names,
-init, bounds, fixed, POI index) and auxiliary-data constraints; with ``parameters``, the
-expected data and ``-2 log L`` of the data at that parameter point (no fit).
+fixed at ``test_poi`` and the element's free fit (POI within ``poi_bounds``), on ``data``
+and, with ``asimov``, on its Asimov dataset as pyhf and spey build it (the fields of
+:class:`LikelihoodOptions` say what each option means). A fixed POI value may lie outside the
+POI's bounds (an upper-limit search tests far values): the fixed fits widen them to it.
 
 Example:
     >>> op = Likelihood()
@@ -47,7 +36,7 @@ from pyhf_gpu_server.engine.layout import ElementLayout
 from pyhf_gpu_server.inference.mle import FitRequest, FitSpec, fit_requests, fit_rows
 from pyhf_gpu_server.inference.results import FitResults
 
-from ..schemas import MAX_POIS, FiniteFloat, PatchError, ResultMeta, _Declared, _Strict
+from ..schemas import MAX_POIS, FiniteFloat, ResultMeta, _Declared, _Strict
 from .base import EngineRows, Operation, RowResult, RowStatus
 
 ASIMOV_POI = {"q": 0.0, "qtilde": 0.0, "q0": 1.0}
@@ -200,13 +189,6 @@ class Likelihood(Operation[LikelihoodOptions]):
     result_model = LikelihoodResult
     pois_field = "test_poi"
 
-    def _response_model(self) -> Any:
-        return (
-            LikelihoodResult
-            | list[LikelihoodResult]
-            | dict[str, LikelihoodResult | list[LikelihoodResult] | PatchError]
-        )
-
     def row_cost(self, options: LikelihoodOptions) -> float:
         asimov = options.asimov is not None
         return (1.0 + options.free_fit) * (1.0 + asimov) + 2.0 * asimov
@@ -246,11 +228,16 @@ class Likelihood(Operation[LikelihoodOptions]):
             free_bounds[:, k, 0], free_bounds[:, k, 1] = options.poi_bounds
         requests: dict[str, FitRequest] = {}
 
+        def widened(of: Tensor, value: Tensor) -> Tensor:
+            """The bounds of the elements ``of``, the POI's widened to the fixed ``value``."""
+            bounds = model.bounds.index_select(0, of).clone()
+            bounds[:, k, 0] = torch.minimum(bounds[:, k, 0], value)
+            bounds[:, k, 1] = torch.maximum(bounds[:, k, 1], value)
+            return bounds
+
         def fixed_request(dataset: Tensor, start: Tensor, also_from: int | None = None):
-            """Rows with the POI fixed: its bounds widened to the tested value."""
-            bounds = model.bounds.index_select(0, element).clone()
-            bounds[:, k, 0] = torch.minimum(bounds[:, k, 0], poi)
-            bounds[:, k, 1] = torch.maximum(bounds[:, k, 1], poi)
+            """Rows with the POI fixed at the tested value."""
+            bounds = widened(element, poi)
             return FitRequest(dataset[index], element, poi, start[index], bounds, also_from)
 
         if options.free_fit:
@@ -258,11 +245,8 @@ class Likelihood(Operation[LikelihoodOptions]):
         requests["fixed_data"] = fixed_request(data, init)
         if options.asimov is not None:
             mu = torch.full_like(nan, ASIMOV_POI[options.asimov])
-            bounds = model.bounds.index_select(0, elements).clone()
-            bounds[:, k, 0] = torch.minimum(bounds[:, k, 0], mu)
-            bounds[:, k, 1] = torch.maximum(bounds[:, k, 1], mu)
             asimov_fit = fit_rows(
-                model, data, elements, mu, init=init, bounds=bounds, options=rows.fit
+                model, data, elements, mu, init=init, bounds=widened(elements, mu), options=rows.fit
             )
             asimov = model.expected_data(asimov_fit.bestfit, elements)
             if options.free_fit:

@@ -7,7 +7,7 @@ from pyhf_gpu_server.engine import HistFactoryModel
 from pyhf_gpu_server.inference.results import SignificanceResults
 
 from ..schemas import SignificanceAnswer, SignificanceOptions, SignificanceResult
-from .base import EngineRows, Operation, RowResult, RowStatus
+from .base import EngineRows, Operation, RowResult, RowStatus, hypotests
 
 
 class Significance(Operation[SignificanceOptions]):
@@ -21,17 +21,7 @@ class Significance(Operation[SignificanceOptions]):
     def run(
         self, model: HistFactoryModel, rows: EngineRows, options: SignificanceOptions
     ) -> list[RowResult]:
-        tests = inference.hypotest(
-            model,
-            0.0,
-            rows.element,
-            test_stat="q0",
-            options=rows.fit,
-            calctype=options.calctype,
-            ntoys=options.ntoys,
-            seed=options.seed,
-            toys=rows.toys,
-        )
+        tests = hypotests(model, 0.0, rows, options, "q0")
         result = inference.significance_of(tests)
         statuses = RowStatus.of(result, len(rows))
         return [

@@ -50,8 +50,8 @@ async def readyz(state: StateDep) -> JSONResponse:
     return JSONResponse(body, status_code=503 if problems else 200)
 
 
-def _version(package: str) -> str | None:
-    """An installed package's version."""
+def package_version(package: str) -> str | None:
+    """An installed package's version (``None``: not installed)."""
     try:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
@@ -76,10 +76,10 @@ async def info(state: StateDep) -> dict[str, Any]:
         "dtype": settings.dtype,
         "compile": state.compiler is not None,
         "versions": {
-            "pyhf-gpu": _version("pyhf-gpu"),
-            "torch": _version("torch"),
-            "pyhf": _version("pyhf"),
-            "fastapi": _version("fastapi"),
+            "pyhf-gpu": package_version("pyhf-gpu"),
+            "torch": package_version("torch"),
+            "pyhf": package_version("pyhf"),
+            "fastapi": package_version("fastapi"),
             "python": sys.version.split()[0],
             "cuda": torch.version.cuda,
         },

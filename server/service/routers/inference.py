@@ -32,14 +32,13 @@ from ..errors import RequestTimeout, Unprocessable
 from ..jobrunner import ProgressRelay
 from ..operations import OPERATIONS, Operation
 from ..requests import Plan, envelope_from, parse_json, plan_request
-from ..schemas import BODY_ERRORS, JobAccepted, error_responses
+from ..schemas import BODY_ERRORS, JobAccepted, JobStatus, error_responses
 from ..state import ServiceState
 
 router = APIRouter(tags=["inference"])
 DISCONNECT_POLL_S = 0.25
-# Bodies up to this size are parsed and planned on the event loop (a 20 kB signal patch: ~0.3
-# ms, less than the hop to a worker thread and back, which a burst of requests makes wait
-# for the GIL in turn); larger ones (workspaces, patchsets) in a worker thread.
+# Bodies up to this size are parsed and planned on the event loop (a signal patch: quicker than
+# the hop to a worker thread and back); larger ones (workspaces, patchsets) in a worker thread.
 INLINE_PLAN_BYTES = 64 * 1024
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request its client abandoned (never sent)
 
@@ -187,10 +186,16 @@ async def _adopted(
     )
     if job_id is None:
         return None
+    return job_accepted(job_id, "running", {"Preference-Applied": "respond-async"})
+
+
+def job_accepted(
+    job_id: str, status: JobStatus, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    """The 202 of a job: its id, status and URL (also its ``Location``), and ``headers``."""
     url = f"/jobs/{job_id}"
-    headers = {"Location": url, "Preference-Applied": "respond-async"}
-    body = JobAccepted(id=job_id, status="running", url=url).model_dump()
-    return JSONResponse(body, status_code=202, headers=headers)
+    body = JobAccepted(id=job_id, status=status, url=url).model_dump()
+    return JSONResponse(body, status_code=202, headers={"Location": url, **(headers or {})})
 
 
 def _endpoint(operation: Operation):

@@ -25,7 +25,7 @@ from ..operations import OPERATIONS, JobList, JobView
 from ..requests import parse_json
 from ..schemas import BODY_ERRORS, JobAccepted, JobStatus, error_responses
 from ..state import ServiceState
-from .inference import image_unless_gone
+from .inference import image_unless_gone, job_accepted
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 
@@ -85,10 +85,7 @@ async def submit_job(request: Request, state: StateDep, caller: CallerDep) -> JS
     body = await request.body()
     document = await run_in_threadpool(parse_json, body, state.settings.max_json_depth)
     job_id = await state.jobs.submit(document, caller, state.settings.max_jobs_per_caller)
-    url = f"/jobs/{job_id}"
-    return JSONResponse(
-        {"id": job_id, "status": "queued", "url": url}, status_code=202, headers={"Location": url}
-    )
+    return job_accepted(job_id, "queued")
 
 
 @router.get(
