@@ -216,7 +216,7 @@ class StackLayout:
         absent = ~present
         init[absent] = init[owner, np.arange(self.n_pars)][np.nonzero(absent)[1]]
         bounds[absent] = bounds[owner, np.arange(self.n_pars)][np.nonzero(absent)[1]]
-        self.par_present, self.init, self.bounds, self.fixed = present, init, bounds, fixed
+        self.init, self.bounds, self.fixed = init, bounds, fixed
         histosys: dict[int, None] = {}
         for element, columns in zip(self.elements, self.columns, strict=True):
             histosys.update(dict.fromkeys(columns[element.histosys_params].tolist()))

@@ -99,7 +99,6 @@ class Constraints:
     sets: dict[str, list[tuple[float, float] | None]]
     poi: str | None
     fixed: set[str]
-    guessed: bool = False
 
 
 def workspace_constraints(kind: str, workspace: Any, measurement: str | None = None) -> Constraints:
