@@ -2,11 +2,11 @@
 
 Every public method is written once in :class:`ClientBase` as a function that builds a
 sans-IO flow (see :mod:`pyhf_gpu_client.protocol`). The :func:`_api` descriptor turns it into
-a method that hands the flow to the instance's driver: ``Client._run`` (blocking, httpx),
-``AsyncClient._run`` (a coroutine, httpx) or ``StdlibClient._run`` (blocking, the standard
-library's ``http.client``: the command line's, which so does not import httpx). So
-``Client().cls(ws)`` returns a result and ``await AsyncClient().cls(ws)`` returns the same
-result.
+a method that hands the flow to the instance's driver, ``_run``: blocking, sending with the
+subclass's ``_send`` (``Client``: httpx; ``StdlibClient``: the standard library's
+``http.client``, the command line's, which so does not import httpx), or ``AsyncClient``'s,
+a coroutine (httpx). So ``Client().cls(ws)`` returns a result and
+``await AsyncClient().cls(ws)`` returns the same result.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def _body(operation: str, args: dict[str, Any], *skip: str, **given: Any) -> dic
 
 
 class ClientBase:
-    """Configuration, state and the API; subclasses provide ``_run`` (the I/O)."""
+    """Configuration, state and the API; subclasses provide ``_send`` or ``_run`` (the I/O)."""
 
     def __init__(
         self,
@@ -134,11 +134,11 @@ class ClientBase:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.config.server!r})"
 
-    def _run(self, flow: p.Flow[T]) -> Any:  # pragma: no cover - provided by subclasses
+    def _send(self, request: p.Request) -> Any:  # pragma: no cover - provided by subclasses
         raise NotImplementedError
 
-    def _drive(self, flow: p.Flow[T], send: Callable[[p.Request], Any]) -> T:
-        """Drive a flow, blocking: send its requests with ``send`` (which raises the client's
+    def _run(self, flow: p.Flow[T]) -> Any:
+        """Drive a flow, blocking: send its requests with ``_send`` (which raises the client's
         :class:`~pyhf_gpu_client.exceptions.TransportError`), sleep its sleeps, return its
         value."""
         outcome: Any = None
@@ -152,7 +152,7 @@ class ClientBase:
                 time.sleep(command.seconds)
                 continue
             try:
-                outcome = send(command)
+                outcome = self._send(command)
             except TransportError as exc:
                 error = exc
 
@@ -376,8 +376,8 @@ class ClientBase:
 
         Returns ``{patch_name: result}``.
         """
-        flow = self._operation(operation, locals())
-        return cast("p.Flow[dict[str, Any]]", flow)  # a patchset's answer: {patch: result}
+        # a patchset's answer: {patch: result}
+        return cast("p.Flow[dict[str, Any]]", self._operation(operation, locals()))
 
     @_api
     def submit(

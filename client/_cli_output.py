@@ -9,7 +9,7 @@ import io
 import json
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from typing import IO, Any
 
 import click
@@ -111,10 +111,9 @@ def format_yields_csv(result: Any) -> str:
     :meth:`YieldsResult.rows` (a first ``patch`` column for a patchset's results)."""
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
-    parts = _by_patch(result)
     patched = not isinstance(result, YieldsResult)
     writer.writerow((("patch",) if patched else ()) + YieldsResult.COLUMNS)
-    for patch, yields in parts:
+    for patch, yields in _by_patch(result):
         for row in yields.rows():
             values = ["" if v is None else v for v in row.values()]
             writer.writerow(([patch] if patched else []) + values)
@@ -199,11 +198,8 @@ def output(result: Any, kwargs: dict[str, Any]) -> None:
 
 
 def wait(client: ClientBase, job_id: str, timeout: float | None) -> Job:
-    progress = Progress()
-    try:
+    with closing(Progress()) as progress:
         return client.wait(job_id, timeout=timeout, on_update=progress)
-    finally:
-        progress.close()
 
 
 def job_json(job: Job) -> dict[str, Any]:

@@ -75,10 +75,6 @@ class Client(ClientBase):
         super().__init__(server, **kwargs)
         self._http = httpx.Client(**_httpx_options(self, transport))
 
-    def _run(self, flow: p.Flow[T]) -> T:
-        """Drive a flow: send its requests, sleep its sleeps, return its value."""
-        return self._drive(flow, self._send)
-
     def _send(self, request: p.Request) -> httpx.Response:
         try:
             return self._http.request(**self.config.httpx_arguments(request))
@@ -132,7 +128,7 @@ class AsyncClient(ClientBase):
         self._http = httpx.AsyncClient(**_httpx_options(self, transport))
 
     async def _run(self, flow: p.Flow[T]) -> T:
-        """Drive a flow with ``await``: the async twin of :meth:`Client._run` (I/O only)."""
+        """Drive a flow with ``await``: the async twin of :meth:`ClientBase._run` (I/O only)."""
         outcome: Any = None
         error: TransportError | None = None
         while True:

@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import gzip
 import http.client
-from typing import Any, TypeVar
+from typing import Any
 from urllib.parse import urlencode, urlsplit
 
 from . import protocol as p
 from ._base import ClientBase
 
 __all__ = ["StdlibClient"]
-
-T = TypeVar("T")
 
 #: failures of a kept-alive connection that the server closed meanwhile (sent again once)
 _STALE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError)
@@ -40,10 +38,6 @@ class StdlibClient(ClientBase):
         self._host, self._port = url.hostname or "127.0.0.1", url.port or 80
         self._prefix = url.path.rstrip("/")
         self._connection: http.client.HTTPConnection | None = None
-
-    def _run(self, flow: p.Flow[T]) -> T:
-        """Drive a flow: send its requests, sleep its sleeps, return its value."""
-        return self._drive(flow, self._send)
 
     def _send(self, request: p.Request) -> p.Response:
         headers, body = self.config.encode(request)

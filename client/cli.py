@@ -55,12 +55,7 @@ def _client(ctx: click.Context, progress: out.Progress | None = None) -> StdlibC
     reports a computation that the server made a job (after the client's ``job_after``)."""
     opts = ctx.meta.get(_META, {})
     kwargs: dict[str, Any] = {"on_job_update": progress}
-    if "timeout" in opts:
-        kwargs["timeout"] = opts["timeout"]
-    if "retries" in opts:
-        kwargs["retries"] = opts["retries"]
-    if "job_after" in opts:
-        kwargs["job_after"] = opts["job_after"]
+    kwargs.update({k: opts[k] for k in ("timeout", "retries", "job_after") if k in opts})
     server = opts.get("server") or os.environ.get(ENV_SERVER) or DEFAULT_SERVER
     if ClientConfig(server=server).plain_http():
         return StdlibClient(server, token=opts.get("token"), **kwargs)
@@ -236,11 +231,10 @@ def jobs_wait(
 def jobs_list(status: str | None) -> None:
     """List the server's jobs as JSON (id, operation, status, progress)."""
     with _connected() as client:
-        listed = client.jobs(status)
         out.emit(
             [
                 {"id": j.id, "operation": j.operation, "status": j.status, "progress": j.progress}
-                for j in listed
+                for j in client.jobs(status)
             ],
             None,
         )

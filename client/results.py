@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import math
 import types
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import (
     Any,
@@ -58,8 +58,6 @@ __all__ = [
 
 #: operation name (as in ``POST /jobs``) -> endpoint path
 OPERATIONS: dict[str, str] = {name: "/" + name for name in tables.OPERATION_NAMES}
-
-_META_KEYS = ("meta",)
 
 
 class ResultFlag(TypedDict):
@@ -111,7 +109,7 @@ def _floats(values: Any) -> list[float]:
 def _extra(data: Mapping[str, Any], cls: type, *renamed: str) -> dict[str, Any]:
     """The keys of ``data`` that are none of ``cls``'s fields (nor ``renamed``, the keys of
     fields named otherwise) nor ``meta``."""
-    known = {f.name for f in dataclasses.fields(cls)}.union(renamed, _META_KEYS)
+    known = {f.name for f in dataclasses.fields(cls)}.union(renamed, ("meta",))
     return {k: v for k, v in data.items() if k not in known}
 
 
@@ -874,25 +872,29 @@ def flagged(result: Any) -> list[Flag]:
     [Flag(kind='poi_at_bound', line="patch 'p1': the POI is on its bound 0")]
     """
     found: list[Flag] = []
-
-    def visit(item: Any, where: list[str]) -> None:
-        if isinstance(item, list):
-            for entry in item:
-                visit(entry, where)
-        elif isinstance(item, Mapping):
-            for name, entry in item.items():
-                visit(entry, [*where, f"patch {name!r}"])
-        else:
-            meta = getattr(item, "meta", None) or {}
-            place = list(where)
-            if meta.get("test_poi") is not None:
-                place.append(f"test_poi {meta['test_poi']}")
-            label = ", ".join(place) or "the result"
-            for kind, detail in _meta_flags(meta):
-                found.append(Flag(kind, f"{label}: {detail}"))
-
-    visit(result, [])
+    for meta, patches in result_metas(result):
+        place = [f"patch {name!r}" for name in patches]
+        if meta.get("test_poi") is not None:
+            place.append(f"test_poi {meta['test_poi']}")
+        label = ", ".join(place) or "the result"
+        for kind, detail in _meta_flags(meta):
+            found.append(Flag(kind, f"{label}: {detail}"))
     return found
+
+
+def result_metas(
+    result: Any, patches: tuple[Any, ...] = ()
+) -> Iterator[tuple[Any, tuple[Any, ...]]]:
+    """The ``meta`` (``{}`` if none) of each result in a parsed result (one, a list or a
+    ``{patch: ...}`` dict), with the patch names on its way there."""
+    if isinstance(result, list):
+        for entry in result:
+            yield from result_metas(entry, patches)
+    elif isinstance(result, Mapping):
+        for name, entry in result.items():
+            yield from result_metas(entry, (*patches, name))
+    else:
+        yield getattr(result, "meta", None) or {}, patches
 
 
 def doubtful(result: Any) -> list[str]:

@@ -45,6 +45,7 @@ from spey.hypothesis_testing.asymptotic_calculator import compute_asymptotic_con
 from spey.hypothesis_testing.test_statistics import compute_teststatistics
 from spey.system.exceptions import AsimovTestStatZero
 
+from . import __version__
 from .exceptions import BadRequestError
 from .results import PatchError
 from .workspace import JSONSource, WorkspaceId, digest, load_json
@@ -56,15 +57,6 @@ MODIFIER_SETTINGS = {"normsys": {"interpcode": "code4"}, "histosys": {"interpcod
 #: spey's default POI upper bound (``BackendBase.config``), spey-pyhf's too
 POI_UPPER_BOUND = 10.0
 _CLIENTS: dict[tuple[str | None, str | None], Any] = {}
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("pyhf-gpu")
-    except PackageNotFoundError:  # pragma: no cover - running from a source tree
-        return "0.0.0"
 
 
 def shared_client(server: str | None = None, token: str | None = None) -> Any:
@@ -161,7 +153,7 @@ class PyhfGpuBackend(BackendBase):
     """
 
     name: str = "pyhf-gpu"
-    version: str = _version()
+    version: str = __version__
     author: str = "pyhf-gpu"
     spey_requires: str = ">=0.2.7,<0.3.0"
     doi: ClassVar[list[str]] = []

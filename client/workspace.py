@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import IO, Any, Union
 
 from .exceptions import WorkspaceError
+from .results import result_metas
 
 __all__ = [
     "JSONFile",
@@ -213,15 +214,8 @@ def _parse(text: str | bytes, what: str, name: str) -> Any:
 
 def load_patches(patches: Sequence[JSONSource] | None) -> list[Any]:
     """Load a list of jsonpatches (each a list of operations, or a path to one)."""
-    if not patches:
-        return []
-    out = []
-    for patch in patches:
-        if isinstance(patch, list):  # sent as it is: the encoder converts what is not JSON
-            out.append(patch)
-        else:
-            out.append(load_json(patch, "patch"))
-    return out
+    # a list is sent as it is: the encoder converts what is not JSON
+    return [p if isinstance(p, list) else load_json(p, "patch") for p in patches or ()]
 
 
 def observation_notices(result: Any) -> list[str]:
@@ -238,22 +232,11 @@ def observation_notices(result: Any) -> list[str]:
     ["observations[1] names channel 'VR', ... (in 2 patches)"]
     """
     found: dict[str, list[str]] = {}
-
-    def visit(item: Any, patch: str | None) -> None:
-        if isinstance(item, list):
-            for entry in item:
-                visit(entry, patch)
-        elif isinstance(item, Mapping):
-            for name, entry in item.items():
-                visit(entry, str(name))
-        else:
-            meta = getattr(item, "meta", None) or {}
-            for notice in meta.get("ignored_observations") or ():
-                patches = found.setdefault(notice, [])
-                if patch is not None and patch not in patches:
-                    patches.append(patch)
-
-    visit(result, None)
+    for meta, names in result_metas(result):
+        for notice in meta.get("ignored_observations") or ():
+            patches = found.setdefault(notice, [])
+            if names and str(names[-1]) not in patches:
+                patches.append(str(names[-1]))
     return [
         notice
         + (f" (in patch {patches[0]!r})" if len(patches) == 1 else "")

@@ -187,9 +187,7 @@ def _minimize(
         parts.append(
             minimize(objective, init_, bounds_, fixed_, options.minimize, options.stop, follows)
         )
-    if len(parts) == 1:
-        return parts[0]
-    return MinimizeResult(*(torch.cat(c) for c in zip(*map(_columns, parts), strict=True)))
+    return parts[0] if len(parts) == 1 else _joined(*parts)
 
 
 def _minimize_after(
@@ -240,8 +238,7 @@ def _global_minima(
     B = first.x.shape[0]
     kinked = model.kinked_params
     if options.starts is None or not kinked.numel():
-        ones = torch.ones(B, dtype=torch.long, device=first.x.device)
-        return first, FitStatus(first.converged, ones, torch.ones_like(first.converged))
+        return first, FitStatus.one_start(first.converged)
     starts = extra_starts(first.x, bounds, fixed, kinked, options.starts)  # [B, S, P]
     S = starts.shape[1]
     rows = torch.arange(B, device=first.x.device)
@@ -255,22 +252,24 @@ def _global_minima(
         fixed.index_select(0, row),
         options,
     )
-    tried = _per_row(
+    tried = _joined(
         map_tensors(first, lambda t: t.unsqueeze(1)),
         map_tensors(extra, lambda t: t.unflatten(0, (B, S))),
+        dim=1,
     )
     lowest = torch.where(torch.isfinite(tried.fun), tried.fun, torch.inf).argmin(1)
     seed = tried.x.flatten(0, 1).index_select(0, rows * (S + 1) + lowest)
     settled, K = _settle_kinks(model, data, element, bounds, fixed, seed, options)
-    tried = _per_row(tried, map_tensors(settled, lambda t: t.unflatten(0, (B, K))))
+    tried = _joined(tried, map_tensors(settled, lambda t: t.unflatten(0, (B, K))), dim=1)
     best, status = best_of_starts(tried.fun, tried.converged, options.starts.agree_twice_nll)
     flat = rows * (S + 1 + K) + best
     return map_tensors(tried, lambda t: t.flatten(0, 1).index_select(0, flat)), status
 
 
-def _per_row(*parts: MinimizeResult) -> MinimizeResult:
-    """Results shaped ``[B, k, ...]`` side by side: ``[B, sum k, ...]`` (a row's candidates)."""
-    return MinimizeResult(*(torch.cat(c, dim=1) for c in zip(*map(_columns, parts), strict=True)))
+def _joined(*parts: MinimizeResult, dim: int = 0) -> MinimizeResult:
+    """``parts`` concatenated along ``dim``: their rows one after another (0), or results
+    shaped ``[B, k, ...]`` side by side, ``[B, sum k, ...]`` (1: a row's candidates)."""
+    return MinimizeResult(*(torch.cat(c, dim) for c in zip(*map(_columns, parts), strict=True)))
 
 
 def _settle_kinks(

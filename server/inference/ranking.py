@@ -399,8 +399,7 @@ def _conditional_fits(
         shrink=shrink,
     )
     F = x.shape[0]
-    ones = torch.ones(F, dtype=torch.long, device=x.device)
-    status = FitStatus(settled, ones, torch.ones_like(settled))
+    status = FitStatus.one_start(settled)
     special_starts = model.kinked_params.numel() > 0 or model.has_symmetric_params
     everyone = not shrink or (options.starts is not None and special_starts)
     rest = torch.arange(F, device=x.device) if everyone else settled.logical_not().nonzero()
@@ -416,12 +415,7 @@ def _conditional_fits(
             options=options,
         )
         x = x.index_copy(0, rest, fits.bestfit)
-        status = FitStatus(
-            *(
-                whole.index_copy(0, rest, part)
-                for whole, part in zip(status, fits.status, strict=True)
-            )
-        )
+        status = status.index_copy(rest, fits.status)
     return x, status
 
 

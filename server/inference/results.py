@@ -198,8 +198,7 @@ class HypotestResults:
     def status(self) -> FitStatus:
         """Every fit behind each row, combined (:meth:`FitStatus.combine`)."""
         if not self.fits:
-            ones = torch.ones_like(self.cls_obs, dtype=torch.bool)
-            return FitStatus(ones, torch.ones_like(self.cls_obs, dtype=torch.long), ones)
+            return FitStatus.one_start(torch.ones_like(self.cls_obs, dtype=torch.bool))
         return FitStatus.combine(list(self.fits.values()))
 
     @property

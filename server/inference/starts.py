@@ -114,6 +114,13 @@ class FitStatus(NamedTuple):
     agreed: Tensor
 
     @classmethod
+    def one_start(cls, converged: Tensor) -> FitStatus:
+        """The status of rows fitted from one start each (which agrees with itself)."""
+        return cls(
+            converged, torch.ones_like(converged, dtype=torch.long), torch.ones_like(converged)
+        )
+
+    @classmethod
     def combine(cls, statuses: list[FitStatus]) -> FitStatus:
         """The status of rows that ran several fits: all converged, the most starts any of
         them ran, all agreed."""
@@ -145,6 +152,12 @@ class FitStatus(NamedTuple):
         starts = torch.zeros(rows, dtype=self.starts.dtype, device=segment.device)
         starts = starts.scatter_reduce(0, segment, self.starts, "amax", include_self=False)
         return FitStatus(failed == 0, starts, disagreed == 0)
+
+    def index_copy(self, rows: Tensor, status: FitStatus) -> FitStatus:
+        """These rows with rows ``rows`` replaced by ``status``'s, in order."""
+        return FitStatus(
+            *(whole.index_copy(0, rows, part) for whole, part in zip(self, status, strict=True))
+        )
 
     def grouped(self, groups: int) -> FitStatus:
         """``groups`` rows from consecutive equal blocks of these rows, each combined."""

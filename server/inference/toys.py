@@ -318,11 +318,11 @@ class ToyCalculator:
         toys = self._draw(signal_pars, bkg_pars, element, slices)
         # rows (row, hypothesis) of the toys: [signal of row 0, background of row 0, ...]
         sizes = [toy_slice.ntoys for toy_slice in slices for _ in range(2)]
-        counts = torch.tensor(sizes, device=mu.device)
-        toy_element = element.repeat_interleave(2 * counts[0::2])
-        toy_mu = tested.repeat_interleave(2 * counts[0::2])
+        per_row = [2 * toy_slice.ntoys for toy_slice in slices]
+        repeats = torch.tensor(per_row, device=mu.device)
+        toy_element = element.repeat_interleave(repeats)
+        toy_mu = tested.repeat_interleave(repeats)
         stats, toys_status = self._toy_statistics(toys, toy_element, toy_mu)
-        per_row = [sum(sizes[2 * r : 2 * r + 2]) for r in range(len(slices))]
         fits = {**observed_fits, "toys": FitStatus.combine_segments(toys_status, per_row)}
         pieces = stats.split(sizes)
         return ToyStats(observed, list(pieces[0::2]), list(pieces[1::2]), fits)
@@ -378,9 +378,7 @@ class ToyCalculator:
                 self.spec,
             )[0]
             fixed_deviance = fixed_deviance.index_copy(0, rows, fixed.deviance)
-            fixed_status = FitStatus(
-                *(a.index_copy(0, rows, b) for a, b in zip(free.status, fixed.status, strict=True))
-            )
+            fixed_status = free.status.index_copy(rows, fixed.status)
         stats = self.stat.from_deviances(tested, muhat, fixed_deviance, free.deviance)
         return stats, FitStatus.combine([free.status, fixed_status])
 

@@ -13,6 +13,7 @@ them for the page to choose from.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Sequence
 
 #: a label of the patchset's metadata that names a mass (``m_sbottom``, ``m(N1)``)
@@ -64,10 +65,7 @@ def ranked_slices(
 ) -> list[tuple[tuple[float, ...], int]]:
     """Each slice's key (:func:`slice_key`) and point count, the most populated first (ties:
     the lowest values first)."""
-    counts: dict[tuple[float, ...], int] = {}
-    for point in points:
-        key = slice_key(point, axes)
-        counts[key] = counts.get(key, 0) + 1
+    counts = Counter(slice_key(point, axes) for point in points)
     return sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
 
 

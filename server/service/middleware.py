@@ -139,17 +139,15 @@ class TokenAuthMiddleware:
             return
         state = scope.setdefault("state", {})
         state["caller"] = None
-        if self.callers is None or self._is_open(scope["path"]):
-            await self.app(scope, receive, send)
-            return
-        try:
-            state["caller"] = authenticate(
-                Headers(scope=scope).get("authorization", ""), self.callers
-            )
-        except Unauthorized as problem:
-            headers = {**problem.headers, "Connection": "close"}
-            await _reject(401, problem.detail, headers)(scope, receive, send)
-            return
+        if self.callers is not None and not self._is_open(scope["path"]):
+            try:
+                state["caller"] = authenticate(
+                    Headers(scope=scope).get("authorization", ""), self.callers
+                )
+            except Unauthorized as problem:
+                headers = {**problem.headers, "Connection": "close"}
+                await _reject(401, problem.detail, headers)(scope, receive, send)
+                return
         await self.app(scope, receive, send)
 
     def _is_open(self, path: str) -> bool:

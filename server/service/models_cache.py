@@ -141,15 +141,13 @@ class ModelCache:
     async def get(self, key: Hashable, build: Callable[[], Any]) -> CachedModel:
         """The model for ``key``, built with ``build()`` on the build thread on a miss."""
         entry = self.warm.lookup(key)
-        if entry is not None:
-            self._metrics.cache_hits.inc()
-            return CachedModel(entry.model, model_id(key), True, 0.0)
         pending = self._building.get(key)
-        if pending is not None:
+        if entry is None and pending is not None:
             entry = await asyncio.shield(pending)
-            self._metrics.cache_hits.inc()
-            return CachedModel(entry.model, model_id(key), True, 0.0)
-        return await self._build(key, build)
+        if entry is None:
+            return await self._build(key, build)
+        self._metrics.cache_hits.inc()
+        return CachedModel(entry.model, model_id(key), True, 0.0)
 
     async def _build(self, key: Hashable, build: Callable[[], Any]) -> CachedModel:
         """Build on the build thread; others asking meanwhile share the result."""

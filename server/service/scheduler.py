@@ -385,11 +385,9 @@ class Scheduler(Generic[WorkT, BatchT, RowT, ValueT]):
         if items:
             per_batch = room if budget == math.inf else int(budget // items[0].row_cost)
             room = self._spread(sum(len(i.rows) for i in items), min(room, max(per_batch, 1)))
-        for item in self._lanes[lane]:
+        for item in items:
             if room == 0:
                 break
-            if item.key != key or item.finished or item.remaining == 0:
-                continue
             affordable = item.remaining if budget == math.inf else int(budget // item.row_cost)
             count = min(room, item.remaining, max(affordable, 0 if batch else 1))
             if count == 0:
