@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, overload
 
 import torch
 from torch import Tensor
@@ -272,6 +272,28 @@ class RatesCurvature(NamedTuple):
     shared: Tensor  # [B, K, K] over the shared parameters
     cross: Tensor  # [B, N, G, K] per bin and slot, against the shared parameters
     per_bin: Tensor  # [B, N, G, G] per bin, among its slots
+
+
+@overload
+def expected_main_jacobian(
+    pars: Tensor,
+    element: Tensor,
+    main: MainTensors,
+    histosys_code: str,
+    normsys_code: str,
+    columns: None = None,
+) -> tuple[Tensor, Tensor]: ...
+
+
+@overload
+def expected_main_jacobian(
+    pars: Tensor,
+    element: Tensor,
+    main: MainTensors,
+    histosys_code: str,
+    normsys_code: str,
+    columns: JacobianColumns,
+) -> tuple[Tensor, Tensor, Tensor]: ...
 
 
 def expected_main_jacobian(

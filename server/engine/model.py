@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, Protocol, overload
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, Protocol, TypeVar, overload
 
 import numpy as np
 import pyhf
@@ -61,6 +61,9 @@ from .layout import ElementLayout
 from .sparsity import BinBlocks, bin_parameters, slot_positions
 from .stacking import StackLayout
 from .translate import WorkspaceTranslator
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 if TYPE_CHECKING:
     from .compiled import KernelCache, MainKernel
@@ -302,9 +305,17 @@ class HistFactoryModel:
             return main
         return torch.cat([main, expected_aux(pars, element, self.constraint)], dim=1)
 
-    def _kernel(self, kernel: Callable[..., Any], pars: Tensor, element: Tensor, *args: Any) -> Any:
+    def _kernel(
+        self,
+        kernel: Callable[Concatenate[Tensor, Tensor, MainTensors, str, str, _P], _R],
+        pars: Tensor,
+        element: Tensor,
+        *args: _P.args,
+        **kwargs: _P.kwargs,
+    ) -> _R:
         """``kernel`` (of :mod:`.kernel`, or compiled) on the model's main tensors and codes."""
-        return kernel(pars, element, self.main, self.histosys_code, self.normsys_code, *args)
+        main, histosys, normsys = self.main, self.histosys_code, self.normsys_code
+        return kernel(pars, element, main, histosys, normsys, *args, **kwargs)
 
     def _main_rates(self, pars: Tensor, element: Tensor, rates: Tensor | None) -> Tensor:
         return self._kernel(self._expected_main, pars, element) if rates is None else rates
