@@ -36,7 +36,7 @@ from pyhf_gpu_client.protocol import warn_if_doubtful
 from pyhf_gpu_client.results import CLsResult, UpperLimitResult, flagged
 from pyhf_gpu_server.engine import HistFactoryModel
 from pyhf_gpu_server.inference import ranking, scan, upper_limit
-from pyhf_gpu_server.service.operations.ranking import ranking_answer, ranking_flags
+from pyhf_gpu_server.service.operations.ranking import ranking_answer, ranking_flag
 from pyhf_gpu_server.service.operations.scan import scan_flags
 from pyhf_gpu_server.service.operations.upper_limit import CURVES, limit_flags
 from pyhf_gpu_server.service.schemas import FLAG_KINDS, FlagKind, ResultMeta
@@ -153,7 +153,10 @@ def test_ranking_and_scan_flag_the_poi_on_its_bound() -> None:
         model = HistFactoryModel.from_workspace(ws)
         ranked = ranking(model)
         row = ranking_answer(ranked).model_dump()
-        (flags,) = ranking_flags(ranked)
+        flags = ranking_flag(
+            "mu",
+            *(float(ranked.poi_bound[0]), int(ranked.refits_at_bound[0]), int(ranked.refits[0])),
+        )
         profile = scan(model, "mu", steps=5)
         (scan_said,) = scan_flags(profile.poi_bound, "mu", 1)
         nuisance = scan(model, "uncorr_bkguncrt[0]", steps=5)

@@ -30,13 +30,16 @@ from pyhf_gpu_server.inference.toys import ToySlice
 # ------------------------------------------------------------------ what the service brings
 class CallRow(Protocol):
     """One row of a call (the service's ``requests.Row``): its element (patch digest), tested
-    POI value, and for a toy-based test the toys it draws."""
+    POI value, its part of the hypothesis' work, and for a toy-based test the toys it draws."""
 
     @property
     def element(self) -> str: ...
 
     @property
     def poi(self) -> float | None: ...
+
+    @property
+    def part(self) -> tuple[int, int] | None: ...
 
     def toy_slice(self) -> ToySlice: ...
 
@@ -115,6 +118,7 @@ class EngineRows:
     columns: list[list[int]]
     fit: FitOptions
     toys: list[ToySlice] | None = None  # toy-based: the toys each row draws
+    parts: list[tuple[int, int] | None] | None = None  # each row's part of its hypothesis
 
     def __len__(self) -> int:
         return self.element.shape[0]
@@ -195,6 +199,7 @@ class EngineCall:
             [model.element_columns(e) for e in elements],
             fit,
             [row.toy_slice() for row in rows] if operation.toys(self.options) else None,
+            [row.part for row in rows],
         )
 
     def run(

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..engine.layout import ElementLayout
 from .chord import chord_conditional_fits, held_at_bounds
 from .constraints import constraint_centres, prefit_uncertainties
 from .errors import InferenceError
@@ -47,8 +48,10 @@ from .starts import FitStatus
 
 __all__ = [
     "RankingResults",
+    "impact_key",
     "parameter_columns",
     "poi_on_bound",
+    "ranked_count",
     "ranking",
     "ranking_of",
 ]
@@ -57,6 +60,42 @@ _INDEXED = re.compile(r"^(.*)\[(\d+)\]$")
 
 #: the four conditional fits of a ranked parameter, in cabinetry's order
 IMPACTS = ("prefit_up", "prefit_down", "postfit_up", "postfit_down")
+
+#: a row's part of its ranked parameters, ``(first, stop)`` (None: all of them)
+Part = tuple[int, int] | None
+
+
+def impact_key(postfit_up: float, postfit_down: float) -> float:
+    """The sort key of a ranked parameter, largest ``max(|postfit_up|, |postfit_down|)``
+    first, NaN last (cabinetry's ranking plot's order)."""
+    impact = max(abs(postfit_up), abs(postfit_down))
+    return -impact if impact == impact else float("inf")
+
+
+def ranked_count(layout: ElementLayout, parameters: Sequence[str] | None = None) -> int:
+    """How many parameters a ranking of the element ``layout`` refits: its free parameters
+    but the POI, or of those the ones ``parameters`` names (labels or parameter-set names,
+    as :func:`parameter_columns` reads them); what its :class:`Part` s count.
+
+    >>> from pyhf_gpu_server.inference.examples import simple_model
+    >>> layout = simple_model([12.0, 11.0], [50.0, 52.0], [3.0, 7.0], data=[62.0, 61.0]).elements[0]
+    >>> ranked_count(layout), ranked_count(layout, ["uncorr_bkguncrt[1]"])
+    (2, 1)
+    """
+    labels = layout.par_names
+    free = [
+        label
+        for c, label in enumerate(labels)
+        if c != layout.poi_index and not bool(layout.fixed[c])
+    ]
+    if parameters is None:
+        return len(free)
+    named = set(parameters)
+    return sum(
+        1
+        for label in free
+        if label in named or ((m := _INDEXED.match(label)) is not None and m.group(1) in named)
+    )
 
 
 @dataclass
@@ -123,14 +162,9 @@ class RankingResults(FittedRows):
     def order(self, i: int = 0) -> list[int]:
         """Row ``i``'s ranked columns by decreasing ``max(|postfit_up|, |postfit_down|)``, as
         cabinetry's ranking plot sorts them (ties and NaN impacts last, in pyhf's order)."""
-        columns = self.columns[i]
         up, down = self.postfit_up[i].tolist(), self.postfit_down[i].tolist()
-
-        def key(c: int) -> float:
-            impact = max(abs(up[c]), abs(down[c]))
-            return -impact if impact == impact else float("inf")
-
-        return sorted(columns, key=key)  # stable: ties keep pyhf's order
+        # stable: ties keep pyhf's order
+        return sorted(self.columns[i], key=lambda c: impact_key(up[c], down[c]))
 
 
 #: a POI within this fraction of its bounds' width (plus the minimiser's ``BOUND_TOL``) of
@@ -169,11 +203,14 @@ def parameter_columns(model, names: Sequence[str]) -> list[int]:
     return columns
 
 
-def _ranked_columns(model, elements: list[int], selected: list[int] | None) -> list[list[int]]:
-    """Per row: its element's own free columns, less the POI (and within ``selected``)."""
+def _ranked_columns(
+    model, elements: list[int], selected: list[int] | None, parts: Sequence[Part] | None
+) -> list[list[int]]:
+    """Per row: its element's own free columns, less the POI (and within ``selected``), in
+    its pyhf order (or ``selected``'s), and of those only its part ``(first, stop)``."""
     stack_fixed = model.stack.fixed
     out = []
-    for e in elements:
+    for b, e in enumerate(elements):
         own = [
             c
             for c in model.element_columns(e)
@@ -182,7 +219,8 @@ def _ranked_columns(model, elements: list[int], selected: list[int] | None) -> l
         if selected is not None:
             keep = set(own)
             own = [c for c in selected if c in keep]
-        out.append(own)
+        part = None if parts is None else parts[b]
+        out.append(own if part is None else own[part[0] : part[1]])
     return out
 
 
@@ -204,6 +242,7 @@ def ranking(
     parameters: Sequence[str] | None = None,
     bounds: Tensor | None = None,
     options: FitOptions | None = None,
+    parts: Sequence[Part] | None = None,
 ) -> RankingResults:
     """Impacts of the nuisance parameters on the POI, for ``B`` rows at once.
 
@@ -217,6 +256,10 @@ def ranking(
             a row's element does not have free is not ranked in that row.
         bounds: ``[P, 2]`` or ``[B, P, 2]`` parameter bounds (default: the model's).
         options: :class:`~pyhf_gpu_server.inference.mle.FitOptions`.
+        parts: per row, ``(first, stop)``: rank only those of its ranked parameters (in
+            its pyhf order, or that of ``parameters``), or None: all. The ranking of one
+            row cut in parts is the parts' rankings together (:func:`ranked_count` counts
+            them from the element's layout).
 
     Returns:
         :class:`RankingResults`.
@@ -226,7 +269,12 @@ def ranking(
             the model or is the POI.
     """
     return ranking_of(
-        model, rows_of(model, data, element), parameters=parameters, bounds=bounds, options=options
+        model,
+        rows_of(model, data, element),
+        parameters=parameters,
+        bounds=bounds,
+        options=options,
+        parts=parts,
     )
 
 
@@ -237,6 +285,7 @@ def ranking_of(
     parameters: Sequence[str] | None = None,
     bounds: Tensor | None = None,
     options: FitOptions | None = None,
+    parts: Sequence[Part] | None = None,
 ) -> RankingResults:
     """:func:`ranking` of ``rows``."""
     if model.poi_index is None:
@@ -259,7 +308,7 @@ def ranking_of(
 
     # the conditional fits: per row, per ranked column, the pre-fit pair (where the column
     # has a constraint term) and the post-fit pair; structure known on the host
-    columns = _ranked_columns(model, elements, selected)
+    columns = _ranked_columns(model, elements, selected, parts)
     constrained = _has_prefit(model, elements)
     fit_row: list[int] = []
     fit_col: list[int] = []

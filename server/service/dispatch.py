@@ -12,7 +12,6 @@ answer. The engine call per batch is the scheduler's runner's
 from __future__ import annotations
 
 import asyncio
-import itertools
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -87,22 +86,26 @@ class WorkContext:
 def joined(
     operation: Operation, rows: Sequence[Row], outcomes: Sequence[RowOutcome[ComputedRow]]
 ) -> Iterator[tuple[Row, RowOutcome[ComputedRow]]]:
-    """Each hypothesis with its outcome: the toy slices of one (consecutive rows) joined by
+    """Each hypothesis with its outcome: the parts of one (consecutive rows) joined by
     ``operation`` (:meth:`~.operations.Operation.join`), computed in the engine calls that
     ran them (``batch_rows``: the most rows of any; ``compute_s``: all of them)."""
-    for hypothesis, group in itertools.groupby(
-        zip(rows, outcomes, strict=True), key=lambda pair: pair[0].hypothesis
-    ):
-        pairs = list(group)
+    groups: list[list[tuple[Row, RowOutcome[ComputedRow]]]] = []
+    for row, outcome in zip(rows, outcomes, strict=True):
+        # a new hypothesis, or the first part of one tested again (a POI value given twice)
+        starts = not groups or row.part is None or row.part[0] == 0
+        if starts or row.hypothesis != groups[-1][0][0].hypothesis:
+            groups.append([])
+        groups[-1].append((row, outcome))
+    for pairs in groups:
         row, first = pairs[0]
-        if row.toys is None:
-            yield from pairs
+        if row.part is None:
+            yield pairs[0]
             continue
         parts = [outcome for _, outcome in pairs]
         calls = {outcome.call: outcome for outcome in parts}
         result = operation.join([outcome.value.result for outcome in parts])
         yield (
-            Row(*hypothesis),
+            Row(*row.hypothesis),
             RowOutcome(
                 replace(first.value, result=result),
                 max(outcome.batch_rows for outcome in parts),
@@ -386,8 +389,9 @@ class Dispatcher:
             budget = None if self.limits is None else self.limits.stack_budget
             layouts = [e.layout for e in valid]
             groups = [[valid[i] for i in group] for group in partition(layouts, budget)]
-            rows = [plan.rows([e.patch for e in members]) for members in groups]
+            rows = [plan.rows(members) for members in groups]
             progress = _Progress(sum(len(r) for r in rows), on_progress)
+            progress.start()
             submissions: list[_Submission] = []
             for members, group_rows in zip(groups, rows, strict=True):
                 context = WorkContext(
@@ -579,6 +583,11 @@ class _Progress:
     total: int
     report: Callable[[int, int], None] | None
     done: dict[int, int] = field(default_factory=dict)
+
+    def start(self) -> None:
+        """Report no row done of the request's rows, as counted once its patches are read."""
+        if self.report is not None:
+            self.report(0, self.total)
 
     def callback(self) -> Callable[[int, int], None] | None:
         """The progress callback of the next work item."""

@@ -23,7 +23,7 @@ from pydantic import BaseModel
 
 from pyhf_gpu_server.engine import schema
 from pyhf_gpu_server.engine.errors import UnrepresentableValueError
-from pyhf_gpu_server.inference.toys import TOY_BLOCK, ToySlice
+from pyhf_gpu_server.inference.toys import ToySlice
 
 from .elements import Background, Element, PatchSpec
 from .errors import BadRequest, Unprocessable, pydantic_detail
@@ -192,27 +192,28 @@ def _list_only(field: pydantic.fields.FieldInfo, values: list[str]) -> bool:
 # ----------------------------------------------------------------------------------------- plans
 @dataclass(frozen=True)
 class Row:
-    """One hypothesis, or a slice of its toys: an element (by its patch digest), for CLs
-    the tested POI, and for a toy-based test the toys ``first .. stop - 1`` it draws (its
-    slices' statistics are joined into the hypothesis' answer: a toy row never holds the
-    device for all its toys at once)."""
+    """One hypothesis, or a part of its work: an element (by its patch digest), for CLs the
+    tested POI, and ``part``, the slice ``first .. stop - 1`` of the hypothesis' work it does
+    (:meth:`Operation.parts <.operations.Operation.parts>`: the toys a toy-based test draws,
+    the parameters a ranking refits). The parts' results are joined into the hypothesis'
+    answer: a row never holds the device for all of a long hypothesis at once."""
 
     element: str
     poi: float | None = None
-    toys: tuple[int, int] | None = None
+    part: tuple[int, int] | None = None
 
     @property
     def hypothesis(self) -> tuple[str, float | None]:
-        """What its slices have in common (the hypothesis it answers)."""
+        """What its parts have in common (the hypothesis it answers)."""
         return self.element, self.poi
 
     def toy_slice(self) -> ToySlice:
         """Its toys as the inference layer draws them: the stream keyed by its hypothesis
         (the same toys whatever rows or requests it runs with, however it is sliced)."""
-        if self.toys is None:
-            raise ValueError("an asymptotic row draws no toys")
+        if self.part is None:
+            raise ValueError("a row without a part draws no toys")
         digest = hashlib.blake2b(repr(self.hypothesis).encode(), digest_size=8).digest()
-        return ToySlice(int.from_bytes(digest, "little"), *self.toys)
+        return ToySlice(int.from_bytes(digest, "little"), *self.part)
 
 
 @dataclass(frozen=True)
@@ -229,15 +230,18 @@ class Plan:
     pois: tuple[float, ...] | None
     poi_list: bool
 
-    def rows(self, patches: Sequence[PatchSpec]) -> list[Row]:
-        """Elements x POIs, element-major; for a toy-based test each hypothesis as
-        consecutive slices of :data:`~pyhf_gpu_server.inference.toys.TOY_BLOCK` toys."""
-        hypotheses = [(p.digest, poi) for p in patches for poi in self.pois or (None,)]
-        ntoys = self.operation.toys(self.options)
-        if not ntoys:
-            return [Row(digest, poi) for digest, poi in hypotheses]
-        slices = [(s.first, s.stop) for s in ToySlice.cut(0, ntoys)]
-        return [Row(digest, poi, toys) for digest, poi in hypotheses for toys in slices]
+    def rows(self, elements: Sequence[Element]) -> list[Row]:
+        """Elements x POIs, element-major; a hypothesis whose operation cuts its work in
+        parts (:meth:`Operation.parts <.operations.Operation.parts>`) as consecutive rows, one
+        a part."""
+        rows = []
+        for element in elements:
+            parts: Sequence[tuple[int, int] | None] = self.operation.parts(
+                self.options, element.layout
+            ) or [None]
+            for poi in self.pois or (None,):
+                rows += [Row(element.patch.digest, poi, part) for part in parts]
+        return rows
 
     @property
     def n_rows(self) -> int:
@@ -246,10 +250,11 @@ class Plan:
 
     @property
     def n_work_rows(self) -> int:
-        """Rows the scheduler runs for the whole request (what progress counts): its
-        hypotheses, or for a toy-based test their slices of toys."""
-        ntoys = self.operation.toys(self.options)
-        return self.n_rows * (math.ceil(ntoys / TOY_BLOCK) if ntoys else 1)
+        """Rows the scheduler runs for the whole request (what progress counts), as far as
+        known before its patches are read: its hypotheses times their parts (toy slices, or
+        ranked parameters named in the options; the dispatcher says the count once the
+        patches are read)."""
+        return self.n_rows * len(self.operation.parts(self.options, None) or [None])
 
     @property
     def row_cost(self) -> float:

@@ -24,7 +24,7 @@ from pyhf_gpu_server.engine import HistFactoryModel
 from pyhf_gpu_server.engine.layout import ElementLayout
 from pyhf_gpu_server.execution import EngineRows
 from pyhf_gpu_server.inference.results import HypotestResults
-from pyhf_gpu_server.inference.toys import TOY_BLOCK
+from pyhf_gpu_server.inference.toys import TOY_BLOCK, ToySlice
 
 from ..schemas import CalculatorOptions, ModelSelection, PatchError, ResultFlag, result_flag
 
@@ -49,6 +49,19 @@ class RowStatus:
             value = getattr(result, name, None)
             columns.append([None] * rows if value is None else value.tolist())
         return [cls(*values) for values in zip(*columns, strict=True)]
+
+    @classmethod
+    def joined(cls, parts: list[RowStatus]) -> RowStatus:
+        """One hypothesis' status from its parts': all converged, the most start points, all
+        agreed (None where a part has no such fits)."""
+        converged = [p.converged for p in parts]
+        starts = [p.starts for p in parts]
+        agreed = [p.starts_agreed for p in parts]
+        return cls(
+            None if None in converged else all(converged),
+            None if None in starts else max(s for s in starts if s is not None),
+            None if None in agreed else all(agreed),
+        )
 
     def flags(self) -> list[ResultFlag]:
         """The ``meta.flags`` this status calls for: fits that did not converge, starts that
@@ -189,12 +202,23 @@ class Operation(ABC, Generic[OptionsT]):
         a slice of at most :data:`~pyhf_gpu_server.inference.toys.TOY_BLOCK` toys."""
         return 4.0 + 3.0 * min(self.toys(options), TOY_BLOCK)
 
+    def parts(
+        self, options: OptionsT, layout: ElementLayout | None
+    ) -> list[tuple[int, int]] | None:
+        """The parts ``(first, stop)`` a hypothesis on the element ``layout`` is cut into, a
+        row each, whose results :meth:`join` joins (None: one row, uncut); ``layout`` None:
+        as far as known before the patches are read (progress' first total). Here: a
+        toy-based test's toys, in slices of
+        :data:`~pyhf_gpu_server.inference.toys.TOY_BLOCK`."""
+        ntoys = self.toys(options)
+        return [(s.first, s.stop) for s in ToySlice.cut(0, ntoys)] if ntoys else None
+
     def join(self, parts: list[RowResult]) -> RowResult:
-        """One hypothesis' answer from its toy slices' results (in the order of their
-        toys); operations with toys say how."""
+        """One hypothesis' answer from its parts' results (in the order of :meth:`parts`);
+        operations that cut hypotheses say how."""
         if len(parts) == 1 and parts[0].part is None:
             return parts[0]
-        raise NotImplementedError(f"{self.name} has no toy slices to join")
+        raise NotImplementedError(f"{self.name} has no parts to join")
 
     def element_problem(self, layout: ElementLayout, options: OptionsT) -> str | None:
         """Why ``options`` cannot be answered on the element (patch) ``layout``, or None:

@@ -1,13 +1,18 @@
 """``POST /ranking``: nuisance-parameter impacts on the POI, pulls and constraints (cabinetry's
-``fit.ranking``): all ``4 x P`` refits of every row in one batched call. A patch that lacks a
-named parameter answers its own error; the other patches their rankings."""
+``fit.ranking``): the ``4 x P`` refits of every row in one batched call, a large model's
+parameters in parts of :data:`RANK_BLOCK` (a row each, joined into its answer: progress moves
+and the device serves others between them). A patch that lacks a named parameter answers its
+own error; the other patches their rankings."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import cast
 
 from pyhf_gpu_server import inference
 from pyhf_gpu_server.engine import HistFactoryModel
 from pyhf_gpu_server.engine.layout import ElementLayout
-from pyhf_gpu_server.inference.ranking import IMPACTS, RankingResults
+from pyhf_gpu_server.inference.ranking import IMPACTS, RankingResults, impact_key, ranked_count
 
 from ..schemas import (
     PoiEstimate,
@@ -22,10 +27,27 @@ from .base import EngineRows, Operation, RowResult, RowStatus
 #: the per-parameter columns of a ranking answer, in its order
 RANKED = ("bestfit", "uncertainty", "prefit_uncertainty", *IMPACTS, "pull", "constraint")
 
+#: ranked parameters a row refits at most (4 fits each, after its free fit): a hypothesis
+#: with more is cut in parts of this many
+RANK_BLOCK = 256
+
+
+@dataclass(frozen=True)
+class RankingPart:
+    """What joining a part's answer into its hypothesis' needs besides it (host numbers):
+    the free fit's POI bound (NaN: on none), the part's refits ending on a bound, its refits,
+    and the options' ``top``."""
+
+    poi_bound: float
+    held: int
+    refits: int
+    top: int | None
+
 
 class Ranking(Operation[RankingOptions]):
-    """One row per element: the free fit, then the POI refit at each ranked parameter's best
-    fit plus/minus its pre- and post-fit uncertainty."""
+    """One row per element (or per part of its ranked parameters): the free fit, then the
+    POI refit at each ranked parameter's best fit plus/minus its pre- and post-fit
+    uncertainty."""
 
     name = "ranking"
     summary = "Impacts of the nuisance parameters on the POI (pre- and post-fit), with pulls"
@@ -34,7 +56,22 @@ class Ranking(Operation[RankingOptions]):
 
     def row_cost(self, options: RankingOptions) -> float:
         ranked = 100 if options.parameters is None else len(options.parameters)
-        return 2.0 + 4.0 * ranked
+        return 2.0 + 4.0 * min(ranked, RANK_BLOCK)
+
+    def parts(
+        self, options: RankingOptions, layout: ElementLayout | None
+    ) -> list[tuple[int, int]] | None:
+        """The ranked parameters in parts of :data:`RANK_BLOCK` (counted by
+        :func:`~pyhf_gpu_server.inference.ranking.ranked_count`), when there are more."""
+        if layout is not None:
+            count = ranked_count(layout, options.parameters)
+        elif options.parameters is not None:
+            count = len(options.parameters)
+        else:
+            return None
+        if count <= RANK_BLOCK:
+            return None
+        return [(first, min(first + RANK_BLOCK, count)) for first in range(0, count, RANK_BLOCK)]
 
     def element_problem(self, layout: ElementLayout, options: RankingOptions) -> str | None:
         """No POI, or a named parameter this patch does not have (or that is its POI)."""
@@ -51,15 +88,57 @@ class Ranking(Operation[RankingOptions]):
     def run(
         self, model: HistFactoryModel, rows: EngineRows, options: RankingOptions
     ) -> list[RowResult]:
+        parts = rows.parts or [None] * len(rows)
         result = inference.ranking(
-            model, element=rows.element, parameters=options.parameters, options=rows.fit
+            model,
+            element=rows.element,
+            parameters=options.parameters,
+            options=rows.fit,
+            parts=parts,
         )
         statuses = RowStatus.of(result, len(rows))
-        flags = ranking_flags(result)
-        return [
-            RowResult(ranking_answer(result, i, options.top), s, flags=f)
-            for i, (s, f) in enumerate(zip(statuses, flags, strict=True))
-        ]
+        counts = zip(
+            result.poi_bound.tolist(),
+            result.refits_at_bound.tolist(),
+            result.refits.tolist(),
+            strict=True,
+        )
+        out = []
+        for i, (status, part, (bound, held, refits)) in enumerate(
+            zip(statuses, parts, counts, strict=True)
+        ):
+            if part is None:
+                flags = ranking_flag(result.poi_name, bound, held, refits)
+                out.append(RowResult(ranking_answer(result, i, options.top), status, flags=flags))
+            else:  # every parameter of the part: the join sorts them all and keeps the top
+                joining = RankingPart(bound, held, refits, options.top)
+                out.append(RowResult(ranking_answer(result, i), status, joining))
+        return out
+
+    def join(self, parts: list[RowResult]) -> RowResult:
+        """The parts' parameters together, sorted as :meth:`RankingResults.order` sorts
+        them (a stable sort of the parts in order keeps pyhf's order among ties); the free
+        fit's POI and flag from the first part (each part fits it alike)."""
+        answers = [p.answer for p in parts]
+        joining = [p.part for p in parts]
+        first = cast(RankingAnswer, answers[0])
+        columns = {
+            name: [v for answer in answers for v in getattr(answer, name)]
+            for name in ("labels", *RANKED, "fits_converged")
+        }
+        up, down = columns["postfit_up"], columns["postfit_down"]
+        order = sorted(range(len(up)), key=lambda c: impact_key(up[c], down[c]))
+        order = order[: joining[0].top]
+        held = sum(j.held for j in joining)
+        refits = sum(j.refits for j in joining)
+        return RowResult(
+            RankingAnswer(
+                **{name: [values[c] for c in order] for name, values in columns.items()},
+                poi=first.poi,
+            ),
+            RowStatus.joined([p.status for p in parts]),
+            flags=ranking_flag(first.poi.name, joining[0].poi_bound, held, refits),
+        )
 
 
 def ranking_answer(result: RankingResults, i: int = 0, top: int | None = None) -> RankingAnswer:
@@ -88,28 +167,19 @@ def ranking_answer(result: RankingResults, i: int = 0, top: int | None = None) -
     )
 
 
-def ranking_flags(result: RankingResults) -> list[tuple[ResultFlag, ...]]:
-    """Per row, ``poi_at_bound`` where the free fit's POI, or some refit's, lies on a bound
-    of the POI: the impacts pushing it past the bound are 0 or truncated there."""
-    poi = result.poi_name
-    out: list[tuple[ResultFlag, ...]] = []
-    for bound, held, refits in zip(
-        result.poi_bound.tolist(),
-        result.refits_at_bound.tolist(),
-        result.refits.tolist(),
-        strict=True,
-    ):
-        counted = f"{held} of its {refits} refits ended on a bound"
-        if bound == bound:  # not NaN: the best fit is on its bound
-            detail = (
-                f"the best fit of the POI {poi!r} lies on its bound {bound:g}: the refits cannot "
-                f"move it past, so the impacts that would are 0 or truncated ({counted})"
-            )
-        elif held:
-            detail = f"the POI {poi!r} is held at a bound in some refits ({counted}): those "
-            detail += "impacts are truncated there"
-        else:
-            out.append(())
-            continue
-        out.append((result_flag("poi_at_bound", detail),))
-    return out
+def ranking_flag(poi: str, bound: float, held: int, refits: int) -> tuple[ResultFlag, ...]:
+    """``poi_at_bound`` where the free fit's POI (on ``bound``; NaN: on none), or some of a
+    row's ``refits`` (``held`` of them), lies on a bound of the POI ``poi``: the impacts
+    pushing it past the bound are 0 or truncated there."""
+    counted = f"{held} of its {refits} refits ended on a bound"
+    if bound == bound:  # not NaN: the best fit is on its bound
+        detail = (
+            f"the best fit of the POI {poi!r} lies on its bound {bound:g}: the refits cannot "
+            f"move it past, so the impacts that would are 0 or truncated ({counted})"
+        )
+    elif held:
+        detail = f"the POI {poi!r} is held at a bound in some refits ({counted}): those "
+        detail += "impacts are truncated there"
+    else:
+        return ()
+    return (result_flag("poi_at_bound", detail),)
