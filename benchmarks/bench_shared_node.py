@@ -92,14 +92,26 @@ def command_seconds(url: str, path: Path) -> float:
     return time.perf_counter() - start
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--channels", type=int, default=20)
+def analysis_arguments(description: str, channels: int) -> argparse.ArgumentParser:
+    """The options of a benchmark on :func:`analysis` comparing servers: its size and the
+    baseline's folder."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--channels", type=int, default=channels)
     parser.add_argument("--bins", type=int, default=40)
     parser.add_argument("--baseline", help="a folder holding another pyhf_gpu_server package")
+    return parser
+
+
+def servers(args: argparse.Namespace) -> dict[str, str | None]:
+    """The servers to compare: this checkout's (None) and the ``--baseline``'s, by label."""
+    return {"this checkout": None, **({"baseline": args.baseline} if args.baseline else {})}
+
+
+def main() -> None:
+    parser = analysis_arguments(__doc__.splitlines()[0], channels=20)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    codes = {"this checkout": None, **({"baseline": args.baseline} if args.baseline else {})}
+    codes = servers(args)
     rows: dict[str, dict[str, list[float]]] = {c: {"idle": [], "beside pyhf": []} for c in codes}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "analysis.json"

@@ -16,7 +16,6 @@ and the small request's seconds.
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -29,7 +28,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from bench_shared_node import BIN, analysis, server
+from bench_shared_node import BIN, analysis, analysis_arguments, server, servers
 from conftest import shared_workspace
 
 
@@ -85,20 +84,14 @@ def probe(url: str, workspace: dict, small: Path, cls_after: float) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--channels", type=int, default=10)
-    parser.add_argument("--bins", type=int, default=40)
-    parser.add_argument("--baseline", help="a folder holding another pyhf_gpu_server package")
+    parser = analysis_arguments(__doc__.splitlines()[0], channels=10)
     parser.add_argument("--cls-after", type=float, default=5.0)
     args = parser.parse_args()
     workspace = analysis(args.channels, args.bins)
     with tempfile.TemporaryDirectory() as tmp:
         small = small_request(Path(tmp))
-        for label, package in (("this checkout", None), ("baseline", args.baseline)):
-            if label == "baseline" and package is None:
-                continue
-            data_dir = Path(tmp) / label.replace(" ", "_")
-            with server(package, data_dir) as url:
+        for label, package in servers(args).items():
+            with server(package, Path(tmp) / label.replace(" ", "_")) as url:
                 found = probe(url, workspace, small, args.cls_after)
             print(
                 f"\n**{label}**: {found['status']}, {found['ranked']} parameters ranked in "

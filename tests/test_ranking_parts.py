@@ -6,6 +6,7 @@ what the whole ranking answers."""
 from __future__ import annotations
 
 import numpy as np
+import pyhf
 import pytest
 import torch
 from conftest import shared_workspace
@@ -16,7 +17,7 @@ from test_inference_support import DEVICE, one_thread  # noqa: F401 (fixture)
 from pyhf_gpu_server.engine import HistFactoryModel
 from pyhf_gpu_server.execution import EngineRows
 from pyhf_gpu_server.inference import FitOptions, ranking
-from pyhf_gpu_server.inference.ranking import ranked_count
+from pyhf_gpu_server.inference.ranking import ranked_parameters
 from pyhf_gpu_server.service.operations import ranking as ranking_operation
 from pyhf_gpu_server.service.operations.ranking import RANKED, Ranking, ranking_answer
 from pyhf_gpu_server.service.schemas import RankingOptions
@@ -50,21 +51,46 @@ def assert_same_answer(one, other, atol: float) -> None:
     assert one.flags == other.flags
 
 
+def pyhf_ranked(model: pyhf.Model, names: list[str] | None = None) -> list[str]:
+    """The labels cabinetry's ranking refits on a pyhf model: its free parameters but the
+    POI (``suggested_fixed``), those ``names`` names (labels or set names) if given."""
+    fixed = model.config.suggested_fixed()
+    free = [
+        label
+        for j, label in enumerate(model.config.par_names)
+        if not fixed[j] and j != model.config.poi_index
+    ]
+    if names is None:
+        return free
+    named = [
+        label for name in names for label in free if label.split("[")[0] == name or label == name
+    ]
+    return list(dict.fromkeys(named))
+
+
 @pytest.mark.parametrize(
     "name", ["atlas-susy-2018-04-stau", "atlas-susy-2018-31-sbottom-B"], ids=["stau", "sbottom"]
 )
-def test_ranked_count_is_what_a_ranking_refits(name):
-    """The parts are counted from the element's layout before any model is built: as many
-    parameters as the ranking of the built model refits, all of them or named ones."""
+def test_ranked_parameters_are_pyhfs_free_parameters(name):
+    """The parts are cut from the element's layout before any model is built: its free
+    parameters but the POI in pyhf's order, or the named ones in their order, as pyhf's model
+    of the same patch has them; and the ranking refits those."""
     model = published_model(name)
     layout = model.elements[0]
-    assert ranked_count(layout) == len(ranking(model).columns[0])
-    named = [layout.par_names[-1], layout.parameters[1].name, "lumi"]
-    assert ranked_count(layout, named) == len(ranking(model, parameters=named).columns[0]) > 2
-    every = HistFactoryModel.from_workspace(all_modifiers_workspace(), device=DEVICE)
+    workspace, patchset, _ = shared_workspace(name)
+    first = patchset["patches"][0]["metadata"]["name"]
+    theirs = pyhf.PatchSet(patchset).apply(pyhf.Workspace(workspace), first).model()
+    named = [layout.parameters[-1].name, layout.par_names[1], "lumi"]
+    for names in (None, named):
+        labels = [layout.par_names[j] for j in ranked_parameters(layout, names)]
+        assert labels == pyhf_ranked(theirs, names) and len(labels) > 2
+        ranked = ranking(model, parameters=names)
+        assert [ranked.labels[c] for c in ranked.columns[0]] == labels
+    every = all_modifiers_workspace()
     named = ["xsec", "stat_shared", "bkg1_norm"]  # stat_shared has a fixed (zero-count) bin
-    counted = ranked_count(every.elements[0], named)
-    assert counted == len(ranking(every, parameters=named).columns[0]) > 2
+    layout = HistFactoryModel.from_workspace(every, device=DEVICE).elements[0]
+    labels = [layout.par_names[j] for j in ranked_parameters(layout, named)]
+    assert labels == pyhf_ranked(pyhf.Workspace(every).model(), named)
 
 
 def test_parts_joined_answer_as_the_whole(monkeypatch):

@@ -51,7 +51,7 @@ __all__ = [
     "impact_key",
     "parameter_columns",
     "poi_on_bound",
-    "ranked_count",
+    "ranked_parameters",
     "ranking",
     "ranking_of",
 ]
@@ -72,30 +72,29 @@ def impact_key(postfit_up: float, postfit_down: float) -> float:
     return -impact if impact == impact else float("inf")
 
 
-def ranked_count(layout: ElementLayout, parameters: Sequence[str] | None = None) -> int:
-    """How many parameters a ranking of the element ``layout`` refits: its free parameters
-    but the POI, or of those the ones ``parameters`` names (labels or parameter-set names,
-    as :func:`parameter_columns` reads them); what its :class:`Part` s count.
+def _names(label: str, name: str) -> bool:
+    """Whether ``name`` names the parameter ``label``: the label itself (``"gamma[0]"``) or
+    its parameter set (``"gamma"``)."""
+    return label == name or ((m := _INDEXED.match(label)) is not None and m.group(1) == name)
+
+
+def ranked_parameters(layout: ElementLayout, parameters: Sequence[str] | None = None) -> list[int]:
+    """The parameters (indices into ``layout.par_names``) a ranking of the element ``layout``
+    refits, in the ranking's order: its free parameters but the POI, in pyhf's order, or of
+    those the ones ``parameters`` names (labels or parameter-set names), in their order; a
+    :class:`Part` is a slice of these.
 
     >>> from pyhf_gpu_server.inference.examples import simple_model
     >>> layout = simple_model([12.0, 11.0], [50.0, 52.0], [3.0, 7.0], data=[62.0, 61.0]).elements[0]
-    >>> ranked_count(layout), ranked_count(layout, ["uncorr_bkguncrt[1]"])
-    (2, 1)
+    >>> ranked_parameters(layout), ranked_parameters(layout, ["uncorr_bkguncrt[1]"])
+    ([1, 2], [2])
     """
-    labels = layout.par_names
-    free = [
-        label
-        for c, label in enumerate(labels)
-        if c != layout.poi_index and not bool(layout.fixed[c])
-    ]
+    free = [j for j in range(layout.n_pars) if j != layout.poi_index and not layout.fixed[j]]
     if parameters is None:
-        return len(free)
-    named = set(parameters)
-    return sum(
-        1
-        for label in free
-        if label in named or ((m := _INDEXED.match(label)) is not None and m.group(1) in named)
-    )
+        return free
+    labels = layout.par_names
+    named = [j for name in parameters for j in free if _names(labels[j], name)]
+    return list(dict.fromkeys(named))
 
 
 @dataclass
@@ -192,11 +191,7 @@ def parameter_columns(model, names: Sequence[str]) -> list[int]:
     the model does not have."""
     columns: list[int] = []
     for name in names:
-        found = [
-            c
-            for c, label in enumerate(model.par_names)
-            if label == name or ((m := _INDEXED.match(label)) and m.group(1) == name)
-        ]
+        found = [c for c, label in enumerate(model.par_names) if _names(label, name)]
         if not found:
             raise InferenceError(f"parameter {name!r} is not in the model")
         columns.extend(c for c in found if c not in columns)
@@ -204,23 +199,16 @@ def parameter_columns(model, names: Sequence[str]) -> list[int]:
 
 
 def _ranked_columns(
-    model, elements: list[int], selected: list[int] | None, parts: Sequence[Part] | None
+    model, elements: list[int], parameters: Sequence[str] | None, parts: Sequence[Part] | None
 ) -> list[list[int]]:
-    """Per row: its element's own free columns, less the POI (and within ``selected``), in
-    its pyhf order (or ``selected``'s), and of those only its part ``(first, stop)``."""
-    stack_fixed = model.stack.fixed
+    """Per row: the model's columns of its element's :func:`ranked_parameters`, of those only
+    its part ``(first, stop)``."""
     out = []
     for b, e in enumerate(elements):
-        own = [
-            c
-            for c in model.element_columns(e)
-            if c != model.poi_index and not bool(stack_fixed[e, c])
-        ]
-        if selected is not None:
-            keep = set(own)
-            own = [c for c in selected if c in keep]
+        own = model.element_columns(e)
+        ranked = [own[j] for j in ranked_parameters(model.elements[e], parameters)]
         part = None if parts is None else parts[b]
-        out.append(own if part is None else own[part[0] : part[1]])
+        out.append(ranked if part is None else ranked[part[0] : part[1]])
     return out
 
 
@@ -258,8 +246,8 @@ def ranking(
         options: :class:`~pyhf_gpu_server.inference.mle.FitOptions`.
         parts: per row, ``(first, stop)``: rank only those of its ranked parameters (in
             its pyhf order, or that of ``parameters``), or None: all. The ranking of one
-            row cut in parts is the parts' rankings together (:func:`ranked_count` counts
-            them from the element's layout).
+            row cut in parts is the parts' rankings together (:func:`ranked_parameters`
+            lists them from the element's layout).
 
     Returns:
         :class:`RankingResults`.
@@ -291,11 +279,8 @@ def ranking_of(
     if model.poi_index is None:
         raise InferenceError("the model has no POI: no impacts to rank")
     options = options or FitOptions()
-    selected = None
-    if parameters is not None:
-        selected = parameter_columns(model, parameters)
-        if model.poi_index in selected:
-            raise InferenceError(f"the POI {model.poi_name!r} cannot be ranked against itself")
+    if parameters is not None and model.poi_index in parameter_columns(model, parameters):
+        raise InferenceError(f"the POI {model.poi_name!r} cannot be ranked against itself")
     elements = rows.host_elements()
     data, element = rows.data, rows.element
     B, P, k = element.shape[0], model.n_pars, model.poi_index
@@ -308,7 +293,7 @@ def ranking_of(
 
     # the conditional fits: per row, per ranked column, the pre-fit pair (where the column
     # has a constraint term) and the post-fit pair; structure known on the host
-    columns = _ranked_columns(model, elements, selected, parts)
+    columns = _ranked_columns(model, elements, parameters, parts)
     constrained = _has_prefit(model, elements)
     fit_row: list[int] = []
     fit_col: list[int] = []

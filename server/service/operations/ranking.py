@@ -12,7 +12,7 @@ from typing import cast
 from pyhf_gpu_server import inference
 from pyhf_gpu_server.engine import HistFactoryModel
 from pyhf_gpu_server.engine.layout import ElementLayout
-from pyhf_gpu_server.inference.ranking import IMPACTS, RankingResults, impact_key, ranked_count
+from pyhf_gpu_server.inference.ranking import IMPACTS, RankingResults, impact_key, ranked_parameters
 
 from ..schemas import (
     PoiEstimate,
@@ -62,9 +62,9 @@ class Ranking(Operation[RankingOptions]):
         self, options: RankingOptions, layout: ElementLayout | None
     ) -> list[tuple[int, int]] | None:
         """The ranked parameters in parts of :data:`RANK_BLOCK` (counted by
-        :func:`~pyhf_gpu_server.inference.ranking.ranked_count`), when there are more."""
+        :func:`~pyhf_gpu_server.inference.ranking.ranked_parameters`), when there are more."""
         if layout is not None:
-            count = ranked_count(layout, options.parameters)
+            count = len(ranked_parameters(layout, options.parameters))
         elif options.parameters is not None:
             count = len(options.parameters)
         else:
