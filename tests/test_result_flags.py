@@ -399,3 +399,157 @@ def test_published_likelihood_whose_fits_do_not_converge_warns_and_strict_fails(
         "different minima (meta.starts_agreed false): the answer is the lowest found",
     ], run.stderr
     assert_strict_fails(server, args, run.stdout)
+
+
+# --- parameters without curvature --------------------------------------------------------------
+
+
+def shapefactor_workspace(identifiable: bool = True) -> dict:
+    """A data-driven background: its normalisation ``k`` from a control region, and per-bin
+    ``shapefactor`` in a region one of whose bins has no events (its factor's best fit is on
+    its bound 0, where the likelihood has no curvature along it), besides a signal region.
+    ``identifiable`` False: the signal region's background has its own per-bin factors too,
+    so the POI (at its bound 0) can be traded against them: no direction of the Hessian is
+    alone to blame."""
+    mc = [{"name": "lumi", "type": "lumi", "data": None}]
+    dd_sr = [{"name": "k", "type": "normfactor", "data": None}]
+    if not identifiable:
+        dd_sr.append({"name": "sf_sr", "type": "shapefactor", "data": None})
+    channels = {
+        "CR": (
+            [("dd", [50.0, 40.0], [{"name": "k", "type": "normfactor", "data": None}])],
+            [52, 38],
+        ),
+        "VR": (
+            [
+                (
+                    "dd",
+                    [10.0, 8.0, 1.0],
+                    [
+                        {"name": "k", "type": "normfactor", "data": None},
+                        {"name": "sf", "type": "shapefactor", "data": None},
+                    ],
+                ),
+                (
+                    "mc",
+                    [3.0, 2.0, 0.5],
+                    [{"name": "stat_vr", "type": "staterror", "data": [0.5, 0.4, 0.2]}, *mc],
+                ),
+            ],
+            [13, 9, 0],
+        ),
+        "SR": (
+            [
+                ("sig", [2.0, 4.0, 3.0], [{"name": "mu", "type": "normfactor", "data": None}]),
+                ("dd", [10.0, 8.0, 6.0], dd_sr),
+                (
+                    "mc",
+                    [3.0, 2.0, 2.0],
+                    [{"name": "stat_sr", "type": "staterror", "data": [0.5, 0.4, 0.4]}, *mc],
+                ),
+            ],
+            [16, 15, 11] if identifiable else [13, 9, 8],
+        ),
+    }
+    lumi = {
+        "name": "lumi",
+        "auxdata": [1.0],
+        "sigmas": [0.02],
+        "bounds": [[0.9, 1.1]],
+        "inits": [1.0],
+    }
+    return {
+        "channels": [
+            {
+                "name": name,
+                "samples": [{"name": s, "data": d, "modifiers": m} for s, d, m in samples],
+            }
+            for name, (samples, _) in channels.items()
+        ],
+        "observations": [
+            {"name": name, "data": [float(n) for n in observed]}
+            for name, (_, observed) in channels.items()
+        ],
+        "measurements": [{"name": "m", "config": {"poi": "mu", "parameters": [lumi]}}],
+        "version": "1.0.0",
+    }
+
+
+def test_a_parameter_without_curvature_is_held_for_the_others_uncertainties() -> None:
+    """The shapefactor of a bin without events fits to its bound 0, where ``-2 log L`` has no
+    curvature along it: the Hessian is indefinite and had no inverse (every uncertainty
+    NaN). It is held there for the others', which equal MINUIT's (cabinetry) with that
+    parameter fixed at 0 (a tight reference: MINUIT's own Hesse of the free parameter at a
+    bound comes from its bound transform); its own uncertainty is NaN. The block form's
+    diagonal is the dense Hessian's."""
+    import cabinetry
+    import numpy as np
+
+    from pyhf_gpu_server.inference import fit
+    from pyhf_gpu_server.inference.objective import TwiceNLL
+    from pyhf_gpu_server.inference.rows import rows_of
+
+    spec = shapefactor_workspace()
+    model = HistFactoryModel.from_workspace(spec)
+    ours = fit(model)
+    j = model.par_names.index("sf[2]")
+    assert ours.converged.all() and ours.bestfit[0, j] == 0.0
+    assert math.isnan(ours.uncertainty[0, j]) and model.bin_parameters.n_per_bin
+    others = [c for c in range(model.n_pars) if c != j]
+    rows = rows_of(model, None, None)
+    block = TwiceNLL(model, rows.data, rows.element).block_hessian(ours.bestfit, rows.element)
+    assert torch.equal(block.diagonal(), block.dense().diagonal(dim1=-2, dim2=-1))
+    assert block.diagonal()[0, j] == 0.0
+
+    theirs, data = pyhf_model(spec)
+    assert theirs.config.par_names == model.par_names
+    init, fixed = theirs.config.suggested_init(), theirs.config.suggested_fixed()
+    init[j], fixed[j] = 0.0, True
+    pyhf.set_backend("numpy", "minuit")
+    try:
+        reference = cabinetry.fit.fit(theirs, data, init_pars=init, fix_pars=fixed)
+    finally:
+        pyhf.set_backend("numpy")
+    np.testing.assert_allclose(ours.bestfit[0, others], reference.bestfit[others], atol=2e-3)
+    np.testing.assert_allclose(
+        ours.uncertainty[0, others], reference.uncertainty[others], rtol=1e-2
+    )
+
+
+def test_parameters_without_uncertainty_are_flagged_where_they_are_read(server, tmp_path) -> None:
+    """Through the command line: ``fit``, ``ranking`` and ``yields`` warn on stderr naming
+    the parameter without uncertainty and answer the others (the ranking's post-fit impacts
+    and the post-fit yields' uncertainties finite); where no direction alone is to blame, the
+    fit says that the Hessian is not positive definite and answers no uncertainty."""
+    path = tmp_path / "ws.json"
+    path.write_text(json.dumps(shapefactor_workspace()))
+    fitted = client_command(server, "fit", str(path), "--uncertainties")
+    assert fitted.returncode == 0, fitted.stderr
+    (said,) = warnings_of(fitted.stderr)
+    assert "1 of 12 parameters have no uncertainty" in said and "(sf[2])" in said
+    uncertainties = json.loads(fitted.stdout)["uncertainties"]
+    assert math.isnan(uncertainties["sf"][2])  # null in the JSON answer, NaN as pyhf prints
+    assert all(u > 0 for us in uncertainties.values() for u in us if not math.isnan(u))
+
+    ranked = client_command(server, "ranking", str(path))
+    assert ranked.returncode == 0, ranked.stderr
+    assert any("(sf[2])" in line for line in warnings_of(ranked.stderr))
+    ranking_json = json.loads(ranked.stdout)
+    k = ranking_json["labels"].index("sf[2]")
+    assert ranking_json["postfit_up"][k] is None and ranking_json["poi"]["uncertainty"] > 0
+    finite = [u for c, u in enumerate(ranking_json["postfit_up"]) if c != k]
+    assert all(u is not None for u in finite) and any(u != 0 for u in finite)
+
+    yields = client_command(server, "yields", str(path))
+    assert yields.returncode == 0, yields.stderr
+    assert any("(sf[2])" in line for line in warnings_of(yields.stderr))
+    assert "null" not in yields.stdout.replace('"goodness_of_fit": null', "")
+
+    path.write_text(json.dumps(shapefactor_workspace(identifiable=False)))
+    singular = client_command(server, "fit", str(path), "--uncertainties")
+    assert singular.returncode == 0, singular.stderr
+    (said,) = warnings_of(singular.stderr)
+    assert "the Hessian at the best fit is not positive definite" in said
+    assert all(
+        math.isnan(u) for us in json.loads(singular.stdout)["uncertainties"].values() for u in us
+    )

@@ -64,11 +64,16 @@ def held_at_bounds(x: Tensor, bounds: Tensor, fixed: Tensor, tol: float) -> Tens
 def restricted_inverse(inverse: Tensor, held: Tensor) -> Tensor:
     """The inverse ``[B, P, P]`` of each Hessian restricted to the parameters not ``held``
     (zero rows and columns for those), from the whole inverse by the Schur complement:
-    ``H^-1 - H^-1_{:A} (H^-1_{AA})^-1 H^-1_{A:}`` for the held set ``A``."""
+    ``H^-1 - H^-1_{:A} (H^-1_{AA})^-1 H^-1_{A:}`` for the held set ``A`` (a held parameter
+    the inverse already holds, its row and column 0, is left out of ``A``; NaN where
+    ``H^-1_{AA}`` is singular)."""
+    held = held & (inverse.diagonal(dim1=-2, dim2=-1) != 0)
     m = held.to(inverse.dtype)
     on_held = inverse * m.unsqueeze(1)  # H^-1 M
     schur = on_held * m.unsqueeze(2) + torch.diag_embed(1 - m)  # M H^-1 M + (I - M)
-    restricted = inverse - on_held @ torch.linalg.solve(schur, on_held.mT)
+    solved, info = torch.linalg.solve_ex(schur, on_held.mT)
+    solved = torch.where((info == 0).view(-1, 1, 1), solved, torch.full_like(solved, torch.nan))
+    restricted = inverse - on_held @ solved
     free = torch.logical_not(held)
     keep = free.unsqueeze(2) & free.unsqueeze(1)
     return torch.where(keep, restricted, torch.zeros_like(restricted))

@@ -1,7 +1,12 @@
 """Uncertainties and correlations of a fit from the exact Hessian of ``-2 log L``.
 
 ``cov = inv(H / 2)`` over the free parameters (MINUIT's HESSE with ``errordef = 1`` on ``-2
-log L``); fixed parameters get 0, a singular Hessian NaN. Two forms, one answer:
+log L``); fixed parameters get 0, a singular Hessian NaN. A free parameter along which ``-2 log
+L`` has no curvature at the best fit (:func:`undetermined`: the data do not constrain it there,
+e.g. a shapefactor of a bin without events on its bound 0) would make the whole Hessian
+singular or indefinite; the callers hold it at its best fit, as a fixed one, so that the
+others' covariance is the one conditional on it, and give it no uncertainty (NaN). Two forms,
+one answer:
 
 - :func:`covariance` inverts a dense ``[B, P, P]`` Hessian.
 - :class:`BlockHessian` keeps the structure of a model with per-bin parameters
@@ -31,7 +36,18 @@ from torch import Tensor
 
 from ..engine.sparsity import BinBlocks
 
-__all__ = ["BlockHessian", "correlations", "covariance"]
+__all__ = [
+    "BlockHessian",
+    "conditional_uncertainties",
+    "correlations",
+    "covariance",
+    "not_positive_definite",
+    "undetermined",
+]
+
+#: a free parameter whose Hessian diagonal is at most this fraction of the row's largest has
+#: no curvature: :func:`undetermined`
+UNDETERMINED_RTOL = 1e-12
 
 
 def correlations(cov: Tensor) -> tuple[Tensor, Tensor]:
@@ -40,6 +56,40 @@ def correlations(cov: Tensor) -> tuple[Tensor, Tensor]:
     unc = torch.sqrt(cov.diagonal(dim1=-2, dim2=-1))
     denom = unc.unsqueeze(2) * unc.unsqueeze(1)
     return unc, torch.where(denom > 0, cov / denom, torch.zeros_like(cov))
+
+
+def undetermined(diagonal: Tensor, fixed: Tensor) -> Tensor:
+    """``[B, P]`` bool: the free parameters without curvature, from the Hessian's diagonal
+    ``[B, P]`` (at most :data:`UNDETERMINED_RTOL` of the row's largest).
+
+    >>> undetermined(torch.tensor([[4.0, 0.0, 1e-3]]), torch.tensor([[False, False, False]]))
+    tensor([[False,  True, False]])
+    """
+    scale = diagonal.abs().amax(-1, keepdim=True)
+    return (diagonal <= UNDETERMINED_RTOL * scale) & fixed.logical_not()
+
+
+def not_positive_definite(
+    unc: Tensor, corr: Tensor, cov: Tensor, held: Tensor, undetermined: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The uncertainties, correlations and covariance of rows held at ``held [B, P]`` (fixed
+    and undetermined), with NaN for the ``undetermined`` parameters' uncertainties and, in a
+    row where some other free parameter's variance is not positive (a Hessian that is not
+    positive definite: a minimum along no direction, or a singular one), NaN throughout."""
+    free = held.logical_not()
+    bad = ((torch.isfinite(unc) & (unc > 0)).logical_not() & free).any(-1)  # [B]
+    nan = torch.full_like(unc, torch.nan)
+    unc = torch.where(undetermined | bad.unsqueeze(1), nan, unc)
+    bad = bad.view(-1, 1, 1)
+    return unc, torch.where(bad, nan.unsqueeze(2), corr), torch.where(bad, nan.unsqueeze(2), cov)
+
+
+def conditional_uncertainties(unc: Tensor) -> Tensor:
+    """``unc [B, P]`` with the undetermined parameters' NaN as 0 (held at the best fit, as the
+    others' covariance holds them) in rows where some uncertainty is finite; a row without
+    any (no positive-definite Hessian) stays NaN."""
+    some = torch.isfinite(unc).any(-1, keepdim=True)
+    return torch.where(torch.isnan(unc) & some, torch.zeros_like(unc), unc)
 
 
 def covariance(hessian: Tensor, fixed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -69,6 +119,17 @@ class BlockHessian(NamedTuple):
         by_bin = self.shared.new_zeros(B, N * G, N * G)
         _bin_diagonal(by_bin, N, G).copy_(self.per_bin.permute(0, 2, 3, 1))
         return _whole(self.blocks, self.shared, self.cross.reshape(B, N * G, K), by_bin)
+
+    def diagonal(self) -> Tensor:
+        """The Hessian's diagonal ``[B, P]``, in parameter order."""
+        B, N, G, K = self.cross.shape
+        per_bin = self.per_bin.diagonal(dim1=-2, dim2=-1).reshape(B, N * G)
+        per_bin = per_bin.index_select(1, self.blocks.position)
+        shared = self.shared.diagonal(dim1=-2, dim2=-1)
+        out = shared.new_zeros(B, K + per_bin.shape[1])
+        return out.index_copy(1, self.blocks.shared, shared).index_copy(
+            1, self.blocks.params, per_bin
+        )
 
     def covariance(self, fixed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """As :func:`covariance` of :meth:`dense`, by block elimination (see the module doc)."""

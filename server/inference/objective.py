@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from torch import Tensor
 
-from .covariance import BlockHessian, covariance
+from .covariance import BlockHessian, covariance, not_positive_definite, undetermined
 from .curvature import CPU_BLOCK_ROWS, Derivatives, Solver, choose_solver
 from .errors import InferenceError
 
@@ -180,10 +180,19 @@ class TwiceNLL:
     def covariance(self, x: Tensor, rows: Tensor, fixed: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Uncertainties ``[R, P]``, correlations and covariance ``[R, P, P]`` at minima ``x``
         from the exact Hessian (``fixed [R, P]`` get 0): by block elimination where the model
-        has per-bin parameters (:class:`~.covariance.BlockHessian`), else dense."""
+        has per-bin parameters (:class:`~.covariance.BlockHessian`), else dense. Parameters
+        without curvature there (:func:`~.covariance.undetermined`) are held at ``x`` for the
+        others' and get the uncertainty NaN; a row whose Hessian is still not positive
+        definite gets NaN throughout."""
         if self.model.bin_parameters.n_per_bin:
-            return self.block_hessian(x, rows).covariance(fixed)
-        return covariance(self.hessian(x, rows), fixed)
+            block = self.block_hessian(x, rows)
+            held = undetermined(block.diagonal(), fixed)
+            unc, corr, cov = block.covariance(fixed | held)
+        else:
+            hessian = self.hessian(x, rows)
+            held = undetermined(hessian.diagonal(dim1=-2, dim2=-1), fixed)
+            unc, corr, cov = covariance(hessian, fixed | held)
+        return not_positive_definite(unc, corr, cov, fixed | held, held)
 
     def block_hessian(self, x: Tensor, rows: Tensor) -> BlockHessian:
         """The exact Hessian of ``-2 log L`` in the block form of the model's per-bin

@@ -38,6 +38,7 @@ from torch import Tensor
 from ..engine.layout import ElementLayout
 from .chord import chord_conditional_fits, held_at_bounds
 from .constraints import constraint_centres, prefit_uncertainties
+from .covariance import conditional_uncertainties
 from .errors import InferenceError
 from .minimize import BOUND_TOL
 from .mle import FitOptions, fit_rows, hessian_uncertainties
@@ -288,7 +289,8 @@ def ranking_of(
     free = fit_rows(model, data, element, bounds=bounds, options=options)
     fixed_rows = model.fixed.index_select(0, element)
     postfit, corr = hessian_uncertainties(model, data, element, free.bestfit, fixed_rows, options)
-    covariance = corr * postfit.unsqueeze(2) * postfit.unsqueeze(1)  # 2 H^-1
+    held = conditional_uncertainties(postfit)  # undetermined parameters held: 0
+    covariance = corr * held.unsqueeze(2) * held.unsqueeze(1)  # 2 H^-1
     prefit = prefit_uncertainties(model).index_select(0, element)
 
     # the conditional fits: per row, per ranked column, the pre-fit pair (where the column

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from .constraints import asimov_parameters, prefit_uncertainties
+from .covariance import conditional_uncertainties
 from .mle import FitOptions, fit_rows
 from .results import FitResults
 from .rows import Rows, rows_of
@@ -194,7 +195,9 @@ def yields(
         element: ``[B]`` element per row; None: the fit's rows if ``fit`` is given, else
             every element (no ``data``) or element 0.
         fit: the rows' fits with uncertainties and correlations (``fit(...,
-            uncertainties=True)``); None: fitted here. NaN uncertainties give NaN stdevs.
+            uncertainties=True)``); None: fitted here. A parameter without an uncertainty (NaN)
+            counts as held at its best fit where others have one; a row without any gives NaN
+            stdevs.
         options: :class:`~pyhf_gpu_server.inference.mle.FitOptions` of that fit (its
             ``max_rows`` also bounds the parameter points per evaluation).
 
@@ -224,8 +227,13 @@ def yields_of(
         element,
         max_rows=options.max_rows,
     )
-    postfit = yield_prediction(
-        model, fit.bestfit, fit.uncertainty, fit.corr_mat, element, max_rows=options.max_rows
+    postfit = yield_prediction(  # undetermined parameters held at the best fit
+        model,
+        fit.bestfit,
+        conditional_uncertainties(fit.uncertainty),
+        fit.corr_mat,
+        element,
+        max_rows=options.max_rows,
     )
     main = data.narrow(1, 0, model.n_main)
     n_channels = len(model.elements[0].channels)

@@ -272,6 +272,10 @@ FLAG_KINDS: dict[str, str] = {
     "scan: the answer is the scan's end (as pyhf's, which says nothing), not the limit",
     "poi_at_bound": "the POI's best fit (or a ranking refit's) lies on its bound: impacts "
     "that would move it past the bound are 0 or truncated there, a profile is the bounded one",
+    "undetermined_parameters": "some free parameters have no uncertainty (null): the likelihood "
+    "has no curvature along them at the best fit (e.g. a shapefactor of a bin without events, "
+    "on its bound 0), so the others' uncertainties hold them there; or, where every one is "
+    "null, the Hessian at the best fit is not positive definite",
     "qtilde_poi_bound": "q~ (test_stat 'qtilde', every upper limit's) asked of a POI whose "
     "lower bound is not 0: q~'s asymptotic formulae assume the POI bounded at 0 (pyhf warns; "
     "above 0 it then raises ValueError); a bound below 0 is raised to 0 in the fits here (pyhf "

@@ -12,6 +12,7 @@ one route (generated from the registry) and one client method.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar, cast
 
@@ -128,6 +129,29 @@ def qtilde_bound_flags(model: HistFactoryModel, element: Tensor) -> list[tuple[R
             ),
         )
     return [flags[e] for e in element.tolist()]
+
+
+def uncertainty_flags(
+    labels: Sequence[str], uncertainties: Sequence[float | None]
+) -> tuple[ResultFlag, ...]:
+    """``undetermined_parameters`` where some of the parameters ``labels`` have no
+    uncertainty (NaN or None; fixed ones have 0), naming the first few.
+
+    >>> [f.detail[:46] for f in uncertainty_flags(["a", "b[0]"], [0.5, float("nan")])]
+    ['1 of 2 parameters have no uncertainty: the lik']
+    """
+    missing = [label for label, u in zip(labels, uncertainties, strict=True) if u is None or u != u]
+    if not missing:
+        return ()
+    named = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
+    if len(missing) < len(labels):
+        why = "the likelihood has no curvature along them at the best fit (e.g. a shapefactor "
+        why += "of a bin without events, on its bound 0): the other uncertainties hold them there"
+    else:
+        why = "the Hessian at the best fit is not positive definite (a direction the data do "
+        why += "not constrain)"
+    detail = f"{len(missing)} of {len(labels)} parameters have no uncertainty: {why} ({named})"
+    return (result_flag("undetermined_parameters", detail),)
 
 
 @dataclass(frozen=True)

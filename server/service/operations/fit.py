@@ -11,7 +11,7 @@ from pyhf_gpu_server.inference.goodness_of_fit import GoodnessOfFitResults
 from pyhf_gpu_server.inference.results import FitResults
 
 from ..schemas import FitAnswer, FitOptions, FitResult, GoodnessOfFit
-from .base import EngineRows, Operation, RowResult, RowStatus
+from .base import EngineRows, Operation, RowResult, RowStatus, uncertainty_flags
 
 _INDEXED = re.compile(r"^(.*)\[(\d+)\]$")
 
@@ -37,12 +37,12 @@ class Fit(Operation[FitOptions]):
         gof = None
         if options.goodness_of_fit:
             gof = inference.goodness_of_fit(model, fitted, element=rows.element)
-        return [
-            RowResult(
-                fit_answer(fitted.select(slice(i, i + 1)).restrict(rows.columns[i]), gof, i), s
-            )
-            for i, s in enumerate(statuses)
-        ]
+        out = []
+        for i, status in enumerate(statuses):
+            own = fitted.select(slice(i, i + 1)).restrict(rows.columns[i])
+            flags = uncertainty_flags(own.labels, own.uncertainty[0].tolist())
+            out.append(RowResult(fit_answer(own, gof, i), status, flags=flags))
+        return out
 
 
 def group_parameters(labels: list[str], values: list[float]) -> dict[str, list[float | None]]:

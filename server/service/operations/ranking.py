@@ -22,7 +22,7 @@ from ..schemas import (
     ResultFlag,
     result_flag,
 )
-from .base import EngineRows, Operation, RowResult, RowStatus
+from .base import EngineRows, Operation, RowResult, RowStatus, uncertainty_flags
 
 #: the per-parameter columns of a ranking answer, in its order
 RANKED = ("bestfit", "uncertainty", "prefit_uncertainty", *IMPACTS, "pull", "constraint")
@@ -109,6 +109,11 @@ class Ranking(Operation[RankingOptions]):
         ):
             if part is None:
                 flags = ranking_flag(result.poi_name, bound, held, refits)
+                columns = [*result.columns[i], result.poi_index]
+                uncertainty = result.uncertainty[i].tolist()
+                flags += uncertainty_flags(
+                    [result.labels[c] for c in columns], [uncertainty[c] for c in columns]
+                )
                 out.append(RowResult(ranking_answer(result, i, options.top), status, flags=flags))
             else:  # every parameter of the part: the join sorts them all and keeps the top
                 joining = RankingPart(bound, held, refits, options.top)
@@ -131,13 +136,17 @@ class Ranking(Operation[RankingOptions]):
         order = order[: joining[0].top]
         held = sum(j.held for j in joining)
         refits = sum(j.refits for j in joining)
+        flags = ranking_flag(first.poi.name, joining[0].poi_bound, held, refits)
+        flags += uncertainty_flags(
+            [*columns["labels"], first.poi.name], [*columns["uncertainty"], first.poi.uncertainty]
+        )
         return RowResult(
             RankingAnswer(
                 **{name: [values[c] for c in order] for name, values in columns.items()},
                 poi=first.poi,
             ),
             RowStatus.joined([p.status for p in parts]),
-            flags=ranking_flag(first.poi.name, joining[0].poi_bound, held, refits),
+            flags=flags,
         )
 
 

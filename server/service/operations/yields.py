@@ -8,7 +8,7 @@ from pyhf_gpu_server.engine import HistFactoryModel
 from pyhf_gpu_server.inference.yields import YieldSet, YieldsResults
 
 from ..schemas import ChannelYields, SampleYields, YieldsAnswer, YieldsOptions, YieldsResult
-from .base import EngineRows, Operation, RowResult, RowStatus
+from .base import EngineRows, Operation, RowResult, RowStatus, uncertainty_flags
 
 
 class Yields(Operation[YieldsOptions]):
@@ -27,16 +27,19 @@ class Yields(Operation[YieldsOptions]):
     ) -> list[RowResult]:
         result = inference.yields(model, element=rows.element, options=rows.fit)
         statuses = RowStatus.of(result, len(rows))
-        return [
-            RowResult(
-                YieldsAnswer(
-                    prefit=channel_yields(result, result.prefit, i),
-                    postfit=channel_yields(result, result.postfit, i),
-                ),
-                s,
+        out = []
+        for i, status in enumerate(statuses):
+            uncertainty = result.fit.uncertainty[i].tolist()
+            flags = uncertainty_flags(
+                [model.par_names[c] for c in rows.columns[i]],
+                [uncertainty[c] for c in rows.columns[i]],
             )
-            for i, s in enumerate(statuses)
-        ]
+            answer = YieldsAnswer(
+                prefit=channel_yields(result, result.prefit, i),
+                postfit=channel_yields(result, result.postfit, i),
+            )
+            out.append(RowResult(answer, status, flags=flags))
+        return out
 
 
 def channel_yields(result: YieldsResults, part: YieldSet, i: int) -> dict[str, ChannelYields]:
