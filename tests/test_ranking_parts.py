@@ -161,8 +161,9 @@ def injected_workspace(bins: int = 270, seed: int = 5) -> dict:
 @pytest.mark.slow
 def test_a_large_ranking_runs_in_parts_on_a_server(client):
     """Through a real server: a 272-parameter ranking as a job counts its two parts in its
-    progress, and answers as the synchronous request and as the whole ranking in process
-    (the free fit of each part in its own row, the parts' refits joined)."""
+    progress, and answers as the synchronous request (whose parts run one engine call each,
+    as a job's) and as the whole ranking in process (the free fit of each part in its own
+    row, the parts' refits joined)."""
     workspace = injected_workspace()
     accepted = client.post("/jobs", json={"operation": "ranking", "workspace": workspace})
     assert accepted.status_code == 202, accepted.text
@@ -173,6 +174,7 @@ def test_a_large_ranking_runs_in_parts_on_a_server(client):
     answered = client.post("/ranking", json={"workspace": workspace, "top": 20})
     assert answered.status_code == 200, answered.text
     top = answered.json()
+    assert top["meta"]["batch_rows"] == 1  # a part at a time, in the jobs lane, even so
     assert top["labels"] == result["labels"][:20]
     np.testing.assert_allclose(top["postfit_up"], result["postfit_up"][:20], rtol=0, atol=1e-8)
 

@@ -397,11 +397,12 @@ class Dispatcher:
                 context = WorkContext(
                     plan.background.key, plan.operation, plan.options, tuple(members), plan.row_cost
                 )
+                cut = plan.operation.long_parts and any(r.part is not None for r in group_rows)
                 item = self.scheduler.submit(
                     plan.batch_key(members[0].layout.stack_key),
                     context,
                     group_rows,
-                    lane,
+                    "jobs" if cut else lane,
                     progress.callback(),
                     plan.row_cost,
                     plan.batch_group,

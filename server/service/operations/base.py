@@ -172,8 +172,11 @@ class Operation(ABC, Generic[OptionsT]):
     Class attributes: ``name`` (route ``POST /<name>``, job ``operation``), ``summary``,
     ``options_model`` (its pydantic options; the request is the model selection plus these),
     ``result_model`` (one row's JSON: the answer :meth:`run` makes, a model of its only
-    ``*Answer`` base, plus ``meta``) and ``pois_field`` (the option whose values multiply the
-    rows, answered as a list when it is one; None: a row per element).
+    ``*Answer`` base, plus ``meta``), ``pois_field`` (the option whose values multiply the
+    rows, answered as a list when it is one; None: a row per element) and ``long_parts``
+    (whether a hypothesis cut in :meth:`parts` is long work: its rows run in the jobs lane
+    even for a synchronous request, a chunk at a time between interactive work, rather than
+    all in one interactive engine call).
     """
 
     name: ClassVar[str]
@@ -181,6 +184,7 @@ class Operation(ABC, Generic[OptionsT]):
     options_model: ClassVar[type[BaseModel]]
     result_model: ClassVar[type[BaseModel]]
     pois_field: ClassVar[str | None] = None
+    long_parts: ClassVar[bool] = False
 
     def __init__(self) -> None:
         title = "".join(part.title() for part in self.name.split("-"))

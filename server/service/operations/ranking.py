@@ -53,6 +53,7 @@ class Ranking(Operation[RankingOptions]):
     summary = "Impacts of the nuisance parameters on the POI (pre- and post-fit), with pulls"
     options_model = RankingOptions
     result_model = RankingResult
+    long_parts = True  # a part is about a thousand fits of a large model
 
     def row_cost(self, options: RankingOptions) -> float:
         ranked = 100 if options.parameters is None else len(options.parameters)
