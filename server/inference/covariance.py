@@ -38,10 +38,10 @@ from ..engine.sparsity import BinBlocks
 
 __all__ = [
     "BlockHessian",
+    "checked_covariance",
     "conditional_uncertainties",
     "correlations",
     "covariance",
-    "not_positive_definite",
     "undetermined",
 ]
 
@@ -69,7 +69,7 @@ def undetermined(diagonal: Tensor, fixed: Tensor) -> Tensor:
     return (diagonal <= UNDETERMINED_RTOL * scale) & fixed.logical_not()
 
 
-def not_positive_definite(
+def checked_covariance(
     unc: Tensor, corr: Tensor, cov: Tensor, held: Tensor, undetermined: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The uncertainties, correlations and covariance of rows held at ``held [B, P]`` (fixed

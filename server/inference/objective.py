@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from torch import Tensor
 
-from .covariance import BlockHessian, covariance, not_positive_definite, undetermined
+from .covariance import BlockHessian, checked_covariance, covariance, undetermined
 from .curvature import CPU_BLOCK_ROWS, Derivatives, Solver, choose_solver
 from .errors import InferenceError
 
@@ -192,7 +192,7 @@ class TwiceNLL:
             hessian = self.hessian(x, rows)
             held = undetermined(hessian.diagonal(dim1=-2, dim2=-1), fixed)
             unc, corr, cov = covariance(hessian, fixed | held)
-        return not_positive_definite(unc, corr, cov, fixed | held, held)
+        return checked_covariance(unc, corr, cov, fixed | held, held)
 
     def block_hessian(self, x: Tensor, rows: Tensor) -> BlockHessian:
         """The exact Hessian of ``-2 log L`` in the block form of the model's per-bin
