@@ -190,10 +190,17 @@ def test_a_row_s_toys_do_not_depend_on_its_slices_nor_its_company(models):
     alone = join_toy_parts(
         [hypotest(model, 1.0, calctype="toybased", ntoys=120, seed=3, toys=[s]) for s in mine]
     )
-    for result in (joined, alone):
+    # parts finer than a block, and across blocks (as a large model's): each draws its blocks
+    sevens = ToySlice.cut(0, 120, 7)
+    assert (sevens[7].first, sevens[7].stop, sevens[-1].ntoys) == (49, 56, 1)
+    mu = torch.ones(len(sevens), dtype=model.dtype, device=model.device)
+    element = torch.zeros(len(sevens), dtype=torch.long, device=model.device)
+    fine = hypotest(model, mu, element, calctype="toybased", ntoys=120, seed=3, toys=sevens)
+    finer = join_toy_parts([fine.row(i) for i in range(len(sevens))])
+    for result in (joined, alone, finer):
         assert torch.equal(result.cls_obs.cpu(), whole.cls_obs.cpu())
         assert torch.equal(result.cls_exp.cpu(), whole.cls_exp.cpu())
         assert torch.equal(result.toys.signal[0].cpu(), whole.toys.signal[0].cpu())
         assert result.converged.all()
-    with pytest.raises(ValueError, match="multiple of 50"):
-        ToySlice(0, 10, 60)
+    with pytest.raises(ValueError, match="holds toys of its row"):
+        ToySlice(0, 60, 60, 120)

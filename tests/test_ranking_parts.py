@@ -1,7 +1,8 @@
-"""A ranking cut in parts: a hypothesis with more ranked parameters than
-:data:`~pyhf_gpu_server.service.operations.ranking.RANK_BLOCK` runs as one row per part (so a
-job's progress moves and the device serves others between parts), and the parts joined answer
-what the whole ranking answers."""
+"""Long hypotheses cut in parts: a ranking with more ranked parameters than
+:data:`~pyhf_gpu_server.service.operations.ranking.RANK_BLOCK`, and a large model's toys
+(:func:`~pyhf_gpu_server.service.operations.base.toy_part_size`), run as one row per part (so
+a job's progress moves and the device serves others between parts), and the parts joined
+answer what the whole hypothesis answers."""
 
 from __future__ import annotations
 
@@ -17,9 +18,13 @@ from test_inference_support import DEVICE, one_thread  # noqa: F401 (fixture)
 from pyhf_gpu_server.engine import HistFactoryModel
 from pyhf_gpu_server.execution import EngineRows
 from pyhf_gpu_server.inference import FitOptions, ranking
+from pyhf_gpu_server.inference.hypotest import hypotest
 from pyhf_gpu_server.inference.ranking import ranked_parameters
+from pyhf_gpu_server.inference.toys import TOY_BLOCK, ToySlice
 from pyhf_gpu_server.service.operations import ranking as ranking_operation
+from pyhf_gpu_server.service.operations.base import toy_part_size
 from pyhf_gpu_server.service.operations.ranking import RANKED, Ranking, ranking_answer
+from pyhf_gpu_server.service.requests import Row
 from pyhf_gpu_server.service.schemas import RankingOptions
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -186,3 +191,33 @@ def test_a_large_ranking_runs_in_parts_on_a_server(client):
         ours = np.array([np.nan if v is None else v for v in result[name]])
         np.testing.assert_allclose(ours, whole[name], rtol=0, atol=1e-6, err_msg=name)
     assert result["meta"]["converged"] is True
+
+
+@pytest.mark.slow
+def test_a_large_models_toys_run_in_finer_parts_on_a_server(client):
+    """Through a real server: the 272-parameter search's toys are cut finer than a block
+    (parts of 46 toys), counted in a job's progress, and the parts joined answer as the
+    synchronous request and as the whole row's toys drawn at once in process (each part
+    draws its blocks whole and keeps its share: the same toys however the row is cut)."""
+    workspace, mu = injected_workspace(), 1.6
+    body = {"test_poi": mu, "calctype": "toybased", "ntoys": 100, "seed": 7}
+    model = HistFactoryModel.from_workspace(workspace, device=DEVICE)
+    assert toy_part_size(model.elements[0]) == 46 < TOY_BLOCK
+    accepted = client.post("/jobs", json={"operation": "cls", "workspace": workspace, **body})
+    assert accepted.status_code == 202, accepted.text
+    job = wait_for_job(client, accepted.json()["id"], timeout_s=300)
+    assert job["status"] == "succeeded", job
+    assert job["progress"] == {"done": 3, "total": 3}  # 46 + 46 + 8 toys
+    answered = client.post("/cls", json={"workspace": workspace, **body})
+    assert answered.status_code == 200, answered.text
+    for result in (job["result"], answered.json()):
+        assert result["meta"]["converged"] is True
+
+    key = Row("", mu, (0, 100)).toy_slice(100).key  # the bare workspace's element: ""
+    whole = hypotest(
+        model, mu, calctype="toybased", ntoys=100, seed=7, toys=[ToySlice(key, 0, 100)]
+    )
+    assert 0.0 < float(whole.cls_obs[0]) < 1.0
+    for result in (job["result"], answered.json()):
+        assert result["CLs_obs"] == pytest.approx(float(whole.cls_obs[0]), abs=1e-12)
+        assert result["CLs_exp"] == pytest.approx(whole.cls_exp[0].tolist(), abs=1e-12)

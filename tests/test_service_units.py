@@ -172,9 +172,9 @@ def test_docstring_examples_of_the_operations_and_the_dispatcher() -> None:
     import doctest
 
     from pyhf_gpu_server.service import dispatch
-    from pyhf_gpu_server.service.operations import fit
+    from pyhf_gpu_server.service.operations import base, fit
 
-    for module in (fit, dispatch):
+    for module in (fit, dispatch, base):
         failures, attempted = doctest.testmod(module)
         assert attempted > 0 and failures == 0, module.__name__
 

@@ -41,7 +41,7 @@ class CallRow(Protocol):
     @property
     def part(self) -> tuple[int, int] | None: ...
 
-    def toy_slice(self) -> ToySlice: ...
+    def toy_slice(self, ntoys: int) -> ToySlice: ...
 
 
 class FitPlanLike(Protocol):
@@ -193,12 +193,13 @@ class EngineCall:
             max_rows=self.max_rows,
             stop=stop,
         )
+        ntoys = operation.toys(self.options)
         return EngineRows(
             torch.tensor(elements, dtype=torch.long, device=model.device),
             poi,
             [model.element_columns(e) for e in elements],
             fit,
-            [row.toy_slice() for row in rows] if operation.toys(self.options) else None,
+            [row.toy_slice(ntoys) for row in rows] if ntoys else None,
             [row.part for row in rows],
         )
 

@@ -59,7 +59,7 @@ __all__ = [
 
 # pyhf's percentiles of the -2..+2 sigma bands
 PERCENTILES = (2.27501319, 15.86552539, 50.0, 84.13447461, 97.72498681)
-# Toys drawn from one generator: the unit of a row's toy stream, and the least a slice holds
+# Toys drawn from one generator: the unit of a row's toy stream
 TOY_BLOCK = 50
 _MASK64 = (1 << 64) - 1
 
@@ -86,40 +86,53 @@ def toy_seed(seed: int, key: int, block: int) -> int:
 
 @dataclass(frozen=True)
 class ToySlice:
-    """Toys ``first .. stop - 1`` (of each hypothesis) of the row whose toy stream is
-    ``key``; ``first`` is a multiple of :data:`TOY_BLOCK`.
+    """Toys ``first .. stop - 1`` of the ``total`` toys (of each hypothesis) of the row whose
+    toy stream is ``key`` (``total`` 0: ``stop``). The stream is drawn in blocks of
+    :data:`TOY_BLOCK`, each whole from its own generator: a slice within a block draws the
+    block and keeps its share, so its toys are the same however the row is cut.
 
     >>> [(s.first, s.stop) for s in ToySlice.cut(0, 120)]
     [(0, 50), (50, 100), (100, 120)]
+    >>> ToySlice(0, 45, 60, total=70).blocks()  # (block, toys it draws, kept from .. to)
+    [(0, 50, 45, 50), (1, 20, 0, 10)]
     """
 
     key: int
     first: int
     stop: int
+    total: int = 0
 
     def __post_init__(self) -> None:
-        if self.first % TOY_BLOCK or not 0 <= self.first < self.stop:
+        if not self.total:
+            object.__setattr__(self, "total", self.stop)
+        if not 0 <= self.first < self.stop <= self.total:
             raise ValueError(
-                f"a toy slice starts at a multiple of {TOY_BLOCK} and holds toys: "
-                f"{self.first}..{self.stop}"
+                f"a toy slice holds toys of its row: {self.first}..{self.stop} of {self.total}"
             )
 
     @property
     def ntoys(self) -> int:
         return self.stop - self.first
 
-    def blocks(self) -> list[tuple[int, int]]:
-        """``(block, toys)`` of the blocks it draws."""
+    def blocks(self) -> list[tuple[int, int, int, int]]:
+        """``(block, drawn, lo, hi)`` of the blocks it draws from: the block's toys (all of
+        the row's in it) and the range it keeps."""
+        first_block, last_block = self.first // TOY_BLOCK, (self.stop - 1) // TOY_BLOCK
         return [
-            (first // TOY_BLOCK, min(TOY_BLOCK, self.stop - first))
-            for first in range(self.first, self.stop, TOY_BLOCK)
+            (
+                block,
+                min(TOY_BLOCK, self.total - block * TOY_BLOCK),
+                max(self.first - block * TOY_BLOCK, 0),
+                min(self.stop - block * TOY_BLOCK, TOY_BLOCK),
+            )
+            for block in range(first_block, last_block + 1)
         ]
 
     @classmethod
     def cut(cls, key: int, ntoys: int, size: int = TOY_BLOCK) -> list[ToySlice]:
-        """The ``ntoys`` toys of row ``key`` as slices of ``size`` toys (a multiple of
-        :data:`TOY_BLOCK`; the last one shorter)."""
-        return [cls(key, first, min(first + size, ntoys)) for first in range(0, ntoys, size)]
+        """The ``ntoys`` toys of row ``key`` as slices of ``size`` toys (the last one
+        shorter)."""
+        return [cls(key, first, min(first + size, ntoys), ntoys) for first in range(0, ntoys, size)]
 
 
 def sample_toys(
@@ -340,14 +353,14 @@ class ToyCalculator:
         for r, toy_slice in enumerate(slices):
             signal: list[Tensor] = []
             background: list[Tensor] = []
-            for block, count in toy_slice.blocks():
+            for block, count, lo, hi in toy_slice.blocks():
                 generator = torch.Generator(device=model.device)
                 generator.manual_seed(toy_seed(self.seed, toy_slice.key, block))
                 for target, at in ((signal, r), (background, rows + r)):
                     target.append(
                         draw_toys(
                             model, expected[at : at + 1], element[r : r + 1], count, generator
-                        )[0]
+                        )[0, lo:hi]
                     )
             drawn.extend([*signal, *background])
         return torch.cat(drawn)

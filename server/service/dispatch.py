@@ -397,7 +397,9 @@ class Dispatcher:
                 context = WorkContext(
                     plan.background.key, plan.operation, plan.options, tuple(members), plan.row_cost
                 )
-                cut = plan.operation.long_parts and any(r.part is not None for r in group_rows)
+                cut = any(r.part is not None for r in group_rows) and plan.operation.long_parts(
+                    plan.options, members[0].layout
+                )
                 item = self.scheduler.submit(
                     plan.batch_key(members[0].layout.stack_key),
                     context,

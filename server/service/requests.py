@@ -207,13 +207,14 @@ class Row:
         """What its parts have in common (the hypothesis it answers)."""
         return self.element, self.poi
 
-    def toy_slice(self) -> ToySlice:
-        """Its toys as the inference layer draws them: the stream keyed by its hypothesis
-        (the same toys whatever rows or requests it runs with, however it is sliced)."""
+    def toy_slice(self, ntoys: int) -> ToySlice:
+        """Its toys, of the hypothesis' ``ntoys``, as the inference layer draws them: the
+        stream keyed by its hypothesis (the same toys whatever rows or requests it runs
+        with, however it is sliced)."""
         if self.part is None:
             raise ValueError("a row without a part draws no toys")
         digest = hashlib.blake2b(repr(self.hypothesis).encode(), digest_size=8).digest()
-        return ToySlice(int.from_bytes(digest, "little"), *self.part)
+        return ToySlice(int.from_bytes(digest, "little"), *self.part, ntoys)
 
 
 @dataclass(frozen=True)

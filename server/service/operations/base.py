@@ -31,6 +31,24 @@ from ..schemas import CalculatorOptions, ModelSelection, PatchError, ResultFlag,
 
 OptionsT = TypeVar("OptionsT", bound=BaseModel)
 
+#: parameters above which a toy-based hypothesis is cut finer than a block of toys: a part
+#: then holds about ``TOY_BLOCK * TOY_PART_PARAMETERS / parameters`` toys (a toy's fits cost
+#: at least in proportion to the parameters), so its progress moves and it gives the device
+#: back between parts
+TOY_PART_PARAMETERS = 256
+
+
+def toy_part_size(layout: ElementLayout | None) -> int:
+    """Toys per part of a toy-based hypothesis on the element ``layout`` (None: not read yet).
+
+    >>> from types import SimpleNamespace as Layout
+    >>> [toy_part_size(Layout(n_pars=n)) for n in (119, 256, 1047, 2107, 20000)]
+    [50, 50, 12, 6, 1]
+    """
+    if layout is None or layout.n_pars <= TOY_PART_PARAMETERS:
+        return TOY_BLOCK
+    return max(1, TOY_BLOCK * TOY_PART_PARAMETERS // layout.n_pars)
+
 
 @dataclass(frozen=True)
 class RowStatus:
@@ -173,10 +191,7 @@ class Operation(ABC, Generic[OptionsT]):
     ``options_model`` (its pydantic options; the request is the model selection plus these),
     ``result_model`` (one row's JSON: the answer :meth:`run` makes, a model of its only
     ``*Answer`` base, plus ``meta``), ``pois_field`` (the option whose values multiply the
-    rows, answered as a list when it is one; None: a row per element) and ``long_parts``
-    (whether a hypothesis cut in :meth:`parts` is long work: its rows run in the jobs lane
-    even for a synchronous request, a chunk at a time between interactive work, rather than
-    all in one interactive engine call).
+    rows, answered as a list when it is one; None: a row per element).
     """
 
     name: ClassVar[str]
@@ -184,7 +199,6 @@ class Operation(ABC, Generic[OptionsT]):
     options_model: ClassVar[type[BaseModel]]
     result_model: ClassVar[type[BaseModel]]
     pois_field: ClassVar[str | None] = None
-    long_parts: ClassVar[bool] = False
 
     def __init__(self) -> None:
         title = "".join(part.title() for part in self.name.split("-"))
@@ -236,10 +250,18 @@ class Operation(ABC, Generic[OptionsT]):
         """The parts ``(first, stop)`` a hypothesis on the element ``layout`` is cut into, a
         row each, whose results :meth:`join` joins (None: one row, uncut); ``layout`` None:
         as far as known before the patches are read (progress' first total). Here: a
-        toy-based test's toys, in slices of
-        :data:`~pyhf_gpu_server.inference.toys.TOY_BLOCK`."""
+        toy-based test's toys, in slices of :func:`toy_part_size`."""
         ntoys = self.toys(options)
-        return [(s.first, s.stop) for s in ToySlice.cut(0, ntoys)] if ntoys else None
+        if not ntoys:
+            return None
+        return [(s.first, s.stop) for s in ToySlice.cut(0, ntoys, toy_part_size(layout))]
+
+    def long_parts(self, options: OptionsT, layout: ElementLayout) -> bool:
+        """Whether the parts (:meth:`parts`) of a hypothesis on ``layout`` are long work:
+        they run in the jobs lane even for a synchronous request, a chunk at a time between
+        interactive work, rather than all in one interactive engine call. Here: toys cut
+        finer than a block (:func:`toy_part_size`: a large model)."""
+        return self.toys(options) > 0 and toy_part_size(layout) < TOY_BLOCK
 
     def join(self, parts: list[RowResult]) -> RowResult:
         """One hypothesis' answer from its parts' results (in the order of :meth:`parts`);

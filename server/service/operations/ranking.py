@@ -53,7 +53,6 @@ class Ranking(Operation[RankingOptions]):
     summary = "Impacts of the nuisance parameters on the POI (pre- and post-fit), with pulls"
     options_model = RankingOptions
     result_model = RankingResult
-    long_parts = True  # a part is about a thousand fits of a large model
 
     def row_cost(self, options: RankingOptions) -> float:
         ranked = 100 if options.parameters is None else len(options.parameters)
@@ -73,6 +72,10 @@ class Ranking(Operation[RankingOptions]):
         if count <= RANK_BLOCK:
             return None
         return [(first, min(first + RANK_BLOCK, count)) for first in range(0, count, RANK_BLOCK)]
+
+    def long_parts(self, options: RankingOptions, layout: ElementLayout) -> bool:
+        """Always: a part is about a thousand fits of a large model."""
+        return True
 
     def element_problem(self, layout: ElementLayout, options: RankingOptions) -> str | None:
         """No POI, or a named parameter this patch does not have (or that is its POI)."""
