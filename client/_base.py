@@ -1,12 +1,10 @@
 """The client API, defined once, run by small drivers (no I/O here, no httpx import).
 
 Every public method is written once in :class:`ClientBase` as a function that builds a
-sans-IO flow (see :mod:`pyhf_gpu_client.protocol`). The :func:`_api` descriptor turns it into
-a method that hands the flow to the instance's driver, ``_run``: blocking, sending with the
-subclass's ``_send`` (``Client``: httpx; ``StdlibClient``: the standard library's
-``http.client``, the command line's, which so does not import httpx), or ``AsyncClient``'s,
-a coroutine (httpx). So ``Client().cls(ws)`` returns a result and
-``await AsyncClient().cls(ws)`` returns the same result.
+sans-IO flow (:mod:`pyhf_gpu_client.protocol`); the :class:`_api` descriptor makes it a method
+that hands the flow to the instance's driver, ``_run``: blocking, sending with ``_send``
+(``Client``: httpx; ``StdlibClient``: ``http.client``, the command line's), or a coroutine
+(``AsyncClient``). So ``Client().cls(ws)`` and ``await AsyncClient().cls(ws)`` return the same.
 """
 
 from __future__ import annotations

@@ -19,7 +19,6 @@ META = "pyhf_gpu_client"
 OUTPUT_FILE = click.option(
     "--output-file",
     help="The location of the output json file. If not specified, prints to screen.",
-    default=None,
 )
 
 
@@ -83,27 +82,26 @@ def parse_test_poi(values: Sequence[str], option: str = "--test-poi") -> float |
     ``start:stop:num`` is ``num`` evenly spaced values from ``start`` to ``stop`` inclusive.
     """
     points: list[float] = []
-    single = len(values) == 1
-    for value in values:
-        for piece in str(value).split(","):
-            piece = piece.strip()
-            if not piece:
-                continue
-            if ":" in piece:
-                single = False
-                points.extend(_linspace(piece, option))
-            else:
-                try:
-                    points.append(float(piece))
-                except ValueError:
-                    raise click.BadParameter(
-                        f"{piece!r} is not a number", param_hint=f"'{option}'"
-                    ) from None
-        if "," in str(value):
-            single = False
+    for piece in (piece.strip() for value in values for piece in str(value).split(",")):
+        if ":" in piece:
+            points.extend(_linspace(piece, option))
+        elif piece:
+            try:
+                points.append(float(piece))
+            except ValueError:
+                raise click.BadParameter(
+                    f"{piece!r} is not a number", param_hint=f"'{option}'"
+                ) from None
     if not points:
         raise click.BadParameter("no value given", param_hint=f"'{option}'")
-    return points[0] if single and len(points) == 1 else points
+    single = len(values) == 1 and not {",", ":"} & set(str(values[0]))
+    return points[0] if single else points
+
+
+def _grid(values: Sequence[str], option: str) -> list[float]:
+    """:func:`parse_test_poi`'s values, always a list."""
+    grid = parse_test_poi(values, option)
+    return grid if isinstance(grid, list) else [grid]
 
 
 def _linspace(text: str, option: str = "--test-poi") -> list[float]:
@@ -138,13 +136,12 @@ def workspace_options(f: Callable[..., Any], outputs: bool = True) -> Callable[.
     decorators = [
         click.argument("workspace", default="-"),
         *([OUTPUT_FILE] if outputs else []),
-        click.option("--measurement", default=None),
+        click.option("--measurement"),
         click.option(
             "-p", "--patch", multiple=True, help="A jsonpatch file applied first (repeatable)."
         ),
         click.option(
             "--patchset",
-            default=None,
             metavar="PATCHSET",
             help="A pyhf PatchSet: run every patch on WORKSPACE in one batch; prints {patch: result}.",
         ),
@@ -209,13 +206,11 @@ def calculator_options(f: Callable[..., Any]) -> Callable[..., Any]:
         click.option(
             "--ntoys",
             type=click.IntRange(min=1),
-            default=None,
             help="Toys per hypothesis with --calctype toybased [server default 2000].",
         ),
         click.option(
             "--seed",
             type=click.IntRange(min=0, max=MAX_SEED),
-            default=None,
             help="Random seed of the toys with --calctype toybased (an unsigned 64-bit integer).",
         ),
     ]
@@ -228,7 +223,6 @@ def scan_axis_options(f: Callable[..., Any], suffix: str = "") -> Callable[..., 
     decorators = [
         click.option(
             f"--parameter{suffix}",
-            default=None,
             metavar="NAME",
             help=f"Label of {axis}, e.g. lumi or staterror_SR[0] [default: the POI].",
         ),
@@ -242,14 +236,12 @@ def scan_axis_options(f: Callable[..., Any], suffix: str = "") -> Callable[..., 
             f"--range{suffix}",
             nargs=2,
             type=float,
-            default=None,
             metavar="LO HI",
             help=f"An evenly spaced grid from LO to HI (with --steps{suffix}).",
         ),
         click.option(
             f"--steps{suffix}",
             type=click.IntRange(min=2),
-            default=None,
             help=f"Grid points over --range{suffix}, or without a grid over each patch's "
             "best fit +- 3 uncertainties (cabinetry's default) [server default 11].",
         ),
@@ -265,7 +257,6 @@ def upper_limit_options(
     f = click.option(
         "--level",
         type=click.FloatRange(0, 1, min_open=True, max_open=True),
-        default=None,
         help=level_help,
     )(f)
     return click.option(
@@ -286,11 +277,7 @@ def ranking_options(f: Callable[..., Any]) -> Callable[..., Any]:
         "staterror_SR[0]) [default: every free parameter but the POI].",
     )(f)
     return click.option(
-        "--top",
-        type=click.IntRange(min=1),
-        default=None,
-        metavar="N",
-        help="Only the N largest impacts.",
+        "--top", type=click.IntRange(min=1), metavar="N", help="Only the N largest impacts."
     )(f)
 
 
@@ -303,7 +290,6 @@ def job_plot_options(f: Callable[..., Any], operation: str) -> Callable[..., Any
         click.option(
             "--plot",
             "plot_file",
-            default=None,
             metavar="FILE",
             help="Also draw the result into FILE (.png or .svg): the command then runs as a "
             f"job (progress on stderr) and its plot is fetched [kind: {implied}].",
@@ -311,7 +297,6 @@ def job_plot_options(f: Callable[..., Any], operation: str) -> Callable[..., Any
         click.option(
             "--plot-kind",
             type=click.Choice(sorted(tables.PLOTS)),
-            default=None,
             help="The plot kind of --plot, when not the one implied.",
         ),
         click.option(
@@ -337,7 +322,6 @@ def operation_options(f: Callable[..., Any], operation: str, submit: bool) -> Ca
         f = click.option(
             "--value",
             help="Flag for returning the fitted value of the objective function.",
-            default=False,
             is_flag=True,
         )(f)
         f = click.option(
@@ -373,7 +357,6 @@ def operation_options(f: Callable[..., Any], operation: str, submit: bool) -> Ca
         f = click.option(
             "--wait-timeout",
             type=float,
-            default=None,
             metavar="SECONDS",
             help="With --wait: give up waiting after this long (the job keeps running).",
         )(f)
@@ -413,8 +396,7 @@ def _scan_axis(kwargs: dict[str, Any], suffix: str = "") -> dict[str, Any]:
         return {}  # a 1D scan
     out: dict[str, Any] = {"parameter" + suffix: parameter, "steps" + suffix: steps}
     if values:
-        grid = parse_test_poi(values, flag("values"))
-        out["values" + suffix] = grid if isinstance(grid, list) else [grid]
+        out["values" + suffix] = _grid(values, flag("values"))
     elif bounds:
         out["range" + suffix] = list(bounds)
     return out
@@ -432,8 +414,7 @@ def operation_kwargs(operation: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     elif operation == UPPER_LIMIT:
         out["level"] = kwargs.get("level")
         if kwargs.get("scan"):
-            scan = parse_test_poi(kwargs["scan"], "--scan")
-            out["scan"] = scan if isinstance(scan, list) else [scan]
+            out["scan"] = _grid(kwargs["scan"], "--scan")
     elif operation == RANKING:
         out.update(parameters=list(kwargs["parameter"]) or None, top=kwargs.get("top"))
     elif operation == SCAN:

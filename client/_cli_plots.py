@@ -151,20 +151,14 @@ def plot_command_options(f: Callable[..., Any], kind: str) -> Callable[..., Any]
             metavar="FILE",
             help="The image file; its suffix is the format: .png or .svg.",
         ),
-        click.option("--title", default=None, help="A title above the plot."),
+        click.option("--title", help="A title above the plot."),
         click.option(
             "--label",
-            default=None,
             help="An experiment label at the top left, e.g. 'ATLAS Internal' (first word bold).",
         ),
+        click.option("--rlabel", help="A label at the top right, e.g. '13 TeV, 139 fb⁻¹'."),
         click.option(
-            "--rlabel", default=None, help="A label at the top right, e.g. '13 TeV, 139 fb⁻¹'."
-        ),
-        click.option(
-            "--dpi",
-            type=click.FloatRange(min=1),
-            default=None,
-            help="PNG resolution [server default 150].",
+            "--dpi", type=click.FloatRange(min=1), help="PNG resolution [server default 150]."
         ),
         click.option(
             "--option",

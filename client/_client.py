@@ -22,11 +22,7 @@ def _httpx_timeout(timeout: p.Timeout | float | None) -> httpx.Timeout:
     """``ClientConfig.timeout`` for httpx (a :class:`~.protocol.Timeout` or None by then:
     ``Timeout.of`` returns those as they are)."""
     limits = p.Timeout.of(timeout)
-    if limits is None:
-        return httpx.Timeout(None)
-    return httpx.Timeout(
-        connect=limits.connect, read=limits.read, write=limits.write, pool=limits.pool
-    )
+    return httpx.Timeout(None) if limits is None else httpx.Timeout(**vars(limits))
 
 
 def _httpx_options(client: ClientBase, transport: Any) -> dict[str, Any]:
@@ -42,15 +38,13 @@ def _httpx_options(client: ClientBase, transport: Any) -> dict[str, Any]:
 
 def _transport_error(exc: httpx.TransportError, request: p.Request) -> TransportError:
     """An httpx transport failure as the client's exception."""
-    kind: p.TransportFailure
+    kind: p.TransportFailure = "failed"
     if isinstance(exc, (httpx.ConnectTimeout, httpx.PoolTimeout)):
         kind = "connect-timeout"
     elif isinstance(exc, httpx.TimeoutException):
         kind = "read-timeout"
     elif isinstance(exc, httpx.ConnectError):
         kind = "connect"
-    else:
-        kind = "failed"
     return p.transport_error(kind, exc, request)
 
 

@@ -101,21 +101,9 @@ PROXY_VARIABLES = ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
 
 @dataclass
 class ClientConfig:
-    """Everything that shapes requests. Shared, read-only, by a client and its flows.
-
-    Attributes:
-        server: base URL (``--server`` / ``PYHF_GPU_SERVER``).
-        token: API token sent as ``Authorization: Bearer <token>``.
-        timeout: a :class:`Timeout` (an ``httpx.Timeout`` or seconds become one).
-        retry: the :class:`RetryPolicy`.
-        compress: gzip request bodies of at least ``compress_min_bytes`` bytes.
-        upload_threshold: workspaces of at least this many JSON bytes are uploaded once to
-            ``POST /workspaces`` and referenced by id; smaller ones travel inline.
-        job_after: seconds after which a computation the server is still running becomes a
-            job there, which the call follows to its end (``Prefer: respond-async``; ``None``:
-            never, the request ends at the server's ``--request-timeout-s``).
-        on_job_update: called with each polled state of such a job (progress reporting).
-    """
+    """Everything that shapes requests. Shared, read-only, by a client and its flows; the
+    fields are the arguments of :class:`~pyhf_gpu_client._base.ClientBase` (``timeout`` made a
+    :class:`Timeout`), ``compress_min_bytes`` the smallest body ``compress`` gzips."""
 
     server: str = DEFAULT_SERVER
     token: str | None = None
@@ -278,8 +266,7 @@ def scan_axis(
         raise ValueError(f"{what} takes values or range, not both")
     axis: dict[str, Any] = {} if parameter is None else {"parameter": str(parameter)}
     if values is not None:
-        axis["values"] = [float(v) for v in values]
-        return axis
+        return {**axis, "values": [float(v) for v in values]}
     if range is not None:
         bounds = [float(v) for v in range]
         if len(bounds) != 2:
@@ -308,10 +295,8 @@ def scan_options(options: Mapping[str, Any]) -> dict[str, Any]:
 
 def ranking_options(options: Mapping[str, Any]) -> dict[str, Any]:
     """``parameters`` of ``POST /ranking`` as a list (one label may be given as a string)."""
-    out = dict(options)
-    if isinstance(out.get("parameters"), str):
-        out["parameters"] = [out["parameters"]]
-    return out
+    parameters = options.get("parameters")
+    return {**options, "parameters": [parameters] if isinstance(parameters, str) else parameters}
 
 
 #: operations whose client keywords are not the server's fields as they are

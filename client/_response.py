@@ -4,6 +4,7 @@ read whole, transport failures and error answers as the client's exceptions (the
 
 from __future__ import annotations
 
+import contextlib
 import email.utils
 import json
 import time
@@ -50,15 +51,11 @@ def parse_retry_after(value: str | None, now: float | None = None) -> float | No
     if not value:
         return None
     value = value.strip()
-    try:
+    with contextlib.suppress(ValueError):
         return max(float(value), 0.0)
-    except ValueError:
-        pass
     try:
         when = email.utils.parsedate_to_datetime(value)
     except (TypeError, ValueError):
-        return None
-    if when is None:
         return None
     return max(when.timestamp() - (time.time() if now is None else now), 0.0)
 

@@ -88,18 +88,10 @@ ModelLike = Any  # pyhf.pdf.Model | pyhf.Workspace | Mapping[str, Any] (a worksp
 
 @dataclass(frozen=True)
 class _Problem:
-    """What one call asks the service about: the model (for labels and settings), the
-    workspace sent, the options every request carries and the settings of the fits.
-
-    Attributes:
-        model: the ``pyhf.Model`` whose parameter order the answers take.
-        workspace: the workspace JSON rebuilt from the model and the data.
-        options: envelope fields of every request (``modifier_settings``).
-        init, fixed: per parameter, the fits' start (the value of a fixed one) and whether
-            it is fixed, in the model's order.
-        bounds: per parameter ``(low, high)``.
-        poi_index: the POI's index in the model's order.
-    """
+    """What one call asks the service about: the ``pyhf.Model`` whose parameter order the
+    answers take, the workspace sent, the envelope fields of every request
+    (``modifier_settings``), and per parameter in the model's order the fits' start (the value
+    of a fixed one), whether it is fixed and its ``(low, high)`` bounds."""
 
     model: Any
     workspace: dict[str, Any]
@@ -116,10 +108,9 @@ class _Problem:
 
 
 def _model_and_data(model: ModelLike, data: Sequence[float] | None) -> tuple[Any, list[float]]:
-    """A ``pyhf.Model`` and its data (main data then auxdata) from what the caller gave: a
-    model and data, or a workspace (``pyhf.Workspace`` or its JSON) and, optionally, data
-    (default: its observations), the model built as ``cabinetry.model_utils.model_and_data``
-    builds it."""
+    """A ``pyhf.Model`` and its data (main data then auxdata): a model and data, or a workspace
+    and optionally data (default its observations), the model built by cabinetry's
+    ``model_utils.model_and_data``."""
     if isinstance(model, pyhf.pdf.Model):
         if data is None:
             raise ValueError("data is needed with a pyhf.Model (main data followed by auxdata)")
@@ -141,8 +132,7 @@ def _per_parameter(
     npars: int,
     convert: Callable[[Any], Any],
 ) -> list[Any]:
-    """``values`` (or ``default``) as a list of ``npars`` entries (ValueError otherwise), each
-    ``convert``-ed."""
+    """``values`` (or ``default``) ``convert``-ed, ``npars`` of them (ValueError otherwise)."""
     values = list(default if values is None else values)
     if len(values) != npars:
         raise ValueError(f"{name} has {len(values)} entries; the model has {npars} parameters")
@@ -155,8 +145,7 @@ def _bound(pair: Sequence[float]) -> list[float]:
 
 
 def _poi_of(model: Any, poi_name: str | None) -> int | None:
-    """The POI's index: ``poi_name``'s (ValueError if the model has no such parameter or it is
-    part of a parameter set) or the model's."""
+    """The POI's index: ``poi_name``'s (a parameter set of its own) or the model's."""
     if poi_name is None:
         return model.config.poi_index
     labels = list(model.config.par_names)
@@ -198,8 +187,8 @@ def _measurement_parameters(
 
 
 def _check_auxdata(model: Any, data: list[float]) -> None:
-    """The data are the model's main data followed by its nominal auxdata (ValueError
-    otherwise: the service builds the auxdata from the workspace)."""
+    """ValueError unless the data are main data and the model's nominal auxdata (the service
+    builds the auxdata from the workspace)."""
     config = model.config
     expected = config.nmaindata + config.nauxdata
     if len(data) != expected:
@@ -291,8 +280,8 @@ def _problem(
 
 
 def _refuse(**given: Any) -> None:
-    """NotImplementedError for options of cabinetry's MINUIT and root finder that the service
-    does not have (``name=(value, default)``): set to anything but their default."""
+    """NotImplementedError for an option ``name=(value, default)`` the service does not have,
+    set to anything but its default."""
     for name, (value, default) in given.items():
         if value != default:
             raise NotImplementedError(
@@ -305,11 +294,10 @@ def _refuse(**given: Any) -> None:
 def _asking(
     args: Mapping[str, Any], **refuse: tuple[Any, Any]
 ) -> Iterator[tuple[_Problem, ClientBase]]:
-    """What every public function does first with its arguments ``args`` (its ``locals()``),
-    yielding ``(problem, client)``: refuse the options the service does not have (``refuse``'s
-    ``name=(value, default)``, then the MINUIT settings), build the :class:`_Problem`, and
-    take ``client`` or a :class:`~pyhf_gpu_client.Client` of the usual settings
-    (``$PYHF_GPU_SERVER``, ``$PYHF_GPU_API_TOKEN``), closed afterwards."""
+    """``(problem, client)`` of a public function's arguments ``args`` (its ``locals()``),
+    once the options the service does not have are refused (``refuse``, then MINUIT's
+    settings): ``client``, or a :class:`~pyhf_gpu_client.Client` of the usual settings
+    (``$PYHF_GPU_SERVER``) closed afterwards."""
     _refuse(**refuse)
     _refuse(  # the MINUIT settings every cabinetry fit takes
         strategy=(args["strategy"], None),
@@ -335,8 +323,7 @@ def _asking(
 
 
 def _in_model_order(model: Any, grouped: Mapping[str, Sequence[float]]) -> np.ndarray:
-    """``{parameter set: [values]}`` (the service's ``mle_parameters`` layout) as one array in
-    the model's parameter order."""
+    """``{parameter set: [values]}`` (``mle_parameters``) as one array in the model's order."""
     out = np.full(model.config.npars, np.nan)
     for name in model.config.par_order:
         if name not in grouped:
@@ -348,10 +335,7 @@ def _in_model_order(model: Any, grouped: Mapping[str, Sequence[float]]) -> np.nd
 def _service_positions(model: Any, grouped: Mapping[str, Sequence[float]]) -> np.ndarray:
     """For each parameter in the model's order, its position in the service's flat order
     (the sets of ``grouped`` in their order, as its ``corr_mat`` rows are)."""
-    start, offsets = 0, {}
-    for name, values in grouped.items():
-        offsets[name] = start
-        start += len(values)
+    offsets = dict(zip(grouped, np.cumsum([0, *map(len, grouped.values())]), strict=False))
     positions = np.empty(model.config.npars, dtype=int)
     for name in model.config.par_order:
         part = model.config.par_slice(name)

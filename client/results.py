@@ -15,17 +15,7 @@ import math
 import types
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import (
-    Any,
-    ClassVar,
-    Protocol,
-    TypedDict,
-    TypeVar,
-    cast,
-    get_args,
-    get_origin,
-    get_type_hints,
-)
+from typing import Any, ClassVar, TypedDict, TypeVar, cast, get_args, get_origin, get_type_hints
 
 from . import tables
 
@@ -90,16 +80,9 @@ class ResultMeta(TypedDict, total=False):
     timings: dict[str, float]
 
 
-def _meta(data: Mapping[str, Any]) -> ResultMeta:
-    """A copy of the answer's ``meta`` object (empty if none)."""
-    return cast(ResultMeta, dict(data.get("meta") or {}))
-
-
 def _float(value: Any) -> float:
     """JSON number (or null / "nan" / "inf" strings some servers emit) -> float."""
-    if value is None:
-        return math.nan
-    return float(value)
+    return math.nan if value is None else float(value)
 
 
 def _floats(values: Any) -> list[float]:
@@ -145,13 +128,13 @@ def _convert(kind: Any, value: Any) -> Any:
 def _from_json(cls: type, data: Mapping[str, Any], **parsed: Any) -> Any:
     """``cls``, a dataclass mirroring the server's JSON, from ``data``: the fields not in
     ``parsed`` read from their keys by their types (:func:`_convert`); a missing key gives
-    the field's default, NaN for a number, else KeyError; ``meta`` and ``extra`` by
-    :func:`_meta` and :func:`_extra`."""
+    the field's default, NaN for a number, else KeyError; ``meta`` a copy of the answer's
+    (empty if none), ``extra`` by :func:`_extra`."""
     for f, kind in _field_types(cls):
         if f.name in parsed:
             continue
         if f.name == "meta":
-            parsed["meta"] = _meta(data)
+            parsed["meta"] = cast(ResultMeta, dict(data.get("meta") or {}))
         elif f.name == "extra":
             parsed["extra"] = _extra(data, cls)
         elif f.name in data:
@@ -712,15 +695,8 @@ class YieldsResult(_Record):
                 for sample, values, stdevs in yields.rows():
                     for b in range(yields.bins):
                         stdev = None if stdevs is None else stdevs[b]
-                        out.append(
-                            dict(
-                                zip(
-                                    self.COLUMNS,
-                                    (fit, channel, sample, b, values[b], stdev),
-                                    strict=True,
-                                )
-                            )
-                        )
+                        row = (fit, channel, sample, b, values[b], stdev)
+                        out.append(dict(zip(self.COLUMNS, row, strict=True)))
         return out
 
     def table(self, fit: str = "postfit", precision: int = 2) -> dict[str, list[dict[str, str]]]:
@@ -777,18 +753,8 @@ Single = (
 Result = Single | list[Any] | dict[str, Any]
 
 
-class _ResultClass(Protocol):
-    """What :func:`parse_result` asks of a result class: the key marking its answer (unless
-    it has ``matches``), and its parser."""
-
-    KEY: ClassVar[str]
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> Any: ...
-
-
 #: the result classes of each operation, tried in order on one answer
-_CLASSES: dict[str, tuple[type[_ResultClass], ...]] = {
+_CLASSES: dict[str, tuple[type[Any], ...]] = {
     tables.CLS: (CLsResult,),
     tables.FIT: (FitResult,),
     tables.UPPER_LIMIT: (UpperLimitResult,),
@@ -800,7 +766,7 @@ _CLASSES: dict[str, tuple[type[_ResultClass], ...]] = {
 }
 
 
-def _single_class(operation: str, data: Any) -> type[_ResultClass] | None:
+def _single_class(operation: str, data: Any) -> type[Any] | None:
     """The class of ``data`` when it is one result of ``operation`` (its ``matches``, else
     its ``KEY`` in the object); None for a list or a patchset's ``{patch: ...}``."""
     if not isinstance(data, Mapping):
@@ -835,37 +801,34 @@ class Flag:
         return self.kind in BOUNDS_FLAGS
 
 
+#: ``(meta key, kind, detail)`` of the flags of a server that sends no ``meta.flags``
+_LEGACY_FLAGS = (
+    (
+        "converged",
+        "not_converged",
+        "its fits did not converge (meta.converged false): its numbers may not be the minimum's",
+    ),
+    (
+        "starts_agreed",
+        "starts_disagree",
+        "its fits from extra starts reached different minima (meta.starts_agreed false): the "
+        "answer is the lowest found",
+    ),
+)
+
+
 def _meta_flags(meta: Mapping[str, Any]) -> list[tuple[str, str]]:
     """``(kind, detail)`` of each of ``meta.flags``; from a server that sends none, its
     ``converged`` and ``starts_agreed``."""
     if "flags" in meta:
         return [(str(f.get("kind")), str(f.get("detail"))) for f in meta["flags"] or ()]
-    found = []
-    if meta.get("converged") is False:
-        found.append(
-            (
-                "not_converged",
-                "its fits did not converge (meta.converged false): its numbers may not be the "
-                "minimum's",
-            )
-        )
-    if meta.get("starts_agreed") is False:
-        found.append(
-            (
-                "starts_disagree",
-                "its fits from extra starts reached different minima (meta.starts_agreed "
-                "false): the answer is the lowest found",
-            )
-        )
-    return found
+    return [(kind, detail) for key, kind, detail in _LEGACY_FLAGS if meta.get(key) is False]
 
 
 def flagged(result: Any) -> list[Flag]:
     """The flags the server set in the ``meta`` of a parsed result (one, a list or a
-    ``{patch: ...}`` dict), whatever its operation: fits that did not converge, extra starts
-    that reached different minima, limits past the POI's bounds or outside the scan, the POI's
-    best fit on its bound; one each, naming the patch and the tested POI where there are
-    several.
+    ``{patch: ...}`` dict), whatever its operation; one each, naming the patch and the tested
+    POI where there are several.
 
     >>> meta = {"flags": [{"kind": "poi_at_bound", "detail": "the POI is on its bound 0"}]}
     >>> flagged({"p1": CLsResult(0.1, [0.1] * 5, meta=meta)})

@@ -85,10 +85,14 @@ def _background(source: JSONSource | WorkspaceId) -> dict[str, Any] | WorkspaceI
     return load_json(source)
 
 
-def minimum_poi(background: Mapping[str, Any], patch: Sequence[Mapping[str, Any]]) -> float:
+def minimum_poi(
+    background: Mapping[str, Any] | WorkspaceId, patch: Sequence[Mapping[str, Any]]
+) -> float:
     """spey-pyhf's lowest POI keeping every signal bin's rate >= 0: ``-min(b / s)`` over the
     bins with signal (``b`` the channel's summed background samples, in float32 as there);
-    ``-inf`` where there is no signal."""
+    ``-inf`` where there is no signal, or the background is known by its id only."""
+    if isinstance(background, WorkspaceId):
+        return -math.inf
     ratios = []
     for index, channel in enumerate(background.get("channels", [])):
         signal = next(
@@ -173,11 +177,7 @@ class PyhfGpuBackend(BackendBase):
         self.background = _background(background_only_model)
         self.measurement = measurement
         self.client = client if client is not None else shared_client(server, token)
-        self._minimum_poi = (
-            -math.inf
-            if isinstance(self.background, WorkspaceId)
-            else minimum_poi(self.background, self.signal_patch)
-        )
+        self._minimum_poi = minimum_poi(self.background, self.signal_patch)
         # (data, dataset: "data" or the Asimov test statistic, POI) -> (-2 log L, parameters)
         self._fixed: dict[tuple[Any, str, float], tuple[float, np.ndarray]] = {}
         # (data, dataset, POI bounds) -> (-2 log L, parameters) of the free fit (bounds None:
@@ -206,17 +206,9 @@ class PyhfGpuBackend(BackendBase):
     ) -> None:
         """One request: fixed fits at ``pois`` on ``data`` (and its Asimov data), the free
         fits within ``bounds`` if ``free``; every answer cached."""
-        answers = self.client.likelihood(
-            self.background,
-            [float(p) for p in pois],
-            data=list(data) if isinstance(data, tuple) else data,
-            asimov=asimov,
-            free_fit=free,
-            poi_bounds=bounds,
-            describe=self._model is None,
-            patches=[self.signal_patch],
-            modifier_settings=MODIFIER_SETTINGS,
-            measurement=self.measurement,
+        describe = self._model is None
+        answers = self._likelihood(
+            data, pois, asimov=asimov, free_fit=free, poi_bounds=bounds, describe=describe
         )
         for answer in answers:
             if answer.model is not None:
@@ -233,6 +225,19 @@ class PyhfGpuBackend(BackendBase):
                 (d, s, b if b is not None else _free_bounds(self.config())): v
                 for (d, s, b), v in self._free.items()
             }
+
+    def _likelihood(self, data: Any, pois: Sequence[float], **options: Any) -> Any:
+        """``POST /likelihood`` of the signal patch on the background at ``pois``, on ``data``
+        (a dataset's name, or a given dataset as a tuple)."""
+        return self.client.likelihood(
+            self.background,
+            [float(p) for p in pois],
+            data=list(data) if isinstance(data, tuple) else data,
+            patches=[self.signal_patch],
+            modifier_settings=MODIFIER_SETTINGS,
+            measurement=self.measurement,
+            **options,
+        )
 
     def _fixed_fit(self, data: Any, dataset: str, poi: float) -> tuple[float, np.ndarray]:
         """The fit with the POI at ``poi`` (asking, with the Asimov fit at the same POI)."""
@@ -385,17 +390,8 @@ class PyhfGpuBackend(BackendBase):
     def _at(self, pars: Sequence[float] | np.ndarray, data: Any) -> dict[str, Any]:
         """The model at a parameter point: its expected data and ``-2 log L`` of ``data``."""
         point = [float(v) for v in np.asarray(pars, dtype=float).ravel()]
-        (answer,) = self.client.likelihood(
-            self.background,
-            [point[self._described["poi_index"]]],
-            data=list(data) if isinstance(data, tuple) else data,
-            free_fit=False,
-            describe=True,
-            parameters=point,
-            patches=[self.signal_patch],
-            modifier_settings=MODIFIER_SETTINGS,
-            measurement=self.measurement,
-        )
+        poi = point[self._described["poi_index"]]
+        (answer,) = self._likelihood(data, [poi], free_fit=False, describe=True, parameters=point)
         return {**answer.at_parameters, "model": answer.model}
 
     def expected_data(self, pars: Sequence[float]) -> list[float]:
@@ -488,11 +484,7 @@ def exclusion_confidence_levels(
     stat = "q" if allow_negative_signal else "qtilde"
     groups: dict[float, list[int]] = {}
     for i, patch in enumerate(patches):
-        lower = 0.0
-        if allow_negative_signal and not isinstance(background, WorkspaceId):
-            lower = max(minimum_poi(background, patch), -10.0)
-        elif allow_negative_signal:
-            lower = -10.0
+        lower = max(minimum_poi(background, patch), -10.0) if allow_negative_signal else 0.0
         groups.setdefault(lower, []).append(i)
     answers: dict[int, Any] = {}
     for lower, members in groups.items():

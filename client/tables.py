@@ -276,6 +276,7 @@ TYPE_WORDS: dict[str, str] = {
     "ints": "integers",
     "floats": "numbers",
 }
+_SCALARS: dict[str, type] = {"int": int, "float": float, "str": str}
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 
@@ -295,22 +296,15 @@ def read_option(kind: str, values: Sequence[str]) -> Any:
     counts; a list is repeated values or one comma-separated value); ``ValueError`` when
     malformed."""
     last = values[-1]
-    listed = list(values) if len(values) > 1 else [v.strip() for v in last.split(",") if v.strip()]
-    if kind == "int":
-        return int(last)
-    if kind == "float":
-        return float(last)
     if kind == "bool":
         if last.lower() not in _TRUE | _FALSE:
             raise ValueError(last)
         return last.lower() in _TRUE
-    if kind == "strs":
-        return listed
-    if kind == "ints":
-        return [int(v) for v in listed]
-    if kind == "floats":
-        return [float(v) for v in listed]
-    return last
+    convert = _SCALARS.get(kind.removesuffix("s"), str)  # a list type: its items' type + "s"
+    if not kind.endswith("s"):
+        return convert(last)
+    listed = list(values) if len(values) > 1 else [v.strip() for v in last.split(",") if v.strip()]
+    return [convert(v) for v in listed]
 
 
 def plot_kinds_for(operation: str, request: Mapping[str, Any]) -> tuple[str, ...]:

@@ -56,14 +56,9 @@ def digest(obj: Any, algorithm: str = "sha256") -> str:
     ``hashlib.<algorithm>(json.dumps(obj, sort_keys=True, ensure_ascii=False).encode("utf8"))``;
     equal to the ``digests`` a pyhf ``PatchSet`` records for its background workspace.
     """
-    try:
-        text = json.dumps(obj, sort_keys=True, ensure_ascii=False)  # parsed JSON as it is
-    except TypeError:  # numpy values, a pyhf.PatchSet: their JSON form first
-        try:
-            text = json.dumps(to_jsonable(obj), sort_keys=True, ensure_ascii=False)
-        except (TypeError, ValueError) as exc:
-            raise WorkspaceError(f"object is not JSON-serialisable: {exc}") from exc
-    except ValueError as exc:
+    try:  # numpy values, a pyhf.PatchSet: converted where the encoder meets them
+        text = json.dumps(obj, sort_keys=True, ensure_ascii=False, default=to_jsonable)
+    except (TypeError, ValueError) as exc:
         raise WorkspaceError(f"object is not JSON-serialisable: {exc}") from exc
     try:
         hasher = hashlib.new(algorithm)
@@ -168,41 +163,21 @@ def read_json_file(source: JSONSource, what: str) -> JSONFile | Any:
     if not isinstance(source, (str, os.PathLike)) or _is_text_source(source):
         return load_json(source, what)
     name = os.fspath(source)
-    raw = _read(name, what)
-    if raw[:2] != b"\x1f\x8b":
-        _utf8(raw, what, name)
-        return JSONFile(what, name, raw)
-    text = _utf8(_gunzip(raw, what, name), what, name)
-    return JSONFile(what, name, text, raw)
+    try:
+        raw = Path(name).read_bytes()
+        gzipped = raw[:2] == b"\x1f\x8b"
+        text = gzip.decompress(raw) if gzipped else raw
+        text.decode("utf-8")
+    except FileNotFoundError as exc:
+        raise WorkspaceError(f"{what} file not found: {name}") from exc
+    except (OSError, EOFError, UnicodeDecodeError) as exc:
+        raise WorkspaceError(f"cannot read {what} file {name}: {exc}") from exc
+    return JSONFile(what, name, text, raw if gzipped else None)
 
 
 def _is_text_source(source: str | os.PathLike[str]) -> bool:
     """Whether a string names stdin or is JSON text itself rather than a path."""
     return isinstance(source, str) and (source == "-" or source.lstrip().startswith(("{", "[")))
-
-
-def _read(name: str, what: str) -> bytes:
-    try:
-        return Path(name).read_bytes()
-    except FileNotFoundError as exc:
-        raise WorkspaceError(f"{what} file not found: {name}") from exc
-    except OSError as exc:
-        raise WorkspaceError(f"cannot read {what} file {name}: {exc}") from exc
-
-
-def _gunzip(raw: bytes, what: str, name: str) -> bytes:
-    try:
-        return gzip.decompress(raw)
-    except (OSError, EOFError) as exc:
-        raise WorkspaceError(f"cannot read {what} file {name}: {exc}") from exc
-
-
-def _utf8(raw: bytes, what: str, name: str) -> bytes:
-    try:
-        raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise WorkspaceError(f"cannot read {what} file {name}: {exc}") from exc
-    return raw
 
 
 def _parse(text: str | bytes, what: str, name: str) -> Any:
