@@ -7,18 +7,10 @@ rcParams or style changes), as SVG or PNG bytes.
 >>> png[:8] == b"\\x89PNG\\r\\n\\x1a\\n"
 True
 
-Kinds (:data:`KINDS`; options in each function's docstring):
-
-* ``brazil`` (:func:`~.limits.brazil`): CLs versus the POI, from a ``POST /cls`` list answer
-  (or an upper-limit answer).
-* ``exclusion`` (:func:`~.limits.exclusion`): CLs = 0.05 contours over a patchset's
-  signal-parameter plane (one slice of its other parameters), from a patchset ``POST /cls``
-  answer.
-* ``pulls`` (:func:`~.fit.pulls`), ``correlation`` (:func:`~.fit.correlation`): from a
-  ``POST /fit`` answer.
-* ``ranking`` (:func:`~.fit.ranking`): impacts on the POI (cabinetry-like ranking JSON).
-* ``yields`` (:func:`~.yields.yields`): stacked yields, data and ratio per channel.
-* ``scan`` (:func:`~.scan.scan`): -2ΔlnL scans in one or two parameters.
+Kinds: :data:`KINDS`, described by :func:`kinds` (``pyhf_gpu_client.tables.PLOTS``); each
+kind's options are in its drawing function's docstring: :func:`~.limits.brazil`,
+:func:`~.limits.exclusion`, :func:`~.fit.pulls`, :func:`~.fit.correlation`,
+:func:`~.fit.ranking`, :func:`~.yields.yields`, :func:`~.scan.scan`.
 """
 
 from __future__ import annotations

@@ -31,18 +31,6 @@ from pyhf_gpu_client import tables
 from . import _style
 from .errors import PlotAbandonedError, PlotBusyError, PlotInputError
 
-__all__ = [
-    "FORMATS",
-    "KINDS",
-    "Kind",
-    "PlotInputError",
-    "figure",
-    "kinds",
-    "one_patch",
-    "register",
-    "render",
-]
-
 Format = Literal["svg", "png"]
 FORMATS: tuple[str, ...] = tables.PLOT_FORMATS  # the one table (pyhf_gpu_client.tables)
 DEFAULT_DPI = float(tables.PLOT_COMMON_OPTIONS["dpi"][1])
@@ -56,8 +44,6 @@ COMMON_OPTIONS: dict[str, str] = {
 _LOCK = threading.RLock()
 #: How long a render waits for the ones before it, at most (then :class:`PlotBusyError`).
 RENDER_WAIT_S = 30.0
-
-
 #: How often a render waiting for the drawing lock asks whether it is still wanted.
 ABANDON_POLL_S = 0.1
 
@@ -119,14 +105,6 @@ def kinds() -> dict[str, str]:
     return {name: kind.description for name, kind in sorted(KINDS.items())}
 
 
-def get_kind(name: str) -> Kind:
-    """The registered kind ``name``; PlotInputError naming the known kinds otherwise."""
-    kind = KINDS.get(name) if isinstance(name, str) else None
-    if kind is None:
-        raise PlotInputError(f"unknown plot kind {name!r}; one of {', '.join(sorted(KINDS))}")
-    return kind
-
-
 def figure(
     kind: str,
     result: Any,
@@ -142,7 +120,9 @@ def figure(
     Raises:
         PlotInputError (a ValueError): unknown kind or option, or a result that does not fit.
     """
-    spec = get_kind(kind)
+    spec = KINDS.get(kind) if isinstance(kind, str) else None
+    if spec is None:
+        raise PlotInputError(f"unknown plot kind {kind!r}; one of {', '.join(sorted(KINDS))}")
     unknown = sorted(set(options) - set(spec.options))
     if unknown:
         accepted = ", ".join([*spec.options, *COMMON_OPTIONS])
@@ -180,9 +160,7 @@ def render(
     """The figure of ``kind`` for ``result`` as SVG or PNG bytes.
 
     Args:
-        kind: one of :data:`KINDS`.
         result: the service's result JSON for that kind (parsed: dicts, lists, numbers).
-        fmt: ``"svg"`` or ``"png"``.
         dpi: PNG resolution (default 150); the PNG is ``figsize * dpi`` pixels.
         abandoned: asked while waiting for the drawing lock and before the figure is
             written: true gives up (:class:`PlotAbandonedError`), e.g. its client went away.

@@ -10,6 +10,7 @@ setting and no other figure's fonts).
 
 from __future__ import annotations
 
+import importlib.util
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -33,6 +34,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.spines import Spine
 from matplotlib.text import Text
+from matplotlib.ticker import AutoMinorLocator, LogLocator
 from matplotlib.transforms import Bbox
 
 #: text font, with fallbacks for glyphs it lacks (and for installs without mplhep's fonts)
@@ -93,27 +95,17 @@ _fonts_registered = False
 
 def _font_files() -> list[Path]:
     """mplhep's TeX Gyre Heros files (in ``mplhep_data`` or, for older mplhep, in mplhep)."""
-    roots: list[Path] = []
-    try:
-        import mplhep_data
-
-        roots.append(Path(mplhep_data.__file__).parent / "fonts")
-    except ImportError:
-        pass
-    try:  # older mplhep ship their fonts themselves; find the package without importing it
-        import importlib.util
-
-        spec = importlib.util.find_spec("mplhep")
+    for package in ("mplhep_data", "mplhep"):  # found without importing them
+        try:
+            spec = importlib.util.find_spec(package)
+        except (ImportError, ValueError):
+            continue
         if spec is not None and spec.origin is not None:
-            roots.append(Path(spec.origin).parent / "fonts")
-    except (ImportError, ValueError):
-        pass
-    files: list[Path] = []
-    for root in roots:
-        files.extend(sorted(root.glob("texgyreheros/texgyreheros-*.otf")))
-        if files:
-            break
-    return files
+            fonts = Path(spec.origin).parent / "fonts"
+            files = sorted(fonts.glob("texgyreheros/texgyreheros-*.otf"))
+            if files:
+                return files
+    return []
 
 
 def register_fonts() -> None:
@@ -167,12 +159,10 @@ def renderer_of(fig: Figure) -> RendererAgg:
     return cast(FigureCanvasAgg, fig.canvas).get_renderer()
 
 
-def new_figure(
-    width: float,
-    height: float,
-    *,
-    layout: Literal["constrained", "compressed", "tight"] | None = "constrained",
-) -> Figure:
+Layout = Literal["constrained", "compressed", "tight"]
+
+
+def new_figure(width: float, height: float, *, layout: Layout | None = "constrained") -> Figure:
     """A white figure with its own Agg canvas (``pyplot`` keeps no reference to it), of the
     size asked for (``figsize``, :data:`PENDING`) or else ``width`` x ``height`` inches."""
     size = PENDING.get().figsize or (width, height)
@@ -191,36 +181,18 @@ def style_axes(
     right: bool = True,
 ) -> None:
     """Ticks inside on all four sides, with minor ticks; tick labels in the HEP font."""
-    ax.tick_params(
-        which="both",
-        direction="in",
-        top=top,
-        right=right,
-        bottom=True,
-        left=True,
-        labelsize=tick_size,
-        labelfontfamily=FONT_FAMILY,
-    )
+    ax.tick_params(which="both", direction="in", top=top, right=right, bottom=True, left=True)
+    ax.tick_params(which="both", labelsize=tick_size, labelfontfamily=FONT_FAMILY)
     ax.tick_params(which="major", length=7, width=1.0)
     ax.tick_params(which="minor", length=3.5, width=0.8)
-    if minor_x:
-        ax.xaxis.set_minor_locator(_auto_minor(ax, "x"))
-    if minor_y:
-        ax.yaxis.set_minor_locator(_auto_minor(ax, "y"))
+    for axis, minor in ((ax.xaxis, minor_x), (ax.yaxis, minor_y)):
+        if minor and axis.get_scale() == "log":
+            axis.set_minor_locator(LogLocator(base=10.0, subs=tuple(range(2, 10)), numticks=12))
+        elif minor:
+            axis.set_minor_locator(AutoMinorLocator())
+        axis.get_offset_text().set(fontfamily=FONT_FAMILY, fontsize=tick_size * 0.9)
     for spine in ax.spines.values():
         spine.set_linewidth(1.0)
-    for offset in (ax.xaxis.get_offset_text(), ax.yaxis.get_offset_text()):
-        offset.set_fontfamily(FONT_FAMILY)
-        offset.set_fontsize(tick_size * 0.9)
-
-
-def _auto_minor(ax: Axes, which: str):
-    from matplotlib.ticker import AutoMinorLocator, LogLocator
-
-    scale = ax.get_xscale() if which == "x" else ax.get_yscale()
-    if scale == "log":
-        return LogLocator(base=10.0, subs=tuple(range(2, 10)), numticks=12)
-    return AutoMinorLocator()
 
 
 def set_xlabel(ax: Axes, text: str, size: float = LABEL_SIZE) -> None:
@@ -233,8 +205,12 @@ def set_ylabel(ax: Axes, text: str, size: float = LABEL_SIZE) -> None:
     ax.set_ylabel(text, loc="top", **text_kw(size))
 
 
-def legend(ax: Axes, *args: Any, size: float = LEGEND_SIZE, **kwargs: Any):
-    """A frameless legend in the HEP font."""
+def legend(
+    ax: Axes, *args: Any, size: float = LEGEND_SIZE, box: float | None = None, **kwargs: Any
+):
+    """A legend in the HEP font: frameless, or in a white box of opacity ``box``."""
+    if box is not None:
+        kwargs.update(frameon=True, facecolor="white", edgecolor="none", framealpha=box)
     kwargs.setdefault("frameon", False)
     kwargs.setdefault("loc", "best")
     return ax.legend(*args, prop=font(size), **kwargs)
@@ -388,16 +364,8 @@ def note(fig: Figure, lines: Sequence[str]) -> None:
         strip = (len(lines) * NOTE_SIZE * 1.3 + 4) / 72  # inches
         fraction = min(strip / fig.get_size_inches()[1], 0.3)
         engine.set(rect=(0.0, fraction, 1.0, 1.0 - fraction))
-    fig.text(
-        0.005,
-        0.005,
-        "\n".join(lines),
-        ha="left",
-        va="bottom",
-        color="0.35",
-        gid="plot-notes",
-        **text_kw(NOTE_SIZE),
-    )
+    kw = text_kw(NOTE_SIZE, ha="left", va="bottom", color="0.35", gid="plot-notes")
+    fig.text(0.005, 0.005, "\n".join(lines), **kw)
 
 
 def experiment_label(ax: Axes, label: str | None, rlabel: str | None) -> None:
@@ -413,15 +381,8 @@ def experiment_label(ax: Axes, label: str | None, rlabel: str | None) -> None:
             head, loc="left", pad=5, fontweight="bold", fontstyle="italic", **text_kw(LABEL_SIZE)
         )
         if tail:
-            ax.annotate(
-                " " + tail,
-                xy=(1.0, 0.0),
-                xycoords=title,
-                ha="left",
-                va="bottom",
-                annotation_clip=False,
-                **text_kw(LABEL_SIZE),
-            )
+            kw = text_kw(LABEL_SIZE, ha="left", va="bottom", annotation_clip=False)
+            ax.annotate(" " + tail, xy=(1.0, 0.0), xycoords=title, **kw)
     if rlabel:
         ax.set_title(rlabel, loc="right", pad=5, **text_kw(LABEL_SIZE - 1))
 

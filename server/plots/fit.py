@@ -76,10 +76,9 @@ def fit_parameters(kind: str, result: Any, *, with_corr: bool = False) -> FitPar
     return FitParameters(labels, sets, np.asarray(best, float), np.asarray(err, float), corr)
 
 
-def _selection(
-    kind: str, labels: list[str], sets: list[tuple[str, int, int]], parameters: Any
-) -> np.ndarray:
+def _selection(kind: str, fit: FitParameters, parameters: Any) -> np.ndarray:
     """Mask of the labels named by ``parameters`` (labels or whole parameter sets)."""
+    labels, sets = fit.labels, fit.sets
     if parameters is None:
         return np.ones(len(labels), bool)
     wanted = set(strings(kind, "parameters", parameters))
@@ -178,21 +177,17 @@ def guessed_constraint(name: str, size: int) -> tuple[float, float] | str | None
 
 # -------------------------------------------------------------------------------- pulls
 DEFAULT_PULLS_TOP = 120
+PULL_LABEL = r"$(\hat{\theta} - \theta_0)\,/\,\Delta\theta$"
 MAX_HEIGHT = 24.0
 
 
 def _rows_figure(
-    n: int,
-    labels: list[str],
-    *,
-    base_width: float,
-    per_row: float = 0.3,
-    min_row: float = 0.11,
-    extra: float = 1.5,
+    labels: list[str], base_width: float, per_row: float = 0.3, extra: float = 1.5
 ) -> tuple[Figure, float]:
-    """A figure for ``n`` labelled rows: its height grows with ``n`` up to MAX_HEIGHT (rows
+    """A figure for labelled rows: its height grows with their number up to MAX_HEIGHT (rows
     then get thinner) and its width with the longest label; returns it and the label size."""
-    row = _style.clamp((MAX_HEIGHT - extra) / max(n, 1), min_row, per_row)
+    n = len(labels)
+    row = _style.clamp((MAX_HEIGHT - extra) / max(n, 1), 0.11, per_row)
     height = _style.clamp(extra + n * row, 3.5, MAX_HEIGHT)
     size = _style.clamp(row * 72 * 0.62, 5.0, _style.TICK_SIZE)
     longest = max((len(label) for label in labels), default=10)
@@ -226,17 +221,16 @@ def pulls(
     kind = "pulls"
     fit = fit_parameters(kind, one_patch(kind, result, patch, "mle_parameters"))
     top = count_option(kind, "top", top, DEFAULT_PULLS_TOP)
-    constraints = (
-        workspace_constraints(kind, workspace, measurement) if workspace is not None else None
-    )
-    if poi is None and constraints is not None:
-        poi = constraints.poi
+    constraints = None
+    if workspace is not None:
+        constraints = workspace_constraints(kind, workspace, measurement)
+        poi = constraints.poi if poi is None else poi
     overrides = {}
     if prefit is not None:
         if not isinstance(prefit, Mapping):
             raise fail(kind, "prefit must be an object {label: [centre, width]}")
         overrides = {str(k): numbers(kind, f"prefit[{k!r}]", v, 2) for k, v in prefit.items()}
-    selected = _selection(kind, fit.labels, fit.sets, parameters)
+    selected = _selection(kind, fit, parameters)
     rows: list[tuple[str, float, float]] = []
     unknown = 0
     for i, label in enumerate(fit.labels):
@@ -277,7 +271,7 @@ def pulls(
     if unknown:
         notes.append(f"{unknown} parameters of unknown pre-fit width skipped (gammas, lumi)")
     labels = [r[0] for r in rows]
-    fig, size = _rows_figure(len(rows), labels, base_width=4.5, extra=1.6 + 0.18 * len(notes))
+    fig, size = _rows_figure(labels, 4.5, extra=1.6 + 0.18 * len(notes))
     ax = fig.add_subplot()
     n = len(rows)
     y = np.arange(n)[::-1]
@@ -287,17 +281,8 @@ def pulls(
     ax.axvspan(-2, 2, color=_style.BAND_2SIGMA, lw=0, zorder=0)
     ax.axvspan(-1, 1, color=_style.BAND_1SIGMA, lw=0, zorder=0)
     ax.axvline(0, color="black", ls="--", lw=1, zorder=1)
-    ax.errorbar(
-        value,
-        y,
-        xerr=xerr,
-        fmt="o",
-        color="black",
-        ms=max(2.5, min(5.0, size * 0.45)),
-        lw=1.2,
-        capsize=0,
-        zorder=2,
-    )
+    ms = max(2.5, min(5.0, size * 0.45))
+    ax.errorbar(value, y, xerr=xerr, fmt="o", color="black", ms=ms, lw=1.2, capsize=0, zorder=2)
     reach = np.nanmax(np.abs(value) + xerr)
     limit = max(3.0, math.ceil(float(reach) + 0.25)) if np.isfinite(reach) else 3.0
     ax.set_xlim(-limit, limit)
@@ -305,7 +290,7 @@ def pulls(
     ax.set_yticks(y, labels)
     _style.style_axes(ax, minor_y=False)
     ax.tick_params(axis="y", which="both", labelsize=size, left=False, right=False)
-    _style.set_xlabel(ax, r"$(\hat{\theta} - \theta_0)\,/\,\Delta\theta$")
+    _style.set_xlabel(ax, PULL_LABEL)
     _style.note(fig, notes)
     return fig
 
@@ -337,13 +322,12 @@ def ranking(result: Any, *, top: int | None = 20, poi_label: str = "μ") -> Figu
         width = np.where(width > 0, width, np.nan)
         bestfit, unc = (bestfit - init) / width, unc / width
     top = count_option(kind, "top", top, None) or n_all
-    score = np.nan_to_num(
-        np.maximum(np.abs(impacts["postfit_up"]), np.abs(impacts["postfit_down"]))
-    )
+    post = np.maximum(np.abs(impacts["postfit_up"]), np.abs(impacts["postfit_down"]))
+    score = np.nan_to_num(post)
     order = np.argsort(-score, kind="stable")[:top]
     n = len(order)
     shown = [labels[i] for i in order]
-    fig, size = _rows_figure(n, shown, base_width=5.0, per_row=0.38, extra=2.2)
+    fig, size = _rows_figure(shown, 5.0, per_row=0.38, extra=2.2)
     ax_pulls = fig.add_subplot()
     ax_impact = ax_pulls.twiny()
     ax_pulls.set_zorder(1)  # the pulls above the bars
@@ -354,26 +338,15 @@ def ranking(result: Any, *, top: int | None = 20, poi_label: str = "μ") -> Figu
     for field in _RANKING_FIELDS:  # pre-fit: hatched outlines; post-fit: filled bars
         color, sign = (up, "+") if field.endswith("_up") else (down, "-")
         if field in hatches:
-            style: dict[str, Any] = {
-                "fill": False,
-                "edgecolor": color,
-                "hatch": hatches[field],
-                "lw": 1,
-            }
+            style: dict[str, Any] = dict(fill=False, edgecolor=color, hatch=hatches[field], lw=1)
             delta = r"\Delta\theta$ (pre-fit)"
         else:
             style, delta = {"color": color}, r"\Delta\hat{\theta}$ (post-fit)"
         label = rf"$\theta = \hat{{\theta}} {sign} {delta}"
         ax_impact.barh(y, impacts[field][order], height=0.75, label=label, **style)
+    xerr = np.nan_to_num(unc[order])
     ax_pulls.errorbar(
-        bestfit[order],
-        y,
-        xerr=np.nan_to_num(unc[order]),
-        fmt="o",
-        color="black",
-        ms=5,
-        lw=1.4,
-        label="Pull",
+        bestfit[order], y, xerr=xerr, fmt="o", color="black", ms=5, lw=1.4, label="Pull"
     )
     ax_pulls.axvline(0, color="black", ls=":", lw=1)
     for v in (-1, 1):
@@ -393,10 +366,7 @@ def ranking(result: Any, *, top: int | None = 20, poi_label: str = "μ") -> Figu
     ax_impact.xaxis.set_label_position("top")
     ax_impact.set_xlabel(f"Δ{poi_label}", loc="right", **_style.text_kw())
     _style.set_xlabel(
-        ax_pulls,
-        r"$(\hat{\theta} - \theta_0)\,/\,\Delta\theta$"
-        if normalised
-        else r"$\hat{\theta} \pm \Delta\hat{\theta}$",
+        ax_pulls, PULL_LABEL if normalised else r"$\hat{\theta} \pm \Delta\hat{\theta}$"
     )
     bars = ax_impact.get_legend_handles_labels()[0]  # pre up, pre down, post up, post down
     handles = [bars[0], bars[1], *ax_pulls.get_legend_handles_labels()[0], bars[2], bars[3]]
@@ -409,10 +379,7 @@ def ranking(result: Any, *, top: int | None = 20, poi_label: str = "μ") -> Figu
         handlelength=1.5,
         columnspacing=1.0,
         borderaxespad=0.2,
-        frameon=True,
-        facecolor="white",
-        edgecolor="none",
-        framealpha=1.0,
+        box=1.0,
     )
     # room for the legend above the first bar, however thin the rows
     notes = []
@@ -456,20 +423,16 @@ def correlation(
     corr = fit.corr
     assert corr is not None
     diag = np.diag(corr)
-    keep = (np.isfinite(diag) & (np.abs(diag) > 0)) & _selection(
-        kind, fit.labels, fit.sets, parameters
-    )
+    keep = np.isfinite(diag) & (np.abs(diag) > 0) & _selection(kind, fit, parameters)
     index = np.flatnonzero(keep)
     if len(index) == 0:
         raise fail(kind, "corr_mat has no parameter with a non-zero diagonal")
     sub = corr[np.ix_(index, index)]
     off = np.abs(np.where(np.eye(len(index), dtype=bool), np.nan, sub))
     strongest = np.nan_to_num(np.nanmax(off, axis=1) if len(index) > 1 else np.zeros(1))
-    cut = (
-        (0.0 if len(index) < 50 else 0.2)
-        if threshold is None
-        else number(kind, "threshold", threshold)
-    )
+    cut = 0.0 if len(index) < 50 else 0.2
+    if threshold is not None:
+        cut = number(kind, "threshold", threshold)
     chosen = strongest >= cut
     notes = []
     if not chosen.any():
@@ -495,14 +458,8 @@ def correlation(
     fig = _style.new_figure(side + 1.2, side + 0.3 * bool(notes))
     ax = fig.add_subplot()
     cmap = colormaps["RdBu_r"].with_extremes(bad="0.8")
-    image = ax.imshow(
-        np.ma.masked_invalid(values),
-        cmap=cmap,
-        vmin=-1,
-        vmax=1,
-        interpolation="nearest",
-        aspect="equal",
-    )
+    shown = np.ma.masked_invalid(values)
+    image = ax.imshow(shown, cmap=cmap, vmin=-1, vmax=1, interpolation="nearest", aspect="equal")
     ax.set_xticks(range(n), labels, rotation=90)
     ax.set_yticks(range(n), labels)
     _style.style_axes(ax, minor_x=False, minor_y=False, tick_size=size)
@@ -516,31 +473,11 @@ def correlation(
             "(lower top, or raise threshold)",
         )
     if annotate:
-        text = _style.text_kw(_style.clamp(size * 0.85, 5, 10))
-        for i in range(n):
-            for j in range(n):
-                v = values[i, j]
-                if np.isfinite(v):
-                    ax.text(
-                        j,
-                        i,
-                        f"{v:.2f}".replace("-0.00", "0.00"),
-                        ha="center",
-                        va="center",
-                        color="white" if abs(v) > 0.6 else "black",
-                        **text,
-                    )
+        text = _style.text_kw(_style.clamp(size * 0.85, 5, 10), ha="center", va="center")
+        for (i, j), v in np.ndenumerate(values):
+            if np.isfinite(v):
+                color = "white" if abs(v) > 0.6 else "black"
+                ax.text(j, i, f"{v:.2f}".replace("-0.00", "0.00"), color=color, **text)
     _style.colorbar(fig, image, ax, "correlation", fraction=0.046, pad=0.02, shrink=0.8)
     _style.note(fig, notes)
     return fig
-
-
-__all__ = [
-    "Constraints",
-    "FitParameters",
-    "correlation",
-    "fit_parameters",
-    "pulls",
-    "ranking",
-    "workspace_constraints",
-]

@@ -41,10 +41,6 @@ class ClsCurve:
     obs: np.ndarray  # [n]
     exp: np.ndarray  # [5, n]: -2, -1, 0, +1, +2 sigma (pyhf's order)
 
-    def limit(self, values: np.ndarray, level: float) -> float:
-        """The POI where ``values`` first fall to ``level`` (linear interpolation), or NaN."""
-        return crossing(self.poi, values, level)
-
 
 def crossing(x: np.ndarray, y: np.ndarray, level: float) -> float:
     """First ``x`` where ``y`` falls from above ``level`` to at or below it, interpolated
@@ -172,7 +168,8 @@ def brazil(
         limits = (obs_limit, exp_limits)
     interpolated = limits is None
     if limits is None:
-        limits = (curve.limit(curve.obs, level), [curve.limit(e, level) for e in curve.exp])
+        found = [crossing(curve.poi, values, level) for values in (curve.obs, *curve.exp)]
+        limits = (found[0], found[1:])
     return _brazil_figure(curve, level, limits, interpolated, xlabel, log_y)
 
 
@@ -230,26 +227,10 @@ def _cls_curves(
 ) -> None:
     """The expected (median) and observed CLs curves, points only unless ``joined``, and the
     line at ``level``."""
-    ax.plot(
-        x,
-        median,
-        color=_style.EXPECTED,
-        ls="--" if joined else "none",
-        marker="none" if joined else "_",
-        ms=10,
-        lw=2,
-        label=f"Expected {CLS_LABEL}",
-    )
-    ax.plot(
-        x,
-        obs,
-        color=_style.OBSERVED,
-        ls="-" if joined else "none",
-        lw=2,
-        marker="o",
-        ms=4,
-        label=f"Observed {CLS_LABEL}",
-    )
+    dashed, solid, dash = ("--", "-", "none") if joined else ("none", "none", "_")
+    expected, observed = f"Expected {CLS_LABEL}", f"Observed {CLS_LABEL}"
+    ax.plot(x, median, color=_style.EXPECTED, ls=dashed, marker=dash, ms=10, lw=2, label=expected)
+    ax.plot(x, obs, color=_style.OBSERVED, ls=solid, lw=2, marker="o", ms=4, label=observed)
     ax.axhline(level, color=_style.LEVEL_LINE, lw=1.5, label=f"{CLS_LABEL} = {level:g}")
 
 
@@ -259,16 +240,8 @@ def _limit_marks(
     """Triangles on the ``level`` line where the observed (red) or expected (white) CLs
     falls to it."""
     face = _style.LEVEL_LINE if observed else "white"
-    ax.plot(
-        where,
-        [level] * len(where),
-        ls="none",
-        marker="v",
-        ms=9,
-        color=face,
-        mec="black",
-        label=label,
-    )
+    levels = [level] * len(where)
+    ax.plot(where, levels, ls="none", marker="v", ms=9, color=face, mec="black", label=label)
 
 
 def _legend_in_order(ax, **kwargs: Any) -> None:
@@ -293,34 +266,13 @@ def _limits_only(obs: float, exp: list[float], level: float, xlabel: str) -> Fig
     """An upper-limit answer without the scan: its limits on the POI axis, with bands."""
     fig = _style.new_figure(7.5, 3.0)
     ax = fig.add_subplot()
-    ax.plot(
-        [obs],
-        [0.45],
-        marker="o",
-        ms=9,
-        color=_style.OBSERVED,
-        ls="none",
-        label=f"Observed: {obs:.3g}",
-    )
-    ax.plot(
-        [exp[2]] * 2,
-        [0.2, 0.7],
-        color=_style.EXPECTED,
-        ls="--",
-        lw=2,
-        label=f"Expected: {exp[2]:.3g}",
-    )
+    observed, expected = f"Observed: {obs:.3g}", f"Expected: {exp[2]:.3g}"
+    ax.plot([obs], [0.45], marker="o", ms=9, color=_style.OBSERVED, ls="none", label=observed)
+    ax.plot([exp[2]] * 2, [0.2, 0.7], color=_style.EXPECTED, ls="--", lw=2, label=expected)
     for sigma, color, zorder in ((1, _style.BAND_1SIGMA, 0.6), (2, _style.BAND_2SIGMA, 0.5)):
         low, high = exp[2 - sigma], exp[2 + sigma]
-        ax.barh(
-            0.45,
-            high - low,
-            left=low,
-            height=0.5,
-            color=color,
-            label=f"Expected ±{sigma}σ",
-            zorder=zorder,
-        )
+        label = f"Expected ±{sigma}σ"
+        ax.barh(0.45, high - low, left=low, height=0.5, color=color, label=label, zorder=zorder)
     values = [v for v in [obs, *exp] if math.isfinite(v)]
     if values:
         lo, hi = min(values), max(values)
@@ -338,7 +290,6 @@ def _limits_only(obs: float, exp: list[float], level: float, xlabel: str) -> Fig
 # ---------------------------------------------------------------------------- exclusion
 @dataclass
 class _Points:
-    names: list[str]
     coords: np.ndarray  # [n, d]
     obs: np.ndarray  # [n]
     exp: np.ndarray  # [n, 5]
@@ -387,32 +338,20 @@ def _pick_entry(kind: str, name: str, entry: Any, test_poi: float) -> Any:
     return entry
 
 
-@dataclass
-class _Slice:
-    """The points of one slice of a patchset's values: the other coordinates held at
-    ``values``; ``caption`` names it on the plot."""
-
-    mask: np.ndarray
-    caption: str | None
-
-
 def _slice(
-    kind: str,
-    coords: np.ndarray,
-    axes: list[int],
-    names: list[str],
-    wanted: Any,
-) -> _Slice:
-    """The points whose coordinates off the plotted ``axes`` equal ``wanted`` (the ``slice``
-    option), default the most populated such values (the lowest of those tied); every point
-    when the values have no other coordinate. A slice too small to draw is refused, naming
-    the slices there are: slices are never mixed on one plane."""
+    kind: str, coords: np.ndarray, axes: list[int], names: list[str], wanted: Any
+) -> tuple[np.ndarray, str | None]:
+    """The mask of the points whose coordinates off the plotted ``axes`` equal ``wanted`` (the
+    ``slice`` option), default the most populated such values (the lowest of those tied);
+    every point when the values have no other coordinate; and the caption that names the
+    slice on the plot. A slice too small to draw is refused, naming the slices there are:
+    slices are never mixed on one plane."""
     n, dim = coords.shape
     others = off_axes(dim, axes)
     if not others:
         if wanted is not None:
             raise fail(kind, "slice: the plotted axes are all of the patches' values")
-        return _Slice(np.ones(n, bool), None)
+        return np.ones(n, bool), None
     points = coords.tolist()
     ranked = ranked_slices(points, axes)
     counts = dict(ranked)
@@ -449,8 +388,7 @@ def _slice(
             f"as one without mixing slices (choose other axes, or a slice: {listed}{more})",
         )
     mask = np.array([slice_key(point, axes) == chosen for point in points])
-    caption = f"{describe(names, axes, chosen)} ({count} of {n} points)"
-    return _Slice(mask, caption)
+    return mask, f"{describe(names, axes, chosen)} ({count} of {n} points)"
 
 
 @register("exclusion")
@@ -484,7 +422,7 @@ def exclusion(
     level = level_option(kind, level)
     coords, meta_labels = _patch_values(kind, values, patchset)
     errors = missing = nonfinite = 0
-    names, points, obs, exp = [], [], [], []
+    points, obs, exp = [], [], []
     for name, entry in result.items():
         if name == "meta":
             continue
@@ -499,11 +437,10 @@ def exclusion(
         if not (math.isfinite(o) and all(math.isfinite(v) for v in e)):
             nonfinite += 1
             continue
-        names.append(name)
         points.append(coords[name])
         obs.append(o)
         exp.append(e)
-    if not names:
+    if not points:
         raise fail(
             kind,
             f"no patch to draw: {errors} answered an error, {missing} have no values, "
@@ -528,10 +465,8 @@ def exclusion(
             kind, f"axes must be one or two different indices into a patch's values ({named})"
         )
     coords_all = np.asarray(points, float)
-    chosen = _slice(kind, coords_all, axes, meta_labels, slice)
-    keep = chosen.mask
+    keep, caption = _slice(kind, coords_all, axes, meta_labels, slice)
     data = _Points(
-        [n for n, k in zip(names, keep, strict=True) if k],
         coords_all[keep][:, axes],
         np.clip(np.asarray(obs)[keep], _LOG_FLOOR, None),
         np.clip(np.asarray(exp)[keep], _LOG_FLOOR, None),
@@ -545,8 +480,8 @@ def exclusion(
     skipped["with non-finite CLs"] = nonfinite
     notes = [f"{n} patch{'es' if n > 1 else ''} {why} (skipped)" for why, n in skipped.items() if n]
     if len(axes) == 1:
-        return _exclusion_1d(data, level, labels[0], notes, chosen.caption)
-    return _exclusion_2d(data, level, labels, notes, show_points, chosen.caption)
+        return _exclusion_1d(data, level, labels[0], notes, caption)
+    return _exclusion_2d(data, level, labels, notes, show_points, caption)
 
 
 def _exclusion_1d(
@@ -561,18 +496,12 @@ def _exclusion_1d(
     fig = _style.new_figure(7.5, 5.5)
     ax = fig.add_subplot()
     ax.set_yscale("log")
+    band = "Expected ±1σ"
     if shared == 0:
-        ax.fill_between(x, exp[1], exp[3], color=_style.BAND_1SIGMA, lw=0, label="Expected ±1σ")
+        ax.fill_between(x, exp[1], exp[3], color=_style.BAND_1SIGMA, lw=0, label=band)
     else:
-        ax.errorbar(
-            x,
-            exp[2],
-            yerr=[exp[2] - exp[1], exp[3] - exp[2]],
-            fmt="none",
-            ecolor=_style.BAND_1SIGMA,
-            lw=4,
-            label="Expected ±1σ",
-        )
+        yerr = [exp[2] - exp[1], exp[3] - exp[2]]
+        ax.errorbar(x, exp[2], yerr=yerr, fmt="none", ecolor=_style.BAND_1SIGMA, lw=4, label=band)
     _cls_curves(ax, x, obs, exp[2], level, joined=shared == 0)
     if shared == 0:
         for values, observed in ((obs, True), (exp[2], False)):
@@ -651,15 +580,9 @@ def _exclusion_2d(
         )
         for values, text, color, ls, lw in contours:
             if values.min() < log_level < values.max():
-                ax.tricontour(
-                    tri,
-                    values,
-                    levels=[log_level],
-                    zorder=3,
-                    colors=color,
-                    linestyles=ls,
-                    linewidths=lw,
-                ).set_gid(f"{text.lower()}-contour")
+                line = {"colors": color, "linestyles": ls, "linewidths": lw}
+                drawn = ax.tricontour(tri, values, levels=[log_level], zorder=3, **line)
+                drawn.set_gid(f"{text.lower()}-contour")
             else:
                 notes.append(f"{text} {CLS_LABEL} never crosses {level:g}: no contour")
             label = f"{text} limit ({CLS_LABEL} = {level:g})"

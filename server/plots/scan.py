@@ -51,16 +51,9 @@ def scan(
         top = number(kind, "ymax", ymax)
     shading: list[Any] = []
     if math.isfinite(bestfit) and math.isfinite(unc):
-        band = ax.axvspan(
-            bestfit - unc,
-            bestfit + unc,
-            color="0.8",
-            alpha=0.6,
-            lw=0,
-            zorder=0,
-            label=f"Best fit: {bestfit:.3g} ± {unc:.2g}",
-        )
-        shading.append(band)
+        label = f"Best fit: {bestfit:.3g} ± {unc:.2g}"
+        span = (bestfit - unc, bestfit + unc)
+        shading.append(ax.axvspan(*span, color="0.8", alpha=0.6, lw=0, zorder=0, label=label))
     ax.plot(x, y, color=_style.COLORS[0], lw=2, marker="o", ms=4, zorder=3, label="Profile scan")
     ends = y[finite][[0, -1]] if finite.any() else np.array([np.inf, np.inf])
     for level, text in ONE_D_LEVELS:
@@ -68,15 +61,9 @@ def scan(
             ax.axhline(level, color="0.3", ls="--", lw=1, zorder=1)
             # at the end where the curve is farther from the line (its label clear of it)
             right = abs(ends[1] - level) >= 0.5 * abs(ends[0] - level)
-            ax.text(
-                0.99 if right else 0.01,
-                level,
-                text,
-                transform=ax.get_yaxis_transform(),
-                ha="right" if right else "left",
-                va="bottom",
-                **_style.text_kw(_style.LEGEND_SIZE, color="0.3"),
-            )
+            ha = "right" if right else "left"
+            kw = _style.text_kw(_style.LEGEND_SIZE, color="0.3", ha=ha, va="bottom")
+            ax.text(0.99 if right else 0.01, level, text, transform=ax.get_yaxis_transform(), **kw)
     if math.isfinite(bestfit):
         ax.axvline(bestfit, color="black", lw=1, ls=":", zorder=2)
     ax.set_xlim(float(x[0]), float(x[-1]))
@@ -139,13 +126,5 @@ def _scan_2d(
     _style.style_axes(ax)
     _style.set_xlabel(ax, xlabel or names[0])
     _style.set_ylabel(ax, ylabel or names[1])
-    _style.legend(
-        ax,
-        handles=handles,
-        loc="upper right",
-        facecolor="white",
-        framealpha=0.8,
-        frameon=True,
-        edgecolor="none",
-    )
+    _style.legend(ax, handles=handles, loc="upper right", box=0.8)
     return fig

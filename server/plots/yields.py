@@ -93,11 +93,8 @@ def _channel(kind: str, name: str, entry: Any) -> Channel:
     total_json = entry.get("total")
     stdev = None
     if isinstance(total_json, Mapping):
-        total = np.asarray(
-            numbers(
-                kind, f"{where}.total.yields", need(kind, total_json, "yields", f"{where}.total"), n
-            )
-        )
+        values = need(kind, total_json, "yields", f"{where}.total")
+        total = np.asarray(numbers(kind, f"{where}.total.yields", values, n))
         if total_json.get("stdev") is not None:
             stdev = np.asarray(numbers(kind, f"{where}.total.stdev", total_json["stdev"], n))
     else:
@@ -163,17 +160,14 @@ def yields(
     ncols = count_option(kind, "columns", columns, None) or (
         1 if n == 1 else min(4, math.ceil(math.sqrt(n)))
     )
-    nrows = math.ceil(n / ncols)
     stage_text = {"postfit": "Post-fit", "prefit": "Pre-fit"}.get(stage or "")
-    fig = _grid(parsed, nrows, ncols, colors, log_y, stage_text if n == 1 else None)
+    fig = _grid(parsed, ncols, colors, log_y, stage_text if n == 1 else None)
     if n > 1:
         handles: list[Artist] = [
-            Patch(facecolor=colors[s], edgecolor="black", lw=0.5, label=s) for s in sample_names
+            *(Patch(facecolor=colors[s], edgecolor="black", lw=0.5, label=s) for s in sample_names),
+            Patch(facecolor="none", edgecolor="0.3", hatch="////", lw=0, label="Uncertainty"),
+            Line2D([], [], color="black", marker="o", ls="none", label="Data"),
         ]
-        handles.append(
-            Patch(facecolor="none", edgecolor="0.3", hatch="////", lw=0, label="Uncertainty")
-        )
-        handles.append(Line2D([], [], color="black", marker="o", ls="none", label="Data"))
         fig.legend(
             handles=handles,
             loc="upper center",
@@ -183,14 +177,8 @@ def yields(
             prop=_style.font(_style.LEGEND_SIZE),
         )
     if stage_text and n > 1:  # one panel has it under its name
-        fig.text(
-            0.995,
-            0.995,
-            stage_text,
-            ha="right",
-            va="top",
-            **_style.text_kw(_style.LABEL_SIZE - 2, fontstyle="italic"),
-        )
+        kw = _style.text_kw(_style.LABEL_SIZE - 2, fontstyle="italic", ha="right", va="top")
+        fig.text(0.995, 0.995, stage_text, **kw)
     _style.note(fig, notes)
     return fig
 
@@ -214,7 +202,7 @@ def _side_by_side(channels: list[Channel]) -> Channel:
     for name in _sample_names(channels):
         values = [dict(c.samples).get(name) for c in channels]
         samples.append((name, np.array([0.0 if v is None else float(v[0]) for v in values])))
-    stdevs = [c.total_stdev for c in channels]
+    stdevs = [c.total_stdev for c in channels if c.total_stdev is not None]
     data = [c.data for c in channels]
     return Channel(
         "",
@@ -222,9 +210,7 @@ def _side_by_side(channels: list[Channel]) -> Channel:
         [c.name for c in channels],
         samples,
         np.concatenate([c.total for c in channels]),
-        None
-        if any(v is None for v in stdevs)
-        else np.concatenate([v for v in stdevs if v is not None]),
+        np.concatenate(stdevs) if len(stdevs) == len(channels) else None,
         None
         if all(d is None for d in data)
         else np.array([np.nan if d is None else d[0] for d in data]),
@@ -241,12 +227,7 @@ def _legend_columns(entries: int, ncols: int) -> int:
 
 
 def _grid(
-    parsed: list[Channel],
-    nrows: int,
-    ncols: int,
-    colors: dict[str, str],
-    log_y: bool | None,
-    stage_text: str | None = None,
+    parsed: list[Channel], ncols: int, colors: dict[str, str], log_y: bool | None, stage: str | None
 ) -> Figure:
     """Channels on a grid of fixed-size cells, each a main panel over a ratio panel that
     touch (placed by hand: a layout engine would pad between them)."""
@@ -263,7 +244,7 @@ def _grid(
         turned = any(len(c.bin_labels or ()) > 3 for c in parsed)
         bottom += max(0.0, (longest * 0.75 if turned else 0.0) - 0.1)
     cell_h += bottom - _MARGINS[3]
-    width, height = cell_w * ncols, cell_h * nrows + head + 0.2
+    width, height = cell_w * ncols, cell_h * math.ceil(len(parsed) / ncols) + head + 0.2
     fig = _style.new_figure(width, height, layout=None)
     panels = []
     for k, channel in enumerate(parsed):
@@ -279,19 +260,13 @@ def _grid(
             sharex=ratio,
         )
         drawn = _draw_channel(ax, ratio, channel, colors, log_y, scale, single)
-        if stage_text:
+        if stage:
             _, boxes = drawn
             below = boxes[0] if channel.name else None
-            boxes.append(
-                ax.annotate(
-                    stage_text,
-                    xy=(0.0, -0.3) if below else (0.04, 0.95),
-                    xycoords=below or ax.transAxes,
-                    ha="left",
-                    va="top",
-                    **_style.text_kw(_style.LABEL_SIZE * scale - 2, fontstyle="italic"),
-                )
-            )
+            size = _style.LABEL_SIZE * scale - 2
+            kw = _style.text_kw(size, fontstyle="italic", ha="left", va="top")
+            xy = (0.0, -0.3) if below else (0.04, 0.95)
+            boxes.append(ax.annotate(stage, xy=xy, xycoords=below or ax.transAxes, **kw))
         panels.append((ax, drawn))
     renderer = _style.renderer_of(fig)
     for ax, (data_top, boxes) in panels:  # the name and legend above the bars and points
@@ -352,17 +327,9 @@ def _draw_channel(
     centers = 0.5 * (edges[1:] + edges[:-1])
     widths = np.diff(edges)
     bottom = np.zeros(len(centers))
+    stack = {"width": widths, "edgecolor": "black", "lw": 0.4}
     for sample, values in channel.samples:
-        ax.bar(
-            centers,
-            values,
-            width=widths,
-            bottom=bottom,
-            color=colors[sample],
-            edgecolor="black",
-            lw=0.4,
-            label=sample,
-        )
+        ax.bar(centers, values, bottom=bottom, color=colors[sample], label=sample, **stack)
         bottom = bottom + values
     total, stdev, data = channel.total, channel.total_stdev, channel.data
     # the model's uncertainty band and the data points, in both panels
@@ -404,10 +371,9 @@ def _draw_channel(
     ratio.set_xlim(edges[0], edges[-1])
     size = _style.LABEL_SIZE * scale
     tick = _style.TICK_SIZE * scale
+    minor_x = channel.bin_labels is None and len(centers) > 1
     for axes in (ax, ratio):
-        _style.style_axes(
-            axes, tick_size=tick, minor_x=channel.bin_labels is None and len(centers) > 1
-        )
+        _style.style_axes(axes, tick_size=tick, minor_x=minor_x)
     ratio.set_yticks(ratio_ticks(*ratio.get_ylim()))
     ratio.yaxis.set_minor_locator(AutoMinorLocator())
     ax.tick_params(labelbottom=False)
@@ -431,27 +397,10 @@ def _draw_channel(
     _style.set_xlabel(ratio, channel.axis, size)
     boxes: list[Any] = []
     if channel.name:
-        boxes.append(
-            ax.text(
-                0.04,
-                0.95,
-                channel.name,
-                transform=ax.transAxes,
-                ha="left",
-                va="top",
-                **_style.text_kw(size, fontweight="bold"),
-            )
-        )
+        kw = _style.text_kw(size, fontweight="bold", ha="left", va="top")
+        boxes.append(ax.text(0.04, 0.95, channel.name, transform=ax.transAxes, **kw))
     if legend:
         handles, labels = ax.get_legend_handles_labels()
-        boxes.append(
-            _style.legend(
-                ax, handles[::-1], labels[::-1], loc="upper right", ncols=_columns(len(labels))
-            )
-        )
+        ncols = 1 if len(labels) <= 6 else 2  # two beyond six entries: it stays short
+        boxes.append(_style.legend(ax, handles[::-1], labels[::-1], loc="upper right", ncols=ncols))
     return data_top, boxes
-
-
-def _columns(entries: int) -> int:
-    """A one-panel legend's columns: two beyond six entries (it stays short)."""
-    return 1 if entries <= 6 else 2

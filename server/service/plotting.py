@@ -63,11 +63,6 @@ class PlotRequest:
     fmt: str = "png"
     options: dict[str, Any] = field(default_factory=dict)
 
-    @property
-    def media_type(self) -> str:
-        """The answer's Content-Type."""
-        return MEDIA_TYPES[self.fmt]
-
 
 class PlotSlice(BaseModel):
     """One slice of a patchset's signal coordinates an exclusion plot can draw."""
@@ -109,11 +104,8 @@ class JobPlots(BaseModel):
 
 
 # ----------------------------------------------------------------------------- which kinds
-def kinds_for(operation: str, request: Mapping[str, Any]) -> tuple[str, ...]:
-    """The plot kinds that fit an ``operation``'s answer to ``request`` (its envelope): those
-    of :data:`PLOTS` whose ``tables.PLOT_NEEDS`` it meets (``cls``: ``brazil`` for a list of
-    ``test_poi``, ``exclusion`` for a patchset)."""
-    return tables.plot_kinds_for(operation, request)
+#: the plot kinds that fit an ``operation``'s answer to ``request`` (its envelope)
+kinds_for = tables.plot_kinds_for
 
 
 def links(job_id: str, operation: str, request: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -178,10 +170,8 @@ def check_fits(kind: str, operation: str, request: Mapping[str, Any]) -> None:
         return
     if not PLOTS.get(operation):
         raise Unprocessable(f"no plot kind fits a {operation} answer")
-    why = ""
     need = tables.PLOT_NEEDS.get(operation, {}).get(kind)
-    if need is not None:
-        why = f" (a {kind} plot needs {need['says']})"
+    why = "" if need is None else f" (a {kind} plot needs {need['says']})"
     these = ", ".join(fitting) if fitting else "none"
     raise Unprocessable(
         f"a {kind} plot does not fit this {operation} answer{why}; the kinds that do: {these}"
@@ -189,29 +179,25 @@ def check_fits(kind: str, operation: str, request: Mapping[str, Any]) -> None:
 
 
 # -------------------------------------------------------------------------------- options
-def _parse(name: str, values: list[str], kind: str | None) -> Any:
-    """One query option's typed value (of plot ``kind``; 422 naming it when malformed)."""
-    of = tables.option_type(name, kind) or "str"
-    try:
-        return tables.read_option(of, values)
-    except ValueError:
-        raise Unprocessable(
-            f"plot option {name!r} must be {tables.TYPE_WORDS[of]}, not {values[-1][:40]!r}"
-        ) from None
-
-
 def query_options(
     query: Mapping[str, list[str]], prefix: str = "", kind: str | None = None
 ) -> dict[str, Any]:
     """The renderer's options of plot ``kind`` from query parameters (named ``prefix +
-    option``; ``-`` or ``_``); 422 for an unknown one, naming those accepted."""
+    option``; ``-`` or ``_``); 422 for an unknown or malformed one, naming what it takes."""
     options = {}
     for raw, values in query.items():
         name = raw.replace("-", "_").removeprefix(prefix)
         if name not in QUERY_OPTIONS:
             accepted = ", ".join(prefix + o for o in QUERY_OPTIONS)
             raise Unprocessable(f"unknown plot option {raw!r}; accepted: {accepted}")
-        options[name] = _parse(name, values, kind)
+        of = tables.option_type(name, kind) or "str"
+        try:
+            options[name] = tables.read_option(of, values)
+        except ValueError:
+            words = tables.TYPE_WORDS[of]
+            raise Unprocessable(
+                f"plot option {name!r} must be {words}, not {values[-1][:40]!r}"
+            ) from None
     return options
 
 
@@ -318,16 +304,6 @@ def _workspace(
         return spec
 
 
-def _poi_name(workspace: Mapping[str, Any] | None, measurement: str | None) -> str | None:
-    """The POI of the workspace's measurement (default the first)."""
-    if workspace is None:
-        return None
-    for entry in workspace.get("measurements", []):
-        if measurement is None or entry.get("name") == measurement:
-            return entry.get("config", {}).get("poi")
-    return None
-
-
 def _ranking(result: Mapping[str, Any]) -> dict[str, Any]:
     """The service's ranking answer with ``init`` (the constraint centres, from ``pull``), so
     the renderer draws the pulls (θ̂ − θ₀)/Δθ; unconstrained parameters have none."""
@@ -377,6 +353,15 @@ def _tested_value(drawn: _Drawn) -> float | None:
     return 1.0 if 1.0 in tested else tested[0]
 
 
+def _poi_name(drawn: _Drawn) -> str | None:
+    """The POI of the (unpatched) workspace's measurement (default the first)."""
+    measurement = drawn.request.get("measurement")
+    for entry in (_workspace(drawn.request, drawn.lookup, None) or {}).get("measurements", []):
+        if measurement is None or entry.get("name") == measurement:
+            return entry.get("config", {}).get("poi")
+    return None
+
+
 def _result_poi_name(drawn: _Drawn) -> str | None:
     poi = drawn.result.get("poi")
     return poi["name"] if isinstance(poi, Mapping) and poi.get("name") else None
@@ -385,21 +370,12 @@ def _result_poi_name(drawn: _Drawn) -> str | None:
 #: the sources ``tables.PLOTS[kind]["inputs"]`` names (``request:<field>``: the request's field)
 _SOURCES: dict[str, Callable[[_Drawn], Any]] = {
     "tested_value": _tested_value,
-    "poi_name": lambda d: _poi_name(
-        _workspace(d.request, d.lookup, None), d.request.get("measurement")
-    ),
+    "poi_name": _poi_name,
     "fitted_workspace": lambda d: _workspace(d.request, d.lookup, d.patch),
     "result_poi_name": _result_poi_name,
 }
 #: how the service reads an answer for a kind (``tables.PLOTS[kind]["adapt"]``)
 _ADAPTERS: dict[str, Callable[[Any], Any]] = {"pull_centres": _ranking, "scan_axes": _scan}
-
-
-def _source(name: str, drawn: _Drawn) -> Any:
-    where, _, field_name = name.partition(":")
-    if where == "request":
-        return drawn.request.get(field_name)
-    return _SOURCES[name](drawn)
 
 
 def inputs(
@@ -424,7 +400,8 @@ def inputs(
         result = _ADAPTERS[table["adapt"]](result)
     drawn = _Drawn(request, result, patch, lookup)
     for key, source in table["inputs"].items():
-        value = _source(source, drawn)
+        where, _, name = source.partition(":")
+        value = drawn.request.get(name) if where == "request" else _SOURCES[source](drawn)
         if value is not None:
             options.setdefault(key, value)
     return result, options
@@ -466,7 +443,7 @@ def image(plot: PlotRequest, data: bytes, name: str) -> Response:
     """The image answer, named ``name.<fmt>`` for a download."""
     return Response(
         content=data,
-        media_type=plot.media_type,
+        media_type=MEDIA_TYPES[plot.fmt],
         headers={
             "Content-Disposition": f'inline; filename="{name}.{plot.fmt}"',
             "Cache-Control": "private, max-age=300",
