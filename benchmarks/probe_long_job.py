@@ -1,13 +1,14 @@
-"""A full ranking of a large analysis as a job on a CPU server: how its progress moves, how long
-it takes, and how long a small ``pyhf-gpu-client cls`` sent while it runs waits; this
-checkout's server and, side by side in the same run, another checkout's (``--baseline DIR``: a
-folder holding a ``pyhf_gpu_server`` package).
+"""Long work on a large analysis as a job on a CPU server (a full ranking, or with ``--toys N``
+a toy-based ``cls``): how its progress moves, how long it takes, and how long a small
+``pyhf-gpu-client cls`` sent while it runs waits; this checkout's server and, side by side in
+the same run, another checkout's (``--baseline DIR``: a folder holding a ``pyhf_gpu_server``
+package).
 
 The workspace is :func:`bench_shared_node.analysis` (shapesys and shapefactor per-bin
 parameters besides shared systematics); the small request is stau's background-only
 workspace with its first published signal patch.
 
-    .venv/bin/python benchmarks/probe_ranking_job.py [--channels 10 --bins 40] \\
+    .venv/bin/python benchmarks/probe_long_job.py [--channels 10 --bins 40] [--toys 0] \\
         [--baseline /tmp/base] [--cls-after 5]
 
 Prints one markdown table per server: the job's seconds, the times its progress changed,
@@ -44,9 +45,9 @@ def small_request(directory: Path) -> Path:
     return path
 
 
-def probe(url: str, workspace: dict, small: Path, cls_after: float) -> dict:
-    """Submit the ranking job, poll its progress every 0.5 s, send the small ``cls`` once the
-    job has run ``cls_after`` seconds."""
+def probe(url: str, job: dict, small: Path, cls_after: float) -> dict:
+    """Submit the job, poll its progress every 0.5 s, send the small ``cls`` once the job has
+    run ``cls_after`` seconds."""
     timings: dict = {"changes": []}
 
     def small_cls() -> None:
@@ -57,9 +58,9 @@ def probe(url: str, workspace: dict, small: Path, cls_after: float) -> dict:
 
     with httpx.Client(base_url=url, timeout=60) as client:
         start = time.perf_counter()
-        job = client.post("/jobs", json={"operation": "ranking", "workspace": workspace})
-        job.raise_for_status()
-        job_id = job.json()["id"]
+        accepted = client.post("/jobs", json=job)
+        accepted.raise_for_status()
+        job_id = accepted.json()["id"]
         sender = None
         last = None
         while True:
@@ -75,7 +76,7 @@ def probe(url: str, workspace: dict, small: Path, cls_after: float) -> dict:
             if view["status"] in ("succeeded", "failed", "cancelled"):
                 timings["status"] = view["status"]
                 timings["job_s"] = now
-                timings["ranked"] = len((view.get("result") or {}).get("labels", []))
+                timings["result"] = view.get("result") or {}
                 break
             time.sleep(0.5)
         if sender is not None:
@@ -86,17 +87,26 @@ def probe(url: str, workspace: dict, small: Path, cls_after: float) -> dict:
 def main() -> None:
     parser = analysis_arguments(__doc__.splitlines()[0], channels=10)
     parser.add_argument("--cls-after", type=float, default=5.0)
+    parser.add_argument("--toys", type=int, default=0, help="a toy-based cls (0: a ranking)")
     args = parser.parse_args()
-    workspace = analysis(args.channels, args.bins)
+    job = {"operation": "ranking", "workspace": analysis(args.channels, args.bins)}
+    if args.toys:
+        job.update(operation="cls", calctype="toybased", ntoys=args.toys, seed=1)
     with tempfile.TemporaryDirectory() as tmp:
         small = small_request(Path(tmp))
         for label, package in servers(args).items():
             with server(package, Path(tmp) / label.replace(" ", "_")) as url:
-                found = probe(url, workspace, small, args.cls_after)
+                found = probe(url, job, small, args.cls_after)
+            result = found["result"]
+            done = (
+                f"CLs_obs {result.get('CLs_obs')}"
+                if args.toys
+                else f"{len(result.get('labels', []))} parameters ranked"
+            )
             print(
-                f"\n**{label}**: {found['status']}, {found['ranked']} parameters ranked in "
-                f"{found['job_s']:.1f} s; the small `cls` sent after {args.cls_after:g} s "
-                f"took {found.get('cls_s', float('nan')):.1f} s\n"
+                f"\n**{label}**: {found['status']}, {done}, in {found['job_s']:.1f} s; the "
+                f"small `cls` sent after {args.cls_after:g} s took "
+                f"{found.get('cls_s', float('nan')):.1f} s\n"
             )
             print("| s | done | total |\n|---|---|---|")
             for when, done, total in found["changes"]:

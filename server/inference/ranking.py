@@ -62,8 +62,19 @@ _INDEXED = re.compile(r"^(.*)\[(\d+)\]$")
 #: the four conditional fits of a ranked parameter, in cabinetry's order
 IMPACTS = ("prefit_up", "prefit_down", "postfit_up", "postfit_down")
 
-#: a row's part of its ranked parameters, ``(first, stop)`` (None: all of them)
+#: a row's part of its ranked parameters, ``(k, n)``: the ``k``-th of ``n`` parts, dealt
+#: (every ``n``-th ranked parameter from the ``k``-th, so that each part holds its share of
+#: the costly refits, of the shared systematics); None: all of them
 Part = tuple[int, int] | None
+
+
+def dealt(ranked: Sequence[int], part: Part) -> list[int]:
+    """The part ``part`` of ``ranked`` (all of it for None).
+
+    >>> dealt(range(7), (1, 3)), dealt(range(7), (0, 3)), dealt(range(3), None)
+    ([1, 4], [0, 3, 6], [0, 1, 2])
+    """
+    return list(ranked) if part is None else list(ranked[part[0] :: part[1]])
 
 
 def impact_key(postfit_up: float, postfit_down: float) -> float:
@@ -203,13 +214,13 @@ def _ranked_columns(
     model, elements: list[int], parameters: Sequence[str] | None, parts: Sequence[Part] | None
 ) -> list[list[int]]:
     """Per row: the model's columns of its element's :func:`ranked_parameters`, of those only
-    its part ``(first, stop)``."""
+    its part (:data:`Part`)."""
     out = []
     for b, e in enumerate(elements):
         own = model.element_columns(e)
         ranked = [own[j] for j in ranked_parameters(model.elements[e], parameters)]
         part = None if parts is None else parts[b]
-        out.append(ranked if part is None else ranked[part[0] : part[1]])
+        out.append(dealt(ranked, part))
     return out
 
 
@@ -245,10 +256,10 @@ def ranking(
             a row's element does not have free is not ranked in that row.
         bounds: ``[P, 2]`` or ``[B, P, 2]`` parameter bounds (default: the model's).
         options: :class:`~pyhf_gpu_server.inference.mle.FitOptions`.
-        parts: per row, ``(first, stop)``: rank only those of its ranked parameters (in
-            its pyhf order, or that of ``parameters``), or None: all. The ranking of one
-            row cut in parts is the parts' rankings together (:func:`ranked_parameters`
-            lists them from the element's layout).
+        parts: per row, ``(k, n)``: rank only the ``k``-th of ``n`` dealt parts of its
+            ranked parameters (:func:`dealt`, of its pyhf order or that of ``parameters``),
+            or None: all. The ranking of one row cut in parts is the parts' rankings
+            together (:func:`ranked_parameters` lists them from the element's layout).
 
     Returns:
         :class:`RankingResults`.

@@ -1,7 +1,7 @@
 """``POST /ranking``: nuisance-parameter impacts on the POI, pulls and constraints (cabinetry's
 ``fit.ranking``): the ``4 x P`` refits of every row in one batched call, a large model's
-parameters in parts of :data:`RANK_BLOCK` (a row each, joined into its answer: progress moves
-and the device serves others between them). A patch that lacks a named parameter answers its
+parameters dealt into parts of at most :data:`RANK_BLOCK` (a row each, joined into its
+answer: progress moves evenly and the device serves others between them). A patch that lacks a named parameter answers its
 own error; the other patches their rankings."""
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ class RankingPart:
     held: int
     refits: int
     top: int | None
+    part: tuple[int, int]  # (k, n): the k-th of n dealt parts (inference.ranking.Part)
 
 
 class Ranking(Operation[RankingOptions]):
@@ -61,8 +62,10 @@ class Ranking(Operation[RankingOptions]):
     def parts(
         self, options: RankingOptions, layout: ElementLayout | None
     ) -> list[tuple[int, int]] | None:
-        """The ranked parameters in parts of :data:`RANK_BLOCK` (counted by
-        :func:`~pyhf_gpu_server.inference.ranking.ranked_parameters`), when there are more."""
+        """The ranked parameters (counted by
+        :func:`~pyhf_gpu_server.inference.ranking.ranked_parameters`), when there are more
+        than :data:`RANK_BLOCK`, dealt into parts of at most that many
+        (:data:`~pyhf_gpu_server.inference.ranking.Part`)."""
         if layout is not None:
             count = len(ranked_parameters(layout, options.parameters))
         elif options.parameters is not None:
@@ -71,7 +74,8 @@ class Ranking(Operation[RankingOptions]):
             return None
         if count <= RANK_BLOCK:
             return None
-        return [(first, min(first + RANK_BLOCK, count)) for first in range(0, count, RANK_BLOCK)]
+        n = -(-count // RANK_BLOCK)
+        return [(k, n) for k in range(n)]
 
     def long_parts(self, options: RankingOptions, layout: ElementLayout) -> bool:
         """Always: a part is about a thousand fits of a large model."""
@@ -120,14 +124,14 @@ class Ranking(Operation[RankingOptions]):
                 )
                 out.append(RowResult(ranking_answer(result, i, options.top), status, flags=flags))
             else:  # every parameter of the part: the join sorts them all and keeps the top
-                joining = RankingPart(bound, held, refits, options.top)
-                out.append(RowResult(ranking_answer(result, i), status, joining))
+                joining = RankingPart(bound, held, refits, options.top, part)
+                out.append(RowResult(ranking_answer(result, i, sort=False), status, joining))
         return out
 
     def join(self, parts: list[RowResult]) -> RowResult:
         """The parts' parameters together, sorted as :meth:`RankingResults.order` sorts
-        them (a stable sort of the parts in order keeps pyhf's order among ties); the free
-        fit's POI and flag from the first part (each part fits it alike)."""
+        them (ties in pyhf's order: a dealt part's ``j``-th parameter is the ``k + j n``-th);
+        the free fit's POI and flag from the first part (each part fits it alike)."""
         answers = [p.answer for p in parts]
         joining = [p.part for p in parts]
         first = cast(RankingAnswer, answers[0])
@@ -136,7 +140,12 @@ class Ranking(Operation[RankingOptions]):
             for name in ("labels", *RANKED, "fits_converged")
         }
         up, down = columns["postfit_up"], columns["postfit_down"]
-        order = sorted(range(len(up)), key=lambda c: impact_key(up[c], down[c]))
+        ranked = [
+            j.part[0] + i * j.part[1]
+            for answer, j in zip(answers, joining, strict=True)
+            for i in range(len(cast(RankingAnswer, answer).labels))
+        ]
+        order = sorted(range(len(up)), key=lambda c: (impact_key(up[c], down[c]), ranked[c]))
         order = order[: joining[0].top]
         held = sum(j.held for j in joining)
         refits = sum(j.refits for j in joining)
@@ -154,14 +163,17 @@ class Ranking(Operation[RankingOptions]):
         )
 
 
-def ranking_answer(result: RankingResults, i: int = 0, top: int | None = None) -> RankingAnswer:
+def ranking_answer(
+    result: RankingResults, i: int = 0, top: int | None = None, *, sort: bool = True
+) -> RankingAnswer:
     """Row ``i`` with cabinetry's ``RankingResults`` field names (``bestfit``,
     ``uncertainty``, ``labels``, ``prefit_up``, ``prefit_down``, ``postfit_up``,
     ``postfit_down``), plus ``prefit_uncertainty``, ``pull``, ``constraint`` and
     ``fits_converged`` per parameter, sorted by :meth:`RankingResults.order` (cabinetry's
-    ``ranking`` itself keeps pyhf's order; its plot sorts so), the ``top`` first only if
-    given; and the POI's best fit."""
-    order = result.order(i)[:top]
+    ``ranking`` itself keeps pyhf's order; its plot sorts so; ``sort`` False: in the row's
+    ranked order, as a part is joined), the ``top`` first only if given; and the POI's best
+    fit."""
+    order = (result.order(i) if sort else result.columns[i])[:top]
     columns = {}
     for name in RANKED:
         row = getattr(result, name)[i].tolist()
