@@ -8,6 +8,8 @@ import csv
 import io
 import json
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import closing, contextmanager
 from typing import IO, Any
@@ -128,18 +130,64 @@ _FORMATS: dict[str, Callable[[Any], str]] = {
 
 
 class Progress:
-    """Job progress on stderr: a redrawn bar on a terminal, plain lines otherwise."""
+    """Job progress on stderr: a redrawn bar on a terminal, plain lines otherwise; on a
+    terminal, while a request waits for its answer before it becomes a job, the seconds it
+    has waited (from the first, every ``TICK_S``)."""
 
     WIDTH = 30
+    TICK_S = 0.5
 
     def __init__(self, stream: IO[str] | None = None, tty: bool | None = None) -> None:
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty() if tty is None else tty
         self._last: tuple[str, int] | None = None
         self._drawn = False
+        self._lock = threading.Lock()
+        self._waiting = threading.Event()  # set: no request waits (nothing to tick)
+        self._waiting.set()
+        self._ticked = ""  # the waiting line on the terminal now
+
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        """On a terminal, redraw ``waiting for the server: N s`` from the first second until
+        the block ends (the line then erased) or the request becomes a job (its bar takes
+        over)."""
+        if not self.tty:
+            yield
+            return
+        self._waiting = threading.Event()
+        ticker = threading.Thread(target=self._tick, args=(time.monotonic(),), daemon=True)
+        ticker.start()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._waiting.set()
+                if self._ticked:
+                    self.stream.write("\r" + " " * len(self._ticked) + "\r")
+                    self.stream.flush()
+                    self._ticked = ""
+            ticker.join()
+
+    def _tick(self, start: float) -> None:
+        """The ticker of :meth:`waiting`: a redraw every ``TICK_S`` until told to stop."""
+        while not self._waiting.wait(self.TICK_S):
+            with self._lock:
+                waited = time.monotonic() - start
+                if not self._waiting.is_set() and waited >= 1.0:
+                    self._ticked = f"waiting for the server: {waited:.0f} s"
+                    self.stream.write("\r" + self._ticked)
+                    self.stream.flush()
 
     def __call__(self, job: Job) -> None:
         """Report one polled state of ``job``."""
+        with self._lock:
+            self._waiting.set()  # the job's bar from now on, over the waiting line
+            self._ticked = ""
+            self._report(job)
+
+    def _report(self, job: Job) -> None:
+        """Draw ``job``'s state: the bar, or a line when the state changed."""
         percent = -1 if job.progress is None else round(100 * min(max(job.progress, 0.0), 1.0))
         state = (job.status, percent)
         if self.tty:

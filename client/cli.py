@@ -116,7 +116,8 @@ def _run(operation: str, submit: bool) -> Callable[..., None]:
                     result = out.wait(client, job.id, kwargs.get("wait_timeout")).result
                 else:
                     method = getattr(client, operation.replace("-", "_"))
-                    result = method(kwargs["workspace"], **call_kwargs)
+                    with progress.waiting():
+                        result = method(kwargs["workspace"], **call_kwargs)
             out.output(result, kwargs)
 
     return command

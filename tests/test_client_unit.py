@@ -9,6 +9,7 @@ import io
 import json
 import math
 import os
+import time
 from pathlib import Path
 
 import click
@@ -644,6 +645,33 @@ def test_progress_bar_on_terminal():
     bar.close()
     assert stream.getvalue().startswith("\rabc [" + "#" * 15 + "-" * 15 + "]  50% running")
     assert stream.getvalue().endswith("\n")
+
+
+def test_waiting_for_an_answer_shows_the_seconds_on_a_terminal(monkeypatch):
+    """On a terminal a request waiting for its answer redraws the seconds it has waited, from
+    the first one, and erases the line when the answer comes (or the job's bar takes over);
+    elsewhere it writes nothing."""
+    monkeypatch.setattr(cli.Progress, "TICK_S", 0.05)
+    stream = io.StringIO()
+    bar = cli.Progress(stream, tty=True)
+    with bar.waiting():
+        time.sleep(1.3)
+    shown = stream.getvalue()
+    assert "\rwaiting for the server: 1 s" in shown
+    assert shown.endswith("\r" + " " * len("waiting for the server: 1 s") + "\r")
+    stream = io.StringIO()
+    bar = cli.Progress(stream, tty=True)
+    with bar.waiting():
+        time.sleep(1.2)
+        bar(Job(id="abc", status="running", progress=0.5))  # became a job: its bar
+        time.sleep(0.3)
+    bar.close()
+    assert stream.getvalue().rsplit("waiting for the server: 1 s", 1)[1].startswith("\rabc [")
+    assert stream.getvalue().endswith("running   \n")
+    stream = io.StringIO()
+    with cli.Progress(stream, tty=False).waiting():
+        time.sleep(1.2)
+    assert stream.getvalue() == ""
 
 
 def test_dropped_connection_retried_only_when_idempotent():
