@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import shared_workspace
 from pyhf_global import pyhf_upper_limit
 from service_support import WORKSPACES, running_server, workspace_file
 from workspaces import read_json
@@ -36,6 +37,9 @@ from pyhf_gpu_client.protocol import warn_if_doubtful
 from pyhf_gpu_client.results import CLsResult, UpperLimitResult, flagged
 from pyhf_gpu_server.engine import HistFactoryModel
 from pyhf_gpu_server.inference import ranking, scan, upper_limit
+from pyhf_gpu_server.inference.hypotest import hypotest, join_toy_parts
+from pyhf_gpu_server.inference.toys import ToySlice
+from pyhf_gpu_server.service.operations.base import RowStatus
 from pyhf_gpu_server.service.operations.ranking import ranking_answer, ranking_flag
 from pyhf_gpu_server.service.operations.scan import scan_flags
 from pyhf_gpu_server.service.operations.upper_limit import CURVES, limit_flags
@@ -553,3 +557,29 @@ def test_parameters_without_uncertainty_are_flagged_where_they_are_read(server, 
     assert all(
         math.isnan(u) for us in json.loads(singular.stdout)["uncertainties"].values() for u in us
     )
+
+
+def test_a_toy_test_counts_its_toys_whose_fits_did_not_converge():
+    """stau's first signal point with 750 toys (seed 1): a few toys' fits stop at the
+    minimiser's 200 iterations (pyhf's scipy fit of the same toys ends higher, or raises). The
+    flag counts them and says the fits to the data converged, rather than doubting every
+    number; its slices joined count the same."""
+    workspace, patchset, _ = shared_workspace("atlas-susy-2018-04-stau")
+    name = patchset["patches"][0]["metadata"]["name"]
+    applied = pyhf.PatchSet(patchset).apply(pyhf.Workspace(workspace), name)
+    model = HistFactoryModel.from_workspace(applied)
+    whole = hypotest(model, 1.0, calctype="toybased", ntoys=750, seed=1)
+    slices = [
+        hypotest(model, 1.0, calctype="toybased", ntoys=750, seed=1, toys=[s])
+        for s in ToySlice.cut(0, 750, 250)
+    ]
+    for result in (whole, join_toy_parts(slices)):
+        (status,) = RowStatus.of_hypotests(result)
+        failed, toys, data_converged = status.toys
+        assert 0 < failed < 10 and toys == 1500 and data_converged
+        assert status.converged is False
+        (flag,) = status.flags()
+        assert flag.kind == "not_converged"
+        assert flag.detail.startswith(f"the fits of {failed} of its 1500 toys did not converge")
+        assert "off by up to" in flag.detail and "fits to the data converged" in flag.detail
+    assert sum(int(s.toys.unconverged) for s in slices) == failed

@@ -141,17 +141,31 @@ class FitStatus(NamedTuple):
         >>> [t.tolist() for t in status.combine_segments([2, 1])]
         [[False, True], [2, 1], [True, True]]
         """
-        segment = torch.repeat_interleave(
+        segment = self._segments(sizes)
+        failed = self.failures_per_segment(sizes)
+        disagreed = torch.zeros_like(failed).index_add(0, segment, (~self.agreed).long())
+        starts = torch.zeros(len(sizes), dtype=self.starts.dtype, device=segment.device)
+        starts = starts.scatter_reduce(0, segment, self.starts, "amax", include_self=False)
+        return FitStatus(failed == 0, starts, disagreed == 0)
+
+    def failures_per_segment(self, sizes: list[int]) -> Tensor:
+        """``[len(sizes)]``: of each run of consecutive rows of ``sizes``, those that did not
+        converge.
+
+        >>> import torch
+        >>> status = FitStatus(torch.tensor([False, False, True]), torch.ones(3), torch.ones(3))
+        >>> status.failures_per_segment([2, 1]).tolist()
+        [2, 0]
+        """
+        zeros = torch.zeros(len(sizes), dtype=torch.long, device=self.converged.device)
+        return zeros.index_add(0, self._segments(sizes), (~self.converged).long())
+
+    def _segments(self, sizes: list[int]) -> Tensor:
+        """The run (of ``sizes``) each row belongs to."""
+        return torch.repeat_interleave(
             torch.arange(len(sizes), device=self.converged.device),
             torch.tensor(sizes, device=self.converged.device),
         )
-        rows = len(sizes)
-        failed = torch.zeros(rows, dtype=torch.long, device=segment.device)
-        failed = failed.index_add(0, segment, (~self.converged).long())
-        disagreed = torch.zeros_like(failed).index_add(0, segment, (~self.agreed).long())
-        starts = torch.zeros(rows, dtype=self.starts.dtype, device=segment.device)
-        starts = starts.scatter_reduce(0, segment, self.starts, "amax", include_self=False)
-        return FitStatus(failed == 0, starts, disagreed == 0)
 
     def index_copy(self, rows: Tensor, status: FitStatus) -> FitStatus:
         """These rows with rows ``rows`` replaced by ``status``'s, in order."""

@@ -199,12 +199,14 @@ def expected_empirical_pvalues(signal: Tensor, background: Tensor) -> tuple[Tens
 class ToyStats:
     """One :meth:`ToyCalculator.teststatistic` call of ``M`` rows: observed statistic
     ``[M]``, each row's toy statistics per hypothesis (``signal[r]``, ``background[r]``:
-    ``[T_r]``, its slice's toys) and how the fits went."""
+    ``[T_r]``, its slice's toys), how the fits went, and ``unconverged [M]``: per row, its toys
+    (of both hypotheses) whose fits did not all converge."""
 
     teststat: Tensor
     signal: list[Tensor]
     background: list[Tensor]
     fits: dict[str, FitStatus]
+    unconverged: Tensor
 
     def row(self, i: int) -> ToyStats:
         """Row ``i`` alone, on the host (what the service keeps of a slice until the
@@ -214,6 +216,7 @@ class ToyStats:
             [self.signal[i].cpu()],
             [self.background[i].cpu()],
             {name: FitStatus(*(t[i : i + 1].cpu() for t in s)) for name, s in self.fits.items()},
+            self.unconverged[i : i + 1].cpu(),
         )
 
     def by_size(self) -> list[tuple[Tensor, Tensor, Tensor]]:
@@ -237,10 +240,12 @@ def join_toy_stats(parts: list[ToyStats]) -> ToyStats:
     in the order of their toys): the observed statistic of the first, the toys joined, the
     fits of all combined.
 
-    >>> one = lambda v: ToyStats(torch.tensor([1.0]), [torch.tensor(v)], [torch.tensor(v)], {})
+    >>> def one(v):
+    ...     toys, failed = torch.tensor(v), torch.tensor([len(v) - 1])
+    ...     return ToyStats(torch.tensor([1.0]), [toys], [toys], {}, failed)
     >>> joined = join_toy_stats([one([0.5, 2.0]), one([3.0])])
-    >>> joined.signal[0].tolist(), joined.teststat.tolist()
-    ([0.5, 2.0, 3.0], [1.0])
+    >>> joined.signal[0].tolist(), joined.teststat.tolist(), joined.unconverged.tolist()
+    ([0.5, 2.0, 3.0], [1.0], [1])
     """
     first = parts[0]
     fits = {name: FitStatus.combine([part.fits[name] for part in parts]) for name in first.fits}
@@ -249,6 +254,7 @@ def join_toy_stats(parts: list[ToyStats]) -> ToyStats:
         [torch.cat([part.signal[0] for part in parts])],
         [torch.cat([part.background[0] for part in parts])],
         fits,
+        torch.stack([part.unconverged for part in parts]).sum(0),
     )
 
 
@@ -337,8 +343,9 @@ class ToyCalculator:
         toy_mu = tested.repeat_interleave(repeats)
         stats, toys_status = self._toy_statistics(toys, toy_element, toy_mu)
         fits = {**observed_fits, "toys": FitStatus.combine_segments(toys_status, per_row)}
+        unconverged = toys_status.failures_per_segment(per_row)
         pieces = stats.split(sizes)
-        return ToyStats(observed, list(pieces[0::2]), list(pieces[1::2]), fits)
+        return ToyStats(observed, list(pieces[0::2]), list(pieces[1::2]), fits, unconverged)
 
     def _draw(
         self, signal_pars: Tensor, bkg_pars: Tensor, element: Tensor, slices: list[ToySlice]

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Generic, TypeVar, cast
 
 import pydantic
+import torch
 from pydantic import BaseModel
 from torch import Tensor
 
@@ -55,11 +56,14 @@ def toy_part_size(layout: ElementLayout | None) -> int:
 @dataclass(frozen=True)
 class RowStatus:
     """How a row's fits went, for its ``meta``: all converged, start points per fit, and
-    whether the starts agreed (None where the operation runs no such fits)."""
+    whether the starts agreed (None where the operation runs no such fits); for a toy-based
+    test, ``toys``: how many of its toys' fits did not converge, of how many toys (both
+    hypotheses'), and whether its fits to the data converged."""
 
     converged: bool | None = None
     starts: int | None = None
     starts_agreed: bool | None = None
+    toys: tuple[int, int, bool] | None = None
 
     @classmethod
     def of(cls, result: Any, rows: int) -> list[RowStatus]:
@@ -70,6 +74,19 @@ class RowStatus:
             value = getattr(result, name, None)
             columns.append([None] * rows if value is None else value.tolist())
         return [cls(*values) for values in zip(*columns, strict=True)]
+
+    @classmethod
+    def of_hypotests(cls, tests: HypotestResults) -> list[RowStatus]:
+        """:meth:`of` hypothesis tests, with their toys' fits counted where toy-based."""
+        statuses = cls.of(tests, len(tests))
+        if tests.toys is None:
+            return statuses
+        data = [s.converged for name, s in tests.fits.items() if name != "toys"]
+        data_converged = torch.stack(data).all(0).tolist()
+        toys = zip(tests.toys.signal, tests.toys.background, strict=True)
+        totals = [len(signal) + len(background) for signal, background in toys]
+        counts = zip(tests.toys.unconverged.tolist(), totals, data_converged, strict=True)
+        return [replace(s, toys=c) for s, c in zip(statuses, counts, strict=True)]
 
     @classmethod
     def joined(cls, parts: list[RowStatus]) -> RowStatus:
@@ -88,12 +105,23 @@ class RowStatus:
         """The ``meta.flags`` this status calls for: fits that did not converge, starts that
         disagree."""
         found = []
-        if self.converged is False:
+        failed, toys, data_converged = self.toys or (0, 0, False)
+        if self.converged is False and failed and data_converged:
             found.append(
                 result_flag(
                     "not_converged",
-                    "its fits did not converge (meta.converged false): its numbers may not "
-                    "be the minimum's",
+                    f"the fits of {failed} of its {toys} toys did not converge (meta.converged "
+                    "false): their test statistics may not be the minimum's, so each p-value "
+                    f"may be off by up to {failed} in {toys // 2}; its fits to the data converged",
+                )
+            )
+        elif self.converged is False:
+            among = f" (those of {failed} of its {toys} toys among them)" if failed else ""
+            found.append(
+                result_flag(
+                    "not_converged",
+                    f"its fits did not converge{among} (meta.converged false): its numbers may "
+                    "not be the minimum's",
                 )
             )
         if self.starts_agreed is False:

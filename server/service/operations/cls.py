@@ -30,7 +30,7 @@ class Cls(Operation[ClsOptions]):
         self, model: HistFactoryModel, rows: EngineRows, options: ClsOptions
     ) -> list[RowResult]:
         result = hypotests(model, rows.poi, rows, options, options.test_stat)
-        statuses = RowStatus.of(result, len(rows))
+        statuses = RowStatus.of_hypotests(result)
         flags: list[tuple[ResultFlag, ...]] = [()] * len(rows)
         if options.test_stat == "qtilde":
             flags = qtilde_bound_flags(model, rows.element)
@@ -43,7 +43,9 @@ class Cls(Operation[ClsOptions]):
 
     def join(self, parts: list[RowResult]) -> RowResult:
         result = inference.join_toy_parts([part.part for part in parts])
-        return RowResult(cls_answers(result)[0], RowStatus.of(result, 1)[0], flags=parts[0].flags)
+        return RowResult(
+            cls_answers(result)[0], RowStatus.of_hypotests(result)[0], flags=parts[0].flags
+        )
 
 
 def cls_answers(result: HypotestResults) -> list[ClsAnswer]:

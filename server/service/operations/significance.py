@@ -23,7 +23,7 @@ class Significance(Operation[SignificanceOptions]):
     ) -> list[RowResult]:
         tests = hypotests(model, 0.0, rows, options, "q0")
         result = inference.significance_of(tests)
-        statuses = RowStatus.of(result, len(rows))
+        statuses = RowStatus.of_hypotests(tests)
         return [
             RowResult(answer, s, None if rows.toys is None else tests.row(i))
             for i, (answer, s) in enumerate(
@@ -32,8 +32,9 @@ class Significance(Operation[SignificanceOptions]):
         ]
 
     def join(self, parts: list[RowResult]) -> RowResult:
-        result = inference.significance_of(inference.join_toy_parts([p.part for p in parts]))
-        return RowResult(significance_answers(result)[0], RowStatus.of(result, 1)[0])
+        tests = inference.join_toy_parts([p.part for p in parts])
+        result = inference.significance_of(tests)
+        return RowResult(significance_answers(result)[0], RowStatus.of_hypotests(tests)[0])
 
 
 def significance_answers(result: SignificanceResults) -> list[SignificanceAnswer]:
