@@ -85,51 +85,45 @@ class EngineShares:
     def __call__(
         self, context: BatchContext, rows: Sequence[Row], stop: Callable[[], bool] | None = None
     ) -> list[ComputedRow]:
-        """ONE engine call's answers for ``rows``, in their order, fitted on one intra-op
-        thread (:func:`intra_op_threads`) beside the workers."""
+        """ONE engine call's answers for ``rows``, in their order: the rows shared with the
+        idle workers, the rest fitted here on one intra-op thread (:func:`intra_op_threads`)."""
         with intra_op_threads(1):
-            return self._shared(context, rows, stop)
-
-    def _shared(
-        self, context: BatchContext, rows: Sequence[Row], stop: Callable[[], bool] | None
-    ) -> list[ComputedRow]:
-        """:meth:`__call__`: the rows shared with the idle workers, the rest fitted here."""
-        units = _units(context, rows)
-        helpers = self.workers.idle(len(units) - 1) if len(units) >= MIN_UNITS else []
-        if not helpers:
-            return run_rows(context, rows, stop)
-        asked: list[_Share] = []
-        try:
-            parts = len(helpers) + 1
-            shares = [sorted(i for u in units[k::parts] for i in u) for k in range(parts)]
-            own = shares[0]
-            for worker, indices in zip(helpers, shares[1:], strict=True):
-                share = _Share(worker, indices, context, [rows[i] for i in indices])
-                if self._ask(share):
-                    asked.append(share)
-                else:
-                    own += indices
-            shared = bool(asked)
-            computed: list[ComputedRow | None] = [None] * len(rows)
-            start = time.monotonic()
-            mine = run_rows(context, [rows[i] for i in own], stop)
-            for i, row in zip(own, mine, strict=True):
-                computed[i] = row
-            deadline = time.monotonic() + WAIT_S + WAIT_FACTOR * (time.monotonic() - start)
-            while asked:
-                outcome = self._answer(asked[0], deadline, stop)
-                share = asked.pop(0)
-                found = None if outcome is None else share.computed(outcome)
-                if found is None:  # the worker failed on it: fitted here
-                    found = run_rows(context, share.rows, stop)
-                for i, row in zip(share.indices, found, strict=True):
+            units = _units(context, rows)
+            helpers = self.workers.idle(len(units) - 1) if len(units) >= MIN_UNITS else []
+            if not helpers:
+                return run_rows(context, rows, stop)
+            asked: list[_Share] = []
+            try:
+                parts = len(helpers) + 1
+                shares = [sorted(i for u in units[k::parts] for i in u) for k in range(parts)]
+                own = shares[0]
+                for worker, indices in zip(helpers, shares[1:], strict=True):
+                    share = _Share(worker, indices, context, [rows[i] for i in indices])
+                    if self._ask(share):
+                        asked.append(share)
+                    else:
+                        own += indices
+                shared = bool(asked)
+                computed: list[ComputedRow | None] = [None] * len(rows)
+                start = time.monotonic()
+                mine = run_rows(context, [rows[i] for i in own], stop)
+                for i, row in zip(own, mine, strict=True):
                     computed[i] = row
-        finally:
-            for share in asked:  # not answered (we raised): told to stop, its answer read
-                self._abandon(share)
-            self.workers.release(helpers)
-        self.workers.shared_batches += shared
-        return cast(list[ComputedRow], computed)  # every index is in exactly one share
+                deadline = time.monotonic() + WAIT_S + WAIT_FACTOR * (time.monotonic() - start)
+                while asked:
+                    outcome = self._answer(asked[0], deadline, stop)
+                    share = asked.pop(0)
+                    found = None if outcome is None else share.computed(outcome)
+                    if found is None:  # the worker failed on it: fitted here
+                        found = run_rows(context, share.rows, stop)
+                    for i, row in zip(share.indices, found, strict=True):
+                        computed[i] = row
+            finally:
+                for share in asked:  # not answered (we raised): told to stop, its answer read
+                    self._abandon(share)
+                self.workers.release(helpers)
+            self.workers.shared_batches += shared
+            return cast(list[ComputedRow], computed)  # every index is in exactly one share
 
     def _ask(self, share: _Share) -> bool:
         """Send ``share`` to its worker (its model's layouts unless the worker holds it);
@@ -218,18 +212,8 @@ class _Share:
             return None
         cached = self.context.cached
         assert cached is not None  # in process: the batch's model is warm
-        return [
-            ComputedRow(
-                result,
-                cached.model_id,
-                cached.hit,
-                cached.build_s,
-                None,
-                self.worker.name,
-                worker_s,
-            )
-            for result in results
-        ]
+        meta = (cached.model_id, cached.hit, cached.build_s, None, self.worker.name, worker_s)
+        return [ComputedRow(result, *meta) for result in results]
 
 
 def _units(context: BatchContext, rows: Sequence[Row]) -> list[list[int]]:

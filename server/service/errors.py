@@ -171,11 +171,6 @@ def translate(exc: BaseException, what: str = "workspace") -> ServiceError | Non
     return None
 
 
-def error_response(exc: ServiceError) -> JSONResponse:
-    """The JSON answer of a :class:`ServiceError`."""
-    return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)
-
-
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     """FastAPI's 422 for query/path problems, without echoing inputs back."""
     assert isinstance(exc, RequestValidationError)
@@ -196,7 +191,9 @@ async def _client_error(request: Request, exc: Exception) -> JSONResponse:
     (:func:`translate`): its 4xx."""
     mapped = translate(exc)
     assert mapped is not None
-    return error_response(mapped)
+    return JSONResponse(
+        {"detail": mapped.detail}, status_code=mapped.status_code, headers=mapped.headers
+    )
 
 
 async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:

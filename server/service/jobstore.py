@@ -156,7 +156,9 @@ class JobStore:
         self.recreated_warning = None if existed else _lost_database_warning(path)
         if self.recreated_warning is not None:
             log.warning(self.recreated_warning)
-        _write_marker(path)
+        marker = path.parent / MARKER_NAME
+        if not marker.exists():
+            marker.write_text(f"{path.name} created at {time.time()}\n")
 
     def _migrate(self) -> None:
         """Bring a database written by an older version up to :data:`_SCHEMA`: add ``owner``
@@ -463,13 +465,6 @@ def _lost_database_warning(path: Path) -> str | None:
         f"the job database {path} was missing and has been created empty, but {sign}: "
         "jobs submitted before are lost"
     )
-
-
-def _write_marker(path: Path) -> None:
-    """Note next to the database that it exists (see :data:`MARKER_NAME`)."""
-    marker = path.parent / MARKER_NAME
-    if not marker.exists():
-        marker.write_text(f"{path.name} created at {time.time()}\n")
 
 
 def _view(row: sqlite3.Row, with_result: bool) -> dict[str, Any]:

@@ -218,7 +218,11 @@ class LocalWorkers:
                 for w, share in zip(workers, shares[1:], strict=True)
             ]
             for worker, share, deadline in asked:
-                self._send(worker, background, share, deadline)
+                with_spec = background.key not in worker.backgrounds
+                try:
+                    worker.send_patches(background, share, with_spec, deadline)
+                except (OSError, TypeError, ValueError, pickle.PicklingError) as exc:  # timeouts
+                    self.give_up(worker, f"could not send it work: {type(exc).__name__}: {exc}")
             found = [translate(patch) for patch in shares[0]]
             for worker, share, deadline in asked:
                 found += self._receive(worker, background, share, deadline) or [
@@ -239,16 +243,6 @@ class LocalWorkers:
         """Stop using ``worker`` (killed at once: it may be stuck)."""
         log.warning("a local worker is not used any more (%s)", why)
         worker.stop(kill=True)
-
-    def _send(
-        self, worker: _Worker, background: Background, share: Sequence[PatchSpec], deadline: float
-    ) -> None:
-        try:
-            worker.send_patches(
-                background, share, background.key not in worker.backgrounds, deadline
-            )
-        except (OSError, TypeError, ValueError, pickle.PicklingError) as exc:  # timeouts too
-            self.give_up(worker, f"could not send it work: {type(exc).__name__}: {exc}")
 
     def _receive(
         self,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from functools import partial
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
@@ -12,7 +11,8 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 
 
 class Metrics:
-    """The service's metrics. Create one per app; nothing is registered globally."""
+    """The service's metrics. Create one per app; nothing is registered globally. The memory
+    gauges are read at every scrape (``set_function``, by the service's state)."""
 
     def __init__(self) -> None:
         """Create and register every metric in a fresh registry."""
@@ -72,15 +72,3 @@ class Metrics:
         )
         # process_resident_memory_bytes & co.: what the whole process holds (Linux)
         ProcessCollector(registry=r)
-
-    def track_device_memory(self, read: Callable[[], float]) -> None:
-        """Read the device-memory gauge from ``read`` at every scrape."""
-        self.device_memory.set_function(read)
-
-    def track_memory(
-        self, elements: Callable[[], float], fits: Callable[[], float], peak: Callable[[], float]
-    ) -> None:
-        """Read the element-cache and fit-memory gauges at every scrape."""
-        self.element_bytes.set_function(elements)
-        self.fit_memory.set_function(fits)
-        self.fit_memory_peak.set_function(peak)

@@ -58,7 +58,6 @@ class RequestContextMiddleware:
     (:func:`add_security_headers`), logs one JSON line and records metrics."""
 
     def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
-        """Wrap ``app``; record into ``metrics``."""
         self.app = app
         self.metrics = metrics
 
@@ -124,8 +123,6 @@ class TokenAuthMiddleware:
         open_prefixes: tuple[str, ...] = (),
         open_patterns: tuple[str, ...] = (),
     ) -> None:
-        """Wrap ``app``; requests need one of the tokens of ``callers`` (None: auth off),
-        except on the open paths."""
         self.app = app
         self.callers = callers
         self.open_paths = frozenset(open_paths)
@@ -175,7 +172,6 @@ class BodyLimitMiddleware:
     """
 
     def __init__(self, app: ASGIApp, max_bytes: int, body_timeout_s: float) -> None:
-        """Wrap ``app`` with a limit of ``max_bytes`` and a read deadline of ``body_timeout_s``."""
         self.app = app
         self.max_bytes = max_bytes
         self.body_timeout_s = body_timeout_s
@@ -193,8 +189,10 @@ class BodyLimitMiddleware:
             return
         try:
             body = await asyncio.wait_for(self._read(receive), self.body_timeout_s)
-        except asyncio.TimeoutError:
-            await self._too_slow()(scope, receive, send)
+        except asyncio.TimeoutError:  # closes the connection: the rest of the body is not awaited
+            late = f"the request body did not arrive within {self.body_timeout_s:g} s"
+            close = {"Connection": "close"}
+            await _reject(408, f"{late} (--body-timeout-s)", close)(scope, receive, send)
             return
         if body is None:
             await self._too_large("body")(scope, receive, send)
@@ -270,14 +268,6 @@ class BodyLimitMiddleware:
             413,
             f"{what} is larger than the limit of {limit_mb:g} MiB (--max-body-mb); "
             "upload the workspace once with POST /workspaces and send small patches",
-        )
-
-    def _too_slow(self) -> JSONResponse:
-        """The 408 answer; it closes the connection (the rest of the body is not awaited)."""
-        return _reject(
-            408,
-            f"the request body did not arrive within {self.body_timeout_s:g} s (--body-timeout-s)",
-            {"Connection": "close"},
         )
 
 

@@ -218,12 +218,10 @@ class ServiceState:
             started_at=time.time(),
             cluster=cluster,
         )
-        metrics.track_device_memory(state.device_memory_bytes)
-        metrics.track_memory(
-            lambda: elements.total_bytes,
-            lambda: dispatcher.fit_memory.current,
-            lambda: dispatcher.fit_memory.peak,
-        )
+        metrics.device_memory.set_function(state.device_memory_bytes)
+        metrics.element_bytes.set_function(lambda: elements.total_bytes)
+        metrics.fit_memory.set_function(lambda: dispatcher.fit_memory.current)
+        metrics.fit_memory_peak.set_function(lambda: dispatcher.fit_memory.peak)
         if cluster is None:
             state.device_ok = await state.check_device()
             if state.device_ok:

@@ -26,10 +26,9 @@ from pyhf_gpu_server.engine.translate import unmatched_observations
 from .errors import (
     InsufficientStorage,
     NotFound,
-    ServiceError,
     Unavailable,
     Unprocessable,
-    translate,
+    describe_invalid_specification,
 )
 from .jobstore import writable_problem
 
@@ -43,23 +42,13 @@ _PER_BIN_MODIFIERS = {
 }
 
 
-def invalid_specification(
-    exc: pyhf.exceptions.InvalidSpecification, what: str = "workspace"
-) -> ServiceError:
-    """The 422 of a document pyhf's schema refuses: what :func:`~.errors.translate` answers
-    for every such error (typed as one)."""
-    error = translate(exc, what)
-    assert error is not None, "translate answers every InvalidSpecification"
-    return error
-
-
 def check_schema(document: Any, schema_name: str, what: str) -> None:
-    """The 422 of :func:`invalid_specification` unless ``document`` (the ``what``) is valid in
-    pyhf's ``schema_name``."""
+    """A 422 naming pyhf's message and JSON path unless ``document`` (the ``what``) is valid
+    in pyhf's ``schema_name``."""
     try:
         schema.validate(document, schema_name)
     except pyhf.exceptions.InvalidSpecification as exc:
-        raise invalid_specification(exc, what) from None
+        raise Unprocessable(describe_invalid_specification(exc, what)) from None
 
 
 def validate_workspace(spec: Any) -> None:
@@ -78,7 +67,7 @@ def validate_workspace(spec: Any) -> None:
     if problems:
         raise Unprocessable("invalid workspace: " + "; ".join(problems[:20]))
     for notice in unmatched_observations(spec):
-        log.info(f"workspace {workspace_digest(spec)[:12]}: {notice}")
+        log.info(f"workspace {pyhf.utils.digest(spec)[:12]}: {notice}")
 
 
 def _content_problems(spec: dict[str, Any]) -> Iterator[str]:
@@ -111,11 +100,6 @@ def _content_problems(spec: dict[str, Any]) -> Iterator[str]:
                 f"the observations of channel {name!r} have negative counts at "
                 f"/observations/{o}/data/{negative[0]} (bins {negative[:10]})"
             )
-
-
-def workspace_digest(spec: dict[str, Any]) -> str:
-    """pyhf's sha256 digest of a workspace: its id."""
-    return pyhf.utils.digest(spec)
 
 
 RECENT_USE_S = 60.0  # workspaces used this recently are never evicted to make room
@@ -164,7 +148,7 @@ class WorkspaceStore:
     def admit(self, spec: dict[str, Any], persist: bool, owner: str | None = None) -> str:
         """Validate ``spec`` (once per digest), keep it, write it to disk if ``persist`` (as
         ``owner``'s, where there are callers); its id."""
-        digest = workspace_digest(spec)
+        digest = pyhf.utils.digest(spec)
         with self._lock:
             known = digest in self._memory
         if not known and not self._path(digest).exists():
@@ -229,18 +213,19 @@ class WorkspaceStore:
         with self._lock:
             owners = self.owners(digest) or set()
             if owner not in owners:
-                self._owners_path(digest).write_text(
-                    "".join(f"{o}\n" for o in sorted(owners | {owner}))
-                )
+                self._write_owners(digest, owners | {owner})
 
     def _drop_owner(self, digest: str, path: Path, owner: str) -> None:
         """``owner``'s claim on a workspace removed; the file too once nobody owns it."""
         with self._lock:
             owners = (self.owners(digest) or set()) - {owner}
             if owners:
-                self._owners_path(digest).write_text("".join(f"{o}\n" for o in sorted(owners)))
+                self._write_owners(digest, owners)
                 return
         self._forget(digest, path)
+
+    def _write_owners(self, digest: str, owners: set[str]) -> None:
+        self._owners_path(digest).write_text("".join(f"{o}\n" for o in sorted(owners)))
 
     def _owners_path(self, digest: str) -> Path:
         return self.directory / f"{digest}.owners"

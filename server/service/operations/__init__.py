@@ -37,19 +37,8 @@ __all__ = [
     "operation_named",
 ]
 
-OPERATIONS: dict[str, Operation] = {
-    op.name: op
-    for op in (
-        Cls(),
-        Fit(),
-        UpperLimit(),
-        Significance(),
-        Ranking(),
-        Scan(),
-        Yields(),
-        Likelihood(),
-    )
-}
+_ALL = (Cls(), Fit(), UpperLimit(), Significance(), Ranking(), Scan(), Yields(), Likelihood())
+OPERATIONS: dict[str, Operation] = {op.name: op for op in _ALL}
 
 
 def operation_named(name: str) -> Operation:

@@ -297,9 +297,7 @@ class Likelihood(Operation[LikelihoodOptions]):
         host = {name: _host(f) for name, f in fits.items()}
         assert rows.poi is not None, "pois_field 'test_poi': every row tests a POI value"
         unique_of_row, pois, element_of = index.tolist(), rows.poi.tolist(), elements.tolist()
-        described = {}
-        if options.describe:
-            described = {e: self._describe(model, e) for e in element_of}
+        described = {e: self._describe(model, e) for e in element_of} if options.describe else {}
         at = {}
         if options.parameters is not None:
             at = self._at_parameters(model, elements, data, rows, unique_of_row, options)

@@ -166,29 +166,6 @@ def respond_async_wait(prefer: str | None) -> float | None:
         return 0.0
 
 
-async def _adopted(
-    request: Request,
-    state: ServiceState,
-    envelope: dict[str, Any],
-    plan: Plan,
-    run: asyncio.Future[Any],
-    relay: ProgressRelay,
-) -> JSONResponse | None:
-    """The 202 of the running request ``run`` made a job (``None`` when the job caps or the
-    store refuse: it stays synchronous)."""
-    job_id = await state.jobs.adopt(
-        envelope,
-        plan,
-        run,
-        relay,
-        caller=request.state.caller,
-        max_per_caller=state.settings.max_jobs_per_caller,
-    )
-    if job_id is None:
-        return None
-    return job_accepted(job_id, "running", {"Preference-Applied": "respond-async"})
-
-
 def job_accepted(
     job_id: str, status: JobStatus, headers: dict[str, str] | None = None
 ) -> JSONResponse:
@@ -213,10 +190,13 @@ def _endpoint(operation: Operation):
         first = timeout if wait is None else min(wait, timeout)
         done, _ = await asyncio.wait({run, gone}, timeout=first, return_when=FIRST_COMPLETED)
         if not done and wait is not None and wait < timeout:
-            accepted = await _adopted(request, state, envelope, plan, run, relay)
-            if accepted is not None:
+            # the running request made a job (None: the job caps or the store refuse it)
+            job_id = await state.jobs.adopt(
+                envelope, plan, run, relay, request.state.caller, state.settings.max_jobs_per_caller
+            )
+            if job_id is not None:
                 gone.cancel()
-                return accepted
+                return job_accepted(job_id, "running", {"Preference-Applied": "respond-async"})
             done, _ = await asyncio.wait(
                 {run, gone}, timeout=timeout - first, return_when=FIRST_COMPLETED
             )
