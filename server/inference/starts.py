@@ -142,7 +142,7 @@ class FitStatus(NamedTuple):
         [[False, True], [2, 1], [True, True]]
         """
         segment = self._segments(sizes)
-        failed = self.failures_per_segment(sizes)
+        failed = self._failures(segment, len(sizes))
         disagreed = torch.zeros_like(failed).index_add(0, segment, (~self.agreed).long())
         starts = torch.zeros(len(sizes), dtype=self.starts.dtype, device=segment.device)
         starts = starts.scatter_reduce(0, segment, self.starts, "amax", include_self=False)
@@ -157,8 +157,12 @@ class FitStatus(NamedTuple):
         >>> status.failures_per_segment([2, 1]).tolist()
         [2, 0]
         """
-        zeros = torch.zeros(len(sizes), dtype=torch.long, device=self.converged.device)
-        return zeros.index_add(0, self._segments(sizes), (~self.converged).long())
+        return self._failures(self._segments(sizes), len(sizes))
+
+    def _failures(self, segment: Tensor, runs: int) -> Tensor:
+        """Per run (``segment``: each row's), its rows that did not converge."""
+        zeros = torch.zeros(runs, dtype=torch.long, device=self.converged.device)
+        return zeros.index_add(0, segment, (~self.converged).long())
 
     def _segments(self, sizes: list[int]) -> Tensor:
         """The run (of ``sizes``) each row belongs to."""
