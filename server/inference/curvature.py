@@ -54,12 +54,14 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CPU_BLOCK_ROWS",
+    "SECANT_SHARE",
     "SOLVERS",
     "BlockCurvature",
     "DenseCurvature",
     "Derivatives",
     "LowRankCurvature",
     "Solver",
+    "block_memory",
     "choose_solver",
     "curvature_of",
     "solve_costs",
@@ -68,6 +70,9 @@ __all__ = [
 # Rows per block for the CPU: a block's intermediates stay in cache, so per row a block runs
 # faster than thousands of rows at once (BENCHMARKS.md, "Figures behind defaults").
 CPU_BLOCK_ROWS = 256
+#: the share of a step's solve that :class:`BlockCurvature`'s secant columns may add
+#: (:func:`block_memory`)
+SECANT_SHARE = 0.25
 
 
 class Derivatives(NamedTuple):
@@ -584,6 +589,23 @@ def solve_costs(
     }
 
 
+def block_memory(n_main: int, n_pars: int, n_per_bin: int, memory: int) -> int:
+    """The secant pairs :class:`BlockCurvature` keeps: ``memory`` where their ``2 memory``
+    columns' solves add at most :data:`SECANT_SHARE` to a step's (:func:`solve_costs`), else
+    0 (the Gauss-Newton curvature alone). With few shared parameters a step is mostly the
+    per-bin eliminations, which the columns multiply, and the secant term does not save as
+    many iterations as it costs (BENCHMARKS.md, "Figures behind defaults").
+
+    >>> block_memory(1600, 2107, 1600, 8)  # 507 shared parameters: the Schur complement dominates
+    8
+    >>> block_memory(800, 2047, 2000, 8)  # 47 shared parameters
+    0
+    """
+    with_pairs = solve_costs(n_main, n_pars, n_per_bin, 0, memory)["block"]
+    without = solve_costs(n_main, n_pars, n_per_bin, 0, 0)["block"]
+    return memory if with_pairs <= (1 + SECANT_SHARE) * without else 0
+
+
 def choose_solver(
     n_main: int, n_pars: int, n_per_bin: int, n_flat: int, memory: int, solver: Solver = "auto"
 ) -> str:
@@ -605,7 +627,10 @@ def choose_solver(
     if 2 * (n_main + 2 * memory + n_flat) <= n_pars:
         return "low-rank"
     costs = solve_costs(n_main, n_pars, n_per_bin, n_flat, memory)
-    if n_per_bin and 2 * costs["block"] < costs["dense"]:
+    block = solve_costs(
+        n_main, n_pars, n_per_bin, n_flat, block_memory(n_main, n_pars, n_per_bin, memory)
+    )["block"]
+    if n_per_bin and 2 * block < costs["dense"]:
         return "block"
     return "dense"
 
@@ -624,7 +649,9 @@ def curvature_of(
     if d.blocks is not None:
         assert d.diagonal is not None and d.J is not None
         assert d.bin_jacobian is not None and d.weight is not None
-        r = d.r if secant else None
+        (N, K), M = d.J.shape[1:], d.bin_jacobian.shape[1]
+        memory = block_memory(N, K + M, M, memory)
+        r = d.r if secant and memory else None
         return BlockCurvature(d.diagonal, d.J, d.bin_jacobian, d.weight, r, d.blocks, memory=memory)
     if d.H is None and solver != "dense":  # the low-rank pieces are given
         assert d.J is not None and d.flat is not None

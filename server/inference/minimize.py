@@ -152,7 +152,8 @@ class MinimizeOptions:
             ``"low-rank"`` (Woodbury, for objectives that give the low-rank pieces),
             ``"block"`` (the per-bin parameters eliminated, for objectives that give their
             Jacobian in block form) or ``"auto"`` (``choose_solver``).
-        secant_memory: secant pairs the low-rank curvature keeps.
+        secant_memory: secant pairs the curvature keeps (the block solver's: this many or
+            none, :func:`~pyhf_gpu_server.inference.curvature.block_memory`).
         tail_rows: once at most this many rows still run after :data:`TAIL_AFTER`
             iterations (and the host looks, see ``check_every``), iterate with ``"grid"``
             trials over :data:`TAIL_DAMPING_FACTORS` x :data:`TAIL_STEP_LENGTHS`: an
