@@ -612,8 +612,8 @@ def choose_solver(
     """The solver a model's steps use: ``solver`` unless ``"auto"``; then low-rank when its
     rank ``N + 2 memory + F`` is at most half the parameter count (its ``O(P r^2)`` solve then
     beats the dense ``O(P^3)`` one; BENCHMARKS.md, "Figures behind defaults"), else block
-    when the model has per-bin parameters and :func:`solve_costs` puts it at under half the
-    dense cost, else dense.
+    when the model has per-bin parameters and :func:`solve_costs` puts it (with the pairs
+    :func:`block_memory` keeps) at under half the dense cost, else dense.
 
     >>> choose_solver(5, 124, 5, 3, 8)  # a published SUSY likelihood: few bins
     'low-rank'
@@ -626,11 +626,9 @@ def choose_solver(
         return solver
     if 2 * (n_main + 2 * memory + n_flat) <= n_pars:
         return "low-rank"
-    costs = solve_costs(n_main, n_pars, n_per_bin, n_flat, memory)
-    block = solve_costs(
-        n_main, n_pars, n_per_bin, n_flat, block_memory(n_main, n_pars, n_per_bin, memory)
-    )["block"]
-    if n_per_bin and 2 * block < costs["dense"]:
+    dense = solve_costs(n_main, n_pars, n_per_bin, n_flat, memory)["dense"]
+    pairs = block_memory(n_main, n_pars, n_per_bin, memory)
+    if n_per_bin and 2 * solve_costs(n_main, n_pars, n_per_bin, n_flat, pairs)["block"] < dense:
         return "block"
     return "dense"
 
