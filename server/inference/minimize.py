@@ -14,8 +14,9 @@ fixed-parameter mask) is advanced in one loop. Every iteration:
    (Cholesky), low-rank (Woodbury) or by blocks of per-bin parameters
    (:mod:`~pyhf_gpu_server.inference.curvature`),
 4. takes the derivatives at the projected trial point ``clip(x + p, lo, hi)`` of the damped
-   step, and keeps it if it lowers the objective (Levenberg-Marquardt), else raises the
-   damping. (``trials="grid"`` instead evaluates the objective at several candidates and
+   step (a parameter with a barrier at its lower bound, such as a Poisson constraint's
+   ``gamma``, kept a tenth of its distance from it), and keeps it if it lowers the objective
+   (Levenberg-Marquardt), else raises the damping. (``trials="grid"`` instead evaluates the objective at several candidates and
    step lengths and keeps the best; the tail of a call runs so, see
    :class:`MinimizeOptions`.) Either way the damping follows the row's own step: a quarter
    after a success, 256 times after a failure.
@@ -79,6 +80,9 @@ DAMPING = 1e-3
 MAX_DAMPING = 1e12
 #: distance to a bound under which a parameter counts as sitting on it
 BOUND_TOL = 1e-12
+#: the share of its distance to its lower bound that a step leaves a parameter with a barrier
+#: there (``minimize``'s ``barrier``)
+BARRIER_KEEP = 0.1
 #: ``"grid"`` trials: the damped candidates, as multiples of ``lambda``, and the fractions of
 #: each candidate step tried too (a line search on a grid; values only, no extra
 #: factorisation); pure Newton's step, whose decrement tests convergence, is always a
@@ -321,19 +325,26 @@ def _movable(
     return free & torch.logical_not(at_lo | at_hi)
 
 
+def _trial_points(x: Tensor, steps: Tensor, lo: Tensor, hi: Tensor, barrier: Tensor) -> Tensor:
+    """``x + steps`` projected on the box, a parameter with a ``barrier`` at its lower bound
+    kept :data:`BARRIER_KEEP` of its distance from it (``steps`` ``[..., R, P]``)."""
+    trial = torch.minimum(torch.maximum(x + steps, lo), hi)
+    return torch.where(barrier, torch.maximum(trial, lo + BARRIER_KEEP * (x - lo)), trial)
+
+
 def _iterate(
     objective: BatchedObjective,
     s: _State,
-    lo: Tensor,
-    hi: Tensor,
-    free: Tensor,
+    bounds: tuple[Tensor, Tensor, Tensor, Tensor],
     options: MinimizeOptions,
     constants: _Candidates,
     exact: bool = False,
 ) -> _State:
     """One damped-Newton iteration of every running row of ``s`` (in place on ``s``);
-    ``constants``: the candidate steps (:func:`_candidates`); ``exact``: the grid also tries
-    the exact curvature's Newton step (see ``exact_newton_after``)."""
+    ``bounds``: the rows' ``(lo, hi, free, barrier)``; ``constants``: the candidate steps
+    (:func:`_candidates`); ``exact``: the grid also tries the exact curvature's Newton step
+    (see ``exact_newton_after``)."""
+    lo, hi, free, barrier = bounds
     factors, alphas, own_candidate = constants
     running = torch.logical_not(s.ended(options.max_iter))
     movable = _movable(s.x, s.g, lo, hi, free, BOUND_TOL)
@@ -363,12 +374,12 @@ def _iterate(
     moving = running & torch.logical_not(newly_converged)
 
     if options.trials == "damped":
-        x_new = torch.minimum(torch.maximum(s.x + steps.select(0, -1), lo), hi)
+        x_new = _trial_points(s.x, steps.select(0, -1), lo, hi, barrier)
         d = _as_derivatives(objective.derivatives(x_new, s.rows))
         trial_ok = ok.select(0, -1) & torch.isfinite(d.f)
         f_new = torch.where(trial_ok, d.f, torch.inf)
     else:
-        x_new, f_new = _best_trial(objective, s, steps, ok, alphas, lo, hi, unit)
+        x_new, f_new = _best_trial(objective, s, steps, ok, alphas, bounds, unit)
     accept = moving & (f_new < s.f)
 
     x_old = s.x
@@ -456,8 +467,7 @@ def _best_trial(
     steps: Tensor,
     ok: Tensor,
     alphas: Tensor,
-    lo: Tensor,
-    hi: Tensor,
+    bounds: tuple[Tensor, Tensor, Tensor, Tensor],
     unit: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The ``"grid"`` trials: every candidate step ``[K, R, P]`` at every step length, and
@@ -469,7 +479,8 @@ def _best_trial(
     if unit is not None:
         steps, ok = torch.cat([steps, unit[0]]), torch.cat([ok, unit[1]])
     K, R, P = steps.shape
-    trial = torch.minimum(torch.maximum(s.x.unsqueeze(0) + steps, lo), hi)
+    lo, hi, _, barrier = bounds
+    trial = _trial_points(s.x, steps, lo, hi, barrier)
     f_trial = objective.value(trial.reshape(K * R, P), s.rows.repeat(K)).reshape(K, R)
     f_trial = torch.where(
         ok & torch.isfinite(f_trial), f_trial, torch.full_like(f_trial, torch.inf)
@@ -495,6 +506,7 @@ def minimize(
     options: MinimizeOptions | None = None,
     stop: Callable[[], bool] | None = None,
     follows: Sequence[Follow] = (),
+    barrier: Tensor | None = None,
 ) -> MinimizeResult:
     """Minimise ``B`` independent objectives at once; every tensor stays on ``init.device``.
 
@@ -510,6 +522,12 @@ def minimize(
             the end points of other rows when the host sees each end (the others start at
             once from ``init``): a second fit of a minimum runs in the same call as the fit
             that finds it. Needs host looks (``check_every`` not 0).
+        barrier: ``[B, P]`` bool (or ``[P]``): parameters near whose lower bound the
+            objective rises without bound where its curvature does not show it (a Poisson
+            constraint with a positive count: ``-2 n log(gamma)``). A step takes them at most
+            ``1 - BARRIER_KEEP`` of the way there: Newton's step on such a term from above
+            overshoots past the bound, and from just above the bound regains only a factor
+            of 2 an iteration.
 
     Returns:
         :class:`MinimizeResult` with one entry per row.
@@ -543,6 +561,7 @@ def minimize(
     x0 = torch.where(free, torch.minimum(torch.maximum(init, lower), upper), init)
     lo = torch.where(free, lower, x0)  # a fixed parameter may sit outside its bounds
     hi = torch.where(free, upper, x0)
+    barrier = torch.zeros_like(free) if barrier is None else free & barrier.to(device)
     rows, waiting, parent = follow_rows(follows, B, device)
     s = _first_state(objective, x0.index_select(0, rows), rows, options)
     out = MinimizeResult(
@@ -574,12 +593,16 @@ def minimize(
             raise FitStopped(f"stopped by its caller after {it - 1} iterations")
         sel = s.rows
         exact = options.exact_newton_after is not None and it > options.exact_newton_after
-        s = _iterate(
-            objective,
-            s,
+        box = (
             lo.index_select(0, sel),
             hi.index_select(0, sel),
             free.index_select(0, sel),
+            barrier.index_select(0, sel),
+        )
+        s = _iterate(
+            objective,
+            s,
+            box,
             step_options,
             constants,
             exact,

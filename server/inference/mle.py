@@ -185,7 +185,16 @@ def _minimize(
             secant_memory=options.minimize.secant_memory,
         )
         parts.append(
-            minimize(objective, init_, bounds_, fixed_, options.minimize, options.stop, follows)
+            minimize(
+                objective,
+                init_,
+                bounds_,
+                fixed_,
+                options.minimize,
+                options.stop,
+                follows,
+                barrier=objective.barrier,
+            )
         )
     return parts[0] if len(parts) == 1 else _joined(*parts)
 

@@ -84,6 +84,17 @@ class TwiceNLL:
         self.element = element
         self.curvature = curvature
         self.flat = torch.cat([model.unconstrained, model.poisson_constrained])
+        # [B, P] the parameters of a Poisson constraint term with a positive auxiliary count:
+        # -2 n log(gamma) rises without bound towards their lower bound (minimize's barrier)
+        constraint = model.constraint
+        aux = data.narrow(1, model.n_main, model.n_aux)
+        counted = constraint.is_poisson & constraint.present.index_select(0, element) & (aux > 0)
+        self.barrier = (
+            aux.new_zeros(data.shape[0], model.n_pars).index_add(
+                1, constraint.param, counted.to(aux.dtype)
+            )
+            > 0
+        )
         if block_rows == "auto":
             block_rows = CPU_BLOCK_ROWS if model.device.type == "cpu" else None
         self.block_rows = block_rows
