@@ -109,7 +109,8 @@ def test_fit_runs_on_fake_cuda(solver, trials):
     """A batched fit (Gauss-Newton with secant updates, fixed budget, no host synchronisation)
     on a simulated cuda device, with each step solver (the block one: the Jacobian in block
     form, per-bin parameters eliminated), and with the grid's trials (the exact curvature's
-    Newton step among them): any cpu tensor created inside the fit loop would raise."""
+    Newton step among them), Poisson-constrained parameters kept off their lower bound (the
+    objective's ``barrier``): any cpu tensor created inside the fit loop would raise."""
     from pyhf_gpu_server.inference.minimize import MinimizeOptions, minimize
     from pyhf_gpu_server.inference.objective import TwiceNLL
 
@@ -127,6 +128,7 @@ def test_fit_runs_on_fake_cuda(solver, trials):
             MinimizeOptions(
                 max_iter=3, check_every=0, solver=solver, trials=trials, exact_newton_after=0
             ),
+            barrier=objective.barrier,
         )
         for tensor in (result.x, result.fun, result.converged, result.iterations):
             assert isinstance(tensor, FakeTensor)

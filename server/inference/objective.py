@@ -89,12 +89,8 @@ class TwiceNLL:
         constraint = model.constraint
         aux = data.narrow(1, model.n_main, model.n_aux)
         counted = constraint.is_poisson & constraint.present.index_select(0, element) & (aux > 0)
-        self.barrier = (
-            aux.new_zeros(data.shape[0], model.n_pars).index_add(
-                1, constraint.param, counted.to(aux.dtype)
-            )
-            > 0
-        )
+        counts = torch.zeros(data.shape[0], model.n_pars, dtype=torch.int32, device=data.device)
+        self.barrier = counts.index_add_(1, constraint.param, counted.to(torch.int32)) > 0
         if block_rows == "auto":
             block_rows = CPU_BLOCK_ROWS if model.device.type == "cpu" else None
         self.block_rows = block_rows
