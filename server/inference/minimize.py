@@ -16,10 +16,10 @@ fixed-parameter mask) is advanced in one loop. Every iteration:
 4. takes the derivatives at the projected trial point ``clip(x + p, lo, hi)`` of the damped
    step (a parameter with a barrier at its lower bound, such as a Poisson constraint's
    ``gamma``, kept a tenth of its distance from it), and keeps it if it lowers the objective
-   (Levenberg-Marquardt), else raises the damping. (``trials="grid"`` instead evaluates the objective at several candidates and
-   step lengths and keeps the best; the tail of a call runs so, see
-   :class:`MinimizeOptions`.) Either way the damping follows the row's own step: a quarter
-   after a success, 256 times after a failure.
+   (Levenberg-Marquardt), else raises the damping. (``trials="grid"`` instead evaluates the
+   objective at several candidates and step lengths and keeps the best; the tail of a call
+   runs so, see :class:`MinimizeOptions`.) Either way the damping follows the row's own
+   step: a quarter after a success, 256 times after a failure.
 
 A row has converged when its Newton decrement ``-g.p`` (twice the decrease a quadratic model
 predicts) falls below ``tol`` with a positive-definite reduced Hessian (the model's, or where
