@@ -325,17 +325,25 @@ def _movable(
     return free & torch.logical_not(at_lo | at_hi)
 
 
-def _trial_points(x: Tensor, steps: Tensor, lo: Tensor, hi: Tensor, barrier: Tensor) -> Tensor:
+#: a batch's rows: their bounds, free parameters and barriers (None: no barrier in the batch)
+_Box = tuple[Tensor, Tensor, Tensor, Tensor | None]
+
+
+def _trial_points(
+    x: Tensor, steps: Tensor, lo: Tensor, hi: Tensor, barrier: Tensor | None
+) -> Tensor:
     """``x + steps`` projected on the box, a parameter with a ``barrier`` at its lower bound
     kept :data:`BARRIER_KEEP` of its distance from it (``steps`` ``[..., R, P]``)."""
     trial = torch.minimum(torch.maximum(x + steps, lo), hi)
+    if barrier is None:
+        return trial
     return torch.where(barrier, torch.maximum(trial, lo + BARRIER_KEEP * (x - lo)), trial)
 
 
 def _iterate(
     objective: BatchedObjective,
     s: _State,
-    bounds: tuple[Tensor, Tensor, Tensor, Tensor],
+    bounds: _Box,
     options: MinimizeOptions,
     constants: _Candidates,
     exact: bool = False,
@@ -467,7 +475,7 @@ def _best_trial(
     steps: Tensor,
     ok: Tensor,
     alphas: Tensor,
-    bounds: tuple[Tensor, Tensor, Tensor, Tensor],
+    bounds: _Box,
     unit: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The ``"grid"`` trials: every candidate step ``[K, R, P]`` at every step length, and
@@ -561,7 +569,8 @@ def minimize(
     x0 = torch.where(free, torch.minimum(torch.maximum(init, lower), upper), init)
     lo = torch.where(free, lower, x0)  # a fixed parameter may sit outside its bounds
     hi = torch.where(free, upper, x0)
-    barrier = torch.zeros_like(free) if barrier is None else free & barrier.to(device)
+    if barrier is not None:
+        barrier = free & barrier.to(device)
     rows, waiting, parent = follow_rows(follows, B, device)
     s = _first_state(objective, x0.index_select(0, rows), rows, options)
     out = MinimizeResult(
@@ -597,7 +606,7 @@ def minimize(
             lo.index_select(0, sel),
             hi.index_select(0, sel),
             free.index_select(0, sel),
-            barrier.index_select(0, sel),
+            None if barrier is None else barrier.index_select(0, sel),
         )
         s = _iterate(
             objective,

@@ -85,12 +85,16 @@ class TwiceNLL:
         self.curvature = curvature
         self.flat = torch.cat([model.unconstrained, model.poisson_constrained])
         # [B, P] the parameters of a Poisson constraint term with a positive auxiliary count:
-        # -2 n log(gamma) rises without bound towards their lower bound (minimize's barrier)
-        constraint = model.constraint
-        aux = data.narrow(1, model.n_main, model.n_aux)
-        counted = constraint.is_poisson & constraint.present.index_select(0, element) & (aux > 0)
-        counts = torch.zeros(data.shape[0], model.n_pars, dtype=torch.int32, device=data.device)
-        self.barrier = counts.index_add_(1, constraint.param, counted.to(torch.int32)) > 0
+        # -2 n log(gamma) rises without bound towards their lower bound (minimize's barrier);
+        # None where the model has no Poisson constraint terms
+        self.barrier: Tensor | None = None
+        if model.poisson_constrained.numel():
+            constraint = model.constraint
+            aux = data.narrow(1, model.n_main, model.n_aux)
+            present = constraint.present.index_select(0, element)
+            counted = constraint.is_poisson & present & (aux > 0)
+            counts = torch.zeros(data.shape[0], model.n_pars, dtype=torch.int32, device=data.device)
+            self.barrier = counts.index_add_(1, constraint.param, counted.to(torch.int32)) > 0
         if block_rows == "auto":
             block_rows = CPU_BLOCK_ROWS if model.device.type == "cpu" else None
         self.block_rows = block_rows
