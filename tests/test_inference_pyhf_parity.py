@@ -11,13 +11,23 @@ import pytest
 import torch
 from conftest import shared_workspace
 from pyhf_global import pyhf_upper_limit
+from scipy.stats import norm
 from test_inference_support import DEVICE, as_workspace, one_thread  # noqa: F401 (fixture)
 
 from pyhf_gpu_server.engine import HistFactoryModel
-from pyhf_gpu_server.inference import fit, fixed_poi_fit, hypotest, significance, upper_limit
+from pyhf_gpu_server.inference import (
+    FitOptions,
+    MinimizeOptions,
+    fit,
+    fixed_poi_fit,
+    hypotest,
+    significance,
+    upper_limit,
+)
 from pyhf_gpu_server.service.operations.fit import fit_answer
 
 TEST_POIS = [0.2, 0.5, 1.0, 1.5, 2.5]
+TIGHT = FitOptions(minimize=MinimizeOptions(tol=1e-12))
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -36,6 +46,10 @@ SIMPLE = {
     "excess": (
         lambda: pyhf.simplemodels.uncorrelated_background([12.0, 11.0], [50.0, 52.0], [3.0, 7.0]),
         [62.0, 61.0],
+    ),
+    "strong": (  # p-values of 1e-89 .. 1e-18: the normal distribution's far tail
+        lambda: pyhf.simplemodels.uncorrelated_background([90.0, 70.0], [50.0, 52.0], [2.0, 3.0]),
+        [112.0, 96.0],
     ),
 }
 
@@ -91,6 +105,29 @@ def test_q0_and_significance_match_pyhf(name):
     assert found.z_obs.item() == pytest.approx(
         -float(torch.special.ndtri(torch.tensor(float(p0)))), abs=5e-3
     )
+
+
+def test_far_tail_p_values_and_significances_match_pyhf_relatively():
+    """CLs and p0 far below 1e-16 (an excess of 8.7 sigma), to their relative precision:
+    pyhf's, from scipy's ``ndtr``, with its fits at a tight tolerance; Z as cabinetry's
+    ``norm.isf(p0)``. (``torch.special.ndtr`` returns 0 there.)"""
+    pyhf_model, data, model = simple("strong")
+    pyhf.set_backend("numpy", pyhf.optimize.scipy_optimizer(tolerance=1e-12))
+    for mu in (1.0, 2.0):
+        obs, exp = pyhf.infer.hypotest(mu, data, pyhf_model, return_expected_set=True)
+        ours = hypotest(model, mu, options=TIGHT)
+        assert 0 < ours.cls_exp.min() < 1e-30
+        assert ours.cls_obs.item() == pytest.approx(float(obs), rel=1e-5)
+        assert ours.cls_exp[0].tolist() == pytest.approx([float(e) for e in exp], rel=1e-5)
+    p0, p0_exp = pyhf.infer.hypotest(
+        0.0, data, pyhf_model, test_stat="q0", return_expected_set=True
+    )
+    found = significance(model, options=TIGHT)
+    assert 1e-20 < found.p0_obs.item() < 1e-16
+    assert found.p0_obs.item() == pytest.approx(float(p0), rel=1e-5)
+    assert found.p0_exp_set[0].tolist() == pytest.approx([float(p) for p in p0_exp], rel=1e-5)
+    assert found.z_obs.item() == pytest.approx(float(norm.isf(float(p0))), rel=1e-6)
+    assert found.z_exp.item() == pytest.approx(float(norm.isf(float(p0_exp[2]))), rel=1e-6)
 
 
 @pytest.mark.parametrize("name", ["uncorrelated", "correlated"])

@@ -32,6 +32,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -51,6 +52,7 @@ __all__ = [
     "N_SIGMA",
     "AsymptoticCalculator",
     "expected_pvalues",
+    "normal_cdf",
     "pvalues",
 ]
 
@@ -67,9 +69,17 @@ def _sqrt_above_fit_noise(q: Tensor) -> Tensor:
     return torch.sqrt(torch.where(q < FIT_NOISE_TWICE_NLL, torch.zeros_like(q), q))
 
 
+def normal_cdf(x: Tensor) -> Tensor:
+    """The unit normal's ``Phi(x)`` to full relative precision in both tails, as scipy's
+    ``ndtr`` (pyhf's p-values): ``torch.special.ndtr`` (torch 2.13 on the CPU) loses its
+    relative precision below ``x = -5`` and returns 0 from ``x = -8.3`` (p = 1e-16), which
+    made CLs and p0 exactly 0 there and a significance above 8 sigma infinite."""
+    return 0.5 * torch.special.erfc(x * -math.sqrt(0.5))
+
+
 def _tail(value: Tensor, shift: Tensor | float, cutoff: Tensor | float) -> Tensor:
     """Right-tail p-value of a unit normal shifted by ``shift`` (NaN below ``cutoff``)."""
-    p = torch.special.ndtr(-(value - shift))
+    p = normal_cdf(-(value - shift))
     return torch.where(value >= cutoff, p, torch.full_like(p, torch.nan))
 
 

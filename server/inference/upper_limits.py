@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from .asymptotics import N_SIGMA, AsymptoticCalculator
+from .asymptotics import N_SIGMA, AsymptoticCalculator, normal_cdf
 from .errors import InferenceError
 from .hypotest import CalculatorSpec, HypotestKeywords, make_calculator, run_calculator
 from .results import HypotestResults, UpperLimitResults, map_tensors
@@ -188,7 +188,7 @@ def _asymptotic_guesses(probe: HypotestResults, mus: Tensor, muhat: Tensor, leve
     sqrtq_asimov = -torch.special.ndtri(0.5 * median.gather(1, best).squeeze(1))
     sigma = (mu / sqrtq_asimov).unsqueeze(-1)
     n = torch.tensor(N_SIGMA, dtype=mus.dtype, device=mus.device)
-    expected = sigma * (-torch.special.ndtri(level * torch.special.ndtr(-n)) - n)
+    expected = sigma * (-torch.special.ndtri(level * normal_cdf(-n)) - n)
     observed = expected[:, 2:3] + muhat.clamp(min=0).unsqueeze(-1)
     guesses = torch.cat([observed, expected], dim=-1)
     fallback = mu.unsqueeze(-1).expand_as(guesses)
