@@ -32,8 +32,9 @@ __all__ = ["significance", "significance_of", "z_from_p"]
 
 
 def z_from_p(p: Tensor) -> Tensor:
-    """One-sided significance ``Z = Phi^-1(1 - p)`` (computed as ``-Phi^-1(p)``)."""
-    return -torch.special.ndtri(p)
+    """One-sided significance ``Z = Phi^-1(1 - p)`` (computed as ``-Phi^-1(p)``; at
+    ``p = 0.5``, ``0.0`` rather than ``-0.0``)."""
+    return 0.0 - torch.special.ndtri(p)
 
 
 def significance(
