@@ -81,8 +81,9 @@ def main() -> None:
     A drop-in for `pyhf cls` / `pyhf fit`: same options, same JSON output. The server is
     --server or $PYHF_GPU_SERVER (default http://127.0.0.1:8000), the token --token or
     $PYHF_GPU_API_TOKEN. Results the server flagged (fits that did not converge, extra starts
-    that disagree, a limit past the POI's bounds, the POI's best fit on its bound) are printed
-    with a warning on stderr (with --strict: exit 1).
+    that disagree, a limit past the POI's bounds, the POI's best fit on its bound, a p-value of
+    0 that more toys would resolve) are printed with a warning on stderr (with --strict: exit
+    1).
     """
     # the commands say it in their own words, once per result (_cli_output.output)
     warnings.simplefilter("ignore", DoubtfulResultWarning)

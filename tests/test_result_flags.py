@@ -583,3 +583,53 @@ def test_a_toy_test_counts_its_toys_whose_fits_did_not_converge():
         assert flag.detail.startswith(f"the fits of {failed} of its 1500 toys did not converge")
         assert "off by up to" in flag.detail and "fits to the data converged" in flag.detail
     assert sum(int(s.toys.unconverged) for s in slices) == failed
+
+
+# --- discovery p-values beyond what the toys (or doubles) resolve --------------------------
+
+
+def test_a_discovery_p_value_of_zero_is_flagged_with_what_the_toys_bound(server, tmp_path):
+    """An excess of about 4.7 sigma: with 100 toys none at mu = 0 is as signal-like as the
+    data, so p0_obs is 0 and z_obs null; the flag says p0 < 0.01, Z > 2.33 (each toy's q0
+    checked below the data's here), and ``--strict`` exits 1. With asymptotics the same data
+    has p0 1.4e-6 (pyhf's) and no flag; an excess of thousands of events has p0 below the smallest
+    double, flagged as such."""
+    spec = {**workspace(0.0), "channels": [], "observations": []}
+    excess = pyhf.simplemodels.uncorrelated_background([9.0, 7.0], [50.0, 52.0], [2.0, 3.0])
+    spec["channels"] = excess.spec["channels"]
+    spec["observations"] = [{"name": "singlechannel", "data": [80.0, 76.0]}]
+    path = tmp_path / "excess.json"
+    path.write_text(json.dumps(spec))
+    args = ["significance", str(path), "--calctype", "toybased", "--ntoys", "100"]
+    run = client_command(server, *args)
+    assert run.returncode == 0, run.stderr
+    found = json.loads(run.stdout)
+    assert found["p0_obs"] == 0.0 and math.isnan(found["z_obs"])
+    assert found["p0_exp"] > 0 and math.isfinite(found["z_exp"])
+    (warning,) = warnings_of(run.stderr)
+    assert warning == (
+        "Warning: the result: p0_obs is 0: none of its 100 toys at mu = 0 is as signal-like as "
+        "the data, so p0 < 0.01 and Z > 2.33 (z_obs null); more toys (ntoys) resolve it"
+    )
+    assert_strict_fails(server, args, run.stdout)
+    tests = hypotest(
+        HistFactoryModel.from_workspace(spec), 0.0, test_stat="q0", calctype="toybased", ntoys=100
+    )
+    assert tests.toys is not None and (tests.toys.signal[0] < tests.toys.teststat[0]).all()
+
+    run = client_command(server, "significance", str(path))
+    assert run.returncode == 0 and warnings_of(run.stderr) == []
+    model, data = pyhf_model(spec)
+    p0 = float(pyhf.infer.hypotest(0.0, data, model, test_stat="q0"))
+    assert 1e-6 < json.loads(run.stdout)["p0_obs"] == pytest.approx(p0, rel=1e-3)
+
+    spec["observations"] = [{"name": "singlechannel", "data": [5000.0, 4000.0]}]
+    path.write_text(json.dumps(spec))
+    run = client_command(server, "significance", str(path))
+    assert run.returncode == 0, run.stderr
+    found = json.loads(run.stdout)
+    assert found["p0_obs"] == 0.0 and math.isnan(found["z_obs"])
+    (warning,) = warnings_of(run.stderr)
+    assert warning == (
+        "Warning: the result: p0_obs is 0: below the smallest double, Z above 37.5 (z_obs null)"
+    )

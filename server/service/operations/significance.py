@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import statistics
+
+import torch
+
 from pyhf_gpu_server import inference
 from pyhf_gpu_server.engine import HistFactoryModel
-from pyhf_gpu_server.inference.results import SignificanceResults
+from pyhf_gpu_server.inference.results import HypotestResults, SignificanceResults
 
-from ..schemas import SignificanceAnswer, SignificanceOptions, SignificanceResult
+from ..schemas import (
+    ResultFlag,
+    SignificanceAnswer,
+    SignificanceOptions,
+    SignificanceResult,
+    result_flag,
+)
 from .base import EngineRows, Operation, RowResult, RowStatus, hypotests
 
 
@@ -25,16 +35,45 @@ class Significance(Operation[SignificanceOptions]):
         result = inference.significance_of(tests)
         statuses = RowStatus.of_hypotests(tests)
         return [
-            RowResult(answer, s, None if rows.toys is None else tests.row(i))
-            for i, (answer, s) in enumerate(
-                zip(significance_answers(result), statuses, strict=True)
+            RowResult(answer, s, None if rows.toys is None else tests.row(i), flags)
+            for i, (answer, s, flags) in enumerate(
+                zip(significance_answers(result), statuses, unresolved(tests), strict=True)
             )
         ]
 
     def join(self, parts: list[RowResult]) -> RowResult:
         tests = inference.join_toy_parts([p.part for p in parts])
         result = inference.significance_of(tests)
-        return RowResult(significance_answers(result)[0], RowStatus.of_hypotests(tests)[0])
+        answer, status = significance_answers(result)[0], RowStatus.of_hypotests(tests)[0]
+        return RowResult(answer, status, flags=unresolved(tests)[0])
+
+
+def unresolved(tests: HypotestResults) -> list[tuple[ResultFlag, ...]]:
+    """Per row, ``p_value_unresolved`` where ``p0_obs`` or ``p0_exp`` is 0: with toys, none of
+    the ``N`` toys at ``mu = 0`` is as signal-like as the data (or as the median toy at
+    ``mu = 1``), so ``p0 < 1 / N``; asymptotically, ``p0`` is below the smallest double."""
+    p0 = torch.stack([tests.clsb_obs, tests.clsb_exp[:, 2]], -1).tolist()
+    toys = [None] * len(p0) if tests.toys is None else [len(t) for t in tests.toys.signal]
+    flags: list[tuple[ResultFlag, ...]] = []
+    for (obs, exp), n in zip(p0, toys, strict=True):
+        zero = {"obs": "the data", "exp": "the median toy at mu = 1"}
+        zero = {k: v for k, v in zero.items() if (obs if k == "obs" else exp) == 0.0}
+        if not zero:
+            flags.append(())
+            continue
+        names = " and ".join(f"p0_{k}" for k in zero) + (" are 0" if len(zero) == 2 else " is 0")
+        nulls = " and ".join(f"z_{k}" for k in zero) + " null"
+        if n is None:
+            detail = f"{names}: below the smallest double, Z above 37.5 ({nulls})"
+        else:
+            z = -statistics.NormalDist().inv_cdf(1 / n)
+            detail = (
+                f"{names}: none of its {n} toys at mu = 0 is as signal-like as "
+                f"{' or '.join(zero.values())}, so p0 < {1 / n:.3g} and Z > {z:.3g} ({nulls}); "
+                "more toys (ntoys) resolve it"
+            )
+        flags.append((result_flag("p_value_unresolved", detail),))
+    return flags
 
 
 def significance_answers(result: SignificanceResults) -> list[SignificanceAnswer]:
