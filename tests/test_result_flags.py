@@ -107,6 +107,28 @@ def test_a_limit_past_the_bound_is_flagged_exactly_where_pyhf_raises(signal, bou
         assert limits == pytest.approx(expected, rel=1e-3)
 
 
+def test_a_poi_without_effect_has_no_limit_and_says_so() -> None:
+    """A signal of 0 events: CLs is 1 at every POI value, pyhf's ``upper_limit`` raises
+    ValueError (its scan doubles past the bound); here every limit is inf (null in JSON), the
+    fits converged, and the flag says that no limit was found and why, not that fits failed."""
+    spec = workspace(0.0)
+    result = upper_limit(HistFactoryModel.from_workspace(spec))
+    assert torch.isinf(result.obs).all() and torch.isinf(result.exp).all()
+    assert result.converged.all() and result.beyond_bounds.all()
+    ((flag,),) = limit_flags(result, "mu", None)
+    assert flag.kind == "limit_beyond_bounds"
+    assert flag.detail == (
+        "limits past the upper bound 10 of the POI 'mu': none found for "
+        + ", ".join(CURVES)
+        + " (null): CLs stays above the level at every value tested, as where the POI does "
+        "not change the expected counts (CLs at the bound above the level 0.05, where pyhf's "
+        "upper_limit raises ValueError)"
+    )
+    model, data = pyhf_model(spec)
+    with pytest.raises(ValueError, match="lies outside of its bounds"):
+        pyhf.infer.intervals.upper_limits.upper_limit(data, model)
+
+
 @pytest.mark.parametrize(
     ("signal", "grid"),
     [(12.0, (1.5, 4.0)), (3.0, (0.0, 8.0)), (3.0, (0.0, 10.0)), (12.0, (0.0, 4.0))],

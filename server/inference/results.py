@@ -242,11 +242,12 @@ class UpperLimitResults:
     """Upper limits of ``B`` elements at confidence level ``1 - level``.
 
     Attributes:
-        obs: ``[B]`` observed limit on the POI.
+        obs: ``[B]`` observed limit on the POI (``inf`` where a root search found CLs above
+            ``level`` at every value it tested: a POI without effect).
         exp: ``[B, 5]`` expected limits (pyhf's order: -2, -1, 0, +1, +2 sigma).
         level: the CLs level (0.05 for 95% CL).
         element: ``[B]`` element index of each row.
-        converged: ``[B]`` bool: every fit and every bracket of the row converged.
+        converged: ``[B]`` bool: every fit of the row converged.
         hypotests: the number of tested POI values per row.
         starts: ``[B]`` the most start points any fit of the row ran.
         starts_agreed: ``[B]`` bool, in every fit of the row all converged starts agreed.

@@ -251,8 +251,7 @@ def toms748_like_scan(
             break
         points = torch.where(done, b, _next_points(mus, values, a, b, level, rtol))
     a, b = _brackets(mus, values, lo, level)
-    limits = _root(mus, values, a, b, level)
-    status = status._replace(converged=status.converged & torch.isfinite(b).all(-1))
+    limits = _root(mus, values, a, b, level)  # inf where no bracket closed
     out = _limits(
         limits, level, elements, status, mus.shape[1], bounds=bounds, beyond_bounds=beyond
     )

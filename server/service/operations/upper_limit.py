@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from pyhf_gpu_client import tables
@@ -93,12 +95,23 @@ def limit_flags(
         for values, beyond, (_, hi) in zip(
             limits, result.beyond_bounds.tolist(), result.bounds.tolist(), strict=True
         ):
-            past = [f"{CURVES[c]} {values[c]:.4g}" for c in range(6) if beyond[c]]
-            detail = (
-                f"limits past the upper bound {hi:g} of the POI {poi!r}: {', '.join(past)} "
-                f"(CLs at the bound above the level {level:g}, where pyhf's upper_limit raises "
-                "ValueError; found here by fits beyond the bound)"
+            past = [c for c in range(6) if beyond[c]]
+            found = [f"{CURVES[c]} {values[c]:.4g}" for c in past if math.isfinite(values[c])]
+            lost = [CURVES[c] for c in past if not math.isfinite(values[c])]
+            why = (
+                f"CLs at the bound above the level {level:g}, where pyhf's upper_limit raises "
+                "ValueError"
             )
+            said = []
+            if found:
+                said.append(f"{', '.join(found)} ({why}; found here by fits beyond the bound)")
+            if lost:
+                said.append(
+                    f"none found for {', '.join(lost)} (null): CLs stays above the level at "
+                    "every value tested, as where the POI does not change the expected counts"
+                    + ("" if found else f" ({why})")
+                )
+            detail = f"limits past the upper bound {hi:g} of the POI {poi!r}: {'; '.join(said)}"
             out.append((result_flag("limit_beyond_bounds", detail),) if past else ())
         return out
     for sides in result.outside_scan.tolist():
