@@ -40,6 +40,7 @@ from pyhf_gpu_server.inference import ranking, scan, upper_limit
 from pyhf_gpu_server.inference.hypotest import hypotest, join_toy_parts
 from pyhf_gpu_server.inference.toys import ToySlice
 from pyhf_gpu_server.service.operations.base import RowStatus
+from pyhf_gpu_server.service.operations.cls import unresolved as cls_unresolved
 from pyhf_gpu_server.service.operations.ranking import ranking_answer, ranking_flag
 from pyhf_gpu_server.service.operations.scan import scan_flags
 from pyhf_gpu_server.service.operations.upper_limit import CURVES, limit_flags
@@ -655,3 +656,40 @@ def test_a_discovery_p_value_of_zero_is_flagged_with_what_the_toys_bound(server,
     assert warning == (
         "Warning: the result: p0_obs is 0: below the smallest double, Z above 37.5 (z_obs null)"
     )
+
+
+def test_a_toy_cls_of_zero_over_zero_is_flagged(server, tmp_path):
+    """A deficit far below the background (20 and 22 events on 50 and 52): the data are less
+    signal-like than every toy of both hypotheses, so the toy CLs is 0 / 0 (pyhf: NaN, where
+    its asymptotic CLs is 6e-5); null and flagged, whole and joined from slices."""
+    spec = {**workspace(0.0), "channels": [], "observations": []}
+    deficit = pyhf.simplemodels.uncorrelated_background([9.0, 7.0], [50.0, 52.0], [2.0, 3.0])
+    spec["channels"] = deficit.spec["channels"]
+    spec["observations"] = [{"name": "singlechannel", "data": [20.0, 22.0]}]
+    model, data = pyhf_model(spec)
+    assert 1e-5 < float(pyhf.infer.hypotest(1.0, data, model)) < 1e-4
+    ours = HistFactoryModel.from_workspace(spec)
+    whole = hypotest(ours, 1.0, calctype="toybased", ntoys=200, seed=3)
+    slices = [
+        hypotest(ours, 1.0, calctype="toybased", ntoys=200, seed=3, toys=[s])
+        for s in ToySlice.cut(0, 200, 100)
+    ]
+    for result in (whole, join_toy_parts(slices)):
+        assert result.clsb_obs.item() == result.clb_obs.item() == 0.0
+        assert math.isnan(result.cls_obs.item())
+        ((flag,),) = cls_unresolved(result)
+        assert flag.kind == "p_value_unresolved"
+        assert flag.detail.startswith("CLs_obs is 0 / 0 (null): the data are less signal-like")
+        assert "of its 200 toys at the tested POI and 200 at the background" in flag.detail
+
+    path = tmp_path / "deficit.json"
+    path.write_text(json.dumps(spec))
+    args = ["cls", str(path), "--calctype", "toybased", "--ntoys", "200"]
+    run = client_command(server, *args)
+    assert run.returncode == 0, run.stderr
+    assert math.isnan(json.loads(run.stdout)["CLs_obs"])
+    (warning,) = warnings_of(run.stderr)
+    assert warning.startswith("Warning: test_poi 1.0: CLs_obs is 0 / 0 (null)")
+    assert_strict_fails(server, args, run.stdout)
+    run = client_command(server, "cls", str(path))
+    assert run.returncode == 0 and warnings_of(run.stderr) == []

@@ -276,9 +276,9 @@ FLAG_KINDS: dict[str, str] = {
     "has no curvature along them at the best fit (e.g. a shapefactor of a bin without events, "
     "on its bound 0), so the others' uncertainties hold them there; or, where every one is "
     "null, the Hessian at the best fit is not positive definite",
-    "p_value_unresolved": "a discovery p-value is 0: below 1 in the number of toys (none as "
-    "signal-like), or, asymptotically, below the smallest double (Z above 37.5); its "
-    "significance is null (unbounded above): more toys resolve it",
+    "p_value_unresolved": "a p-value is 0 beyond what the toys resolve (none as extreme as "
+    "the data) or, asymptotically, below the smallest double: a discovery significance is then "
+    "null (unbounded above), a toy CLs of 0 / 0 null; more toys resolve it",
     "qtilde_poi_bound": "q~ (test_stat 'qtilde', every upper limit's) asked of a POI whose "
     "lower bound is not 0: q~'s asymptotic formulae assume the POI bounded at 0 (pyhf warns; "
     "above 0 it then raises ValueError); a bound below 0 is raised to 0 in the fits here (pyhf "

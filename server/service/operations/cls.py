@@ -6,7 +6,7 @@ from pyhf_gpu_server import inference
 from pyhf_gpu_server.engine import HistFactoryModel
 from pyhf_gpu_server.inference.results import HypotestResults
 
-from ..schemas import ClsAnswer, ClsOptions, ClsResult, ResultFlag
+from ..schemas import ClsAnswer, ClsOptions, ClsResult, ResultFlag, result_flag
 from .base import EngineRows, Operation, RowResult, RowStatus, hypotests, qtilde_bound_flags
 
 
@@ -34,6 +34,7 @@ class Cls(Operation[ClsOptions]):
         flags: list[tuple[ResultFlag, ...]] = [()] * len(rows)
         if options.test_stat == "qtilde":
             flags = qtilde_bound_flags(model, rows.element)
+        flags = [f + u for f, u in zip(flags, unresolved(result), strict=True)]
         return [
             RowResult(answer, s, None if rows.toys is None else result.row(i), f)
             for i, (answer, s, f) in enumerate(
@@ -43,9 +44,31 @@ class Cls(Operation[ClsOptions]):
 
     def join(self, parts: list[RowResult]) -> RowResult:
         result = inference.join_toy_parts([part.part for part in parts])
+        model_flags = tuple(f for f in parts[0].flags if f.kind != "p_value_unresolved")
         return RowResult(
-            cls_answers(result)[0], RowStatus.of_hypotests(result)[0], flags=parts[0].flags
+            cls_answers(result)[0],
+            RowStatus.of_hypotests(result)[0],
+            flags=model_flags + unresolved(result)[0],
         )
+
+
+def unresolved(result: HypotestResults) -> list[tuple[ResultFlag, ...]]:
+    """Per row, ``p_value_unresolved`` where a toy-based ``CLs_obs`` is ``0 / 0``: the data
+    less signal-like than every toy of both hypotheses (``CLsb = CLb = 0``, as for a deficit
+    far below the background), which pyhf answers NaN."""
+    if result.toys is None:
+        return [()] * len(result)
+    flags: list[tuple[ResultFlag, ...]] = []
+    rows = zip(result.clb_obs.tolist(), result.toys.signal, result.toys.background, strict=True)
+    for clb, signal, background in rows:
+        detail = (
+            f"CLs_obs is 0 / 0 (null): the data are less signal-like than every one of its "
+            f"{len(signal)} toys at the tested POI and {len(background)} at the background "
+            "hypothesis (CLsb = CLb = 0), as for a deficit far below the background; more toys "
+            "(ntoys) or the asymptotic CLs resolve it"
+        )
+        flags.append((result_flag("p_value_unresolved", detail),) if clb == 0.0 else ())
+    return flags
 
 
 def cls_answers(result: HypotestResults) -> list[ClsAnswer]:
