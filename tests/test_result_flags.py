@@ -71,6 +71,23 @@ def pyhf_model(spec: dict):
     return model, ws.data(model)
 
 
+def two_bins(observed: list[float]) -> dict:
+    """Two bins: 9 and 7 signal events of ``mu``, 50 +- 2 and 52 +- 3 of background,
+    ``observed``."""
+    spec = pyhf.simplemodels.uncorrelated_background([9.0, 7.0], [50.0, 52.0], [2.0, 3.0]).spec
+    return {**workspace(0.0), **spec, "observations": [{"name": "singlechannel", "data": observed}]}
+
+
+def whole_and_slices(model: HistFactoryModel, ntoys: int, seed: int, size: int) -> tuple:
+    """A toy-based test at mu = 1, whole and in slices of ``size`` toys."""
+    whole = hypotest(model, 1.0, calctype="toybased", ntoys=ntoys, seed=seed)
+    slices = [
+        hypotest(model, 1.0, calctype="toybased", ntoys=ntoys, seed=seed, toys=[s])
+        for s in ToySlice.cut(0, ntoys, size)
+    ]
+    return whole, slices
+
+
 # --- upper limits ---------------------------------------------------------------------------
 
 
@@ -591,11 +608,7 @@ def test_a_toy_test_counts_its_toys_whose_fits_did_not_converge():
     name = patchset["patches"][0]["metadata"]["name"]
     applied = pyhf.PatchSet(patchset).apply(pyhf.Workspace(workspace), name)
     model = HistFactoryModel.from_workspace(applied)
-    whole = hypotest(model, 1.0, calctype="toybased", ntoys=750, seed=1)
-    slices = [
-        hypotest(model, 1.0, calctype="toybased", ntoys=750, seed=1, toys=[s])
-        for s in ToySlice.cut(0, 750, 250)
-    ]
+    whole, slices = whole_and_slices(model, 750, 1, 250)
     for result in (whole, join_toy_parts(slices)):
         (status,) = RowStatus.of_hypotests(result)
         failed, toys, data_converged = status.toys
@@ -617,10 +630,7 @@ def test_a_discovery_p_value_of_zero_is_flagged_with_what_the_toys_bound(server,
     checked below the data's here), and ``--strict`` exits 1. With asymptotics the same data
     has p0 1.4e-6 (pyhf's) and no flag; an excess of thousands of events has p0 below the smallest
     double, flagged as such."""
-    spec = {**workspace(0.0), "channels": [], "observations": []}
-    excess = pyhf.simplemodels.uncorrelated_background([9.0, 7.0], [50.0, 52.0], [2.0, 3.0])
-    spec["channels"] = excess.spec["channels"]
-    spec["observations"] = [{"name": "singlechannel", "data": [80.0, 76.0]}]
+    spec = two_bins([80.0, 76.0])
     path = tmp_path / "excess.json"
     path.write_text(json.dumps(spec))
     args = ["significance", str(path), "--calctype", "toybased", "--ntoys", "100"]
@@ -662,18 +672,10 @@ def test_a_toy_cls_of_zero_over_zero_is_flagged(server, tmp_path):
     """A deficit far below the background (20 and 22 events on 50 and 52): the data are less
     signal-like than every toy of both hypotheses, so the toy CLs is 0 / 0 (pyhf: NaN, where
     its asymptotic CLs is 6e-5); null and flagged, whole and joined from slices."""
-    spec = {**workspace(0.0), "channels": [], "observations": []}
-    deficit = pyhf.simplemodels.uncorrelated_background([9.0, 7.0], [50.0, 52.0], [2.0, 3.0])
-    spec["channels"] = deficit.spec["channels"]
-    spec["observations"] = [{"name": "singlechannel", "data": [20.0, 22.0]}]
+    spec = two_bins([20.0, 22.0])
     model, data = pyhf_model(spec)
     assert 1e-5 < float(pyhf.infer.hypotest(1.0, data, model)) < 1e-4
-    ours = HistFactoryModel.from_workspace(spec)
-    whole = hypotest(ours, 1.0, calctype="toybased", ntoys=200, seed=3)
-    slices = [
-        hypotest(ours, 1.0, calctype="toybased", ntoys=200, seed=3, toys=[s])
-        for s in ToySlice.cut(0, 200, 100)
-    ]
+    whole, slices = whole_and_slices(HistFactoryModel.from_workspace(spec), 200, 3, 100)
     for result in (whole, join_toy_parts(slices)):
         assert result.clsb_obs.item() == result.clb_obs.item() == 0.0
         assert math.isnan(result.cls_obs.item())
