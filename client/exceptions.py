@@ -18,11 +18,12 @@ Everything the client raises on purpose derives from :class:`PyhfGpuError`::
         └── WaitTimeoutError      :meth:`Client.wait` gave up before the job finished
 
 A result the server flagged (its ``meta.flags``: fits that did not converge, extra starts that
-reached different minima, a discovery p-value of 0 beyond what its toys resolve) is returned with a :class:`DoubtfulResultWarning` (a ``UserWarning``:
-shown once per place and message by default; ``warnings.simplefilter("error",
-DoubtfulResultWarning)`` makes it raise); one whose answer lies past its model's limits (a
-limit past the POI's bounds, where pyhf raises ValueError, or outside the scan; the POI's best
-fit on its bound) with its subclass :class:`BeyondBoundsWarning`.
+reached different minima, a p-value of 0 beyond what its toys resolve) is returned with a
+:class:`DoubtfulResultWarning` (a ``UserWarning``: shown once per place and message by
+default; ``warnings.simplefilter("error", DoubtfulResultWarning)`` makes it raise); one whose
+answer lies past its model's limits (a limit past the POI's bounds, where pyhf raises
+ValueError, or outside the scan; the POI's best fit on its bound) with its subclass
+:class:`BeyondBoundsWarning`.
 """
 
 from __future__ import annotations
@@ -171,9 +172,9 @@ def format_detail(detail: Any) -> str:
 class DoubtfulResultWarning(UserWarning):
     """A result the server flagged in its ``meta.flags``: fits that did not converge
     (``converged: false``), extra starts that reached different minima (``starts_agreed:
-    false``), a discovery p-value of 0 (``p_value_unresolved``), or an answer past its model's
-    limits (:class:`BeyondBoundsWarning`). The numbers
-    are returned; the message names the result and what was found."""
+    false``), a p-value of 0 beyond what its toys resolve (``p_value_unresolved``), or an
+    answer past its model's limits (:class:`BeyondBoundsWarning`). The numbers are returned;
+    the message names the result and what was found."""
 
 
 class BeyondBoundsWarning(DoubtfulResultWarning):

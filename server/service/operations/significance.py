@@ -48,6 +48,9 @@ class Significance(Operation[SignificanceOptions]):
         return RowResult(answer, status, flags=unresolved(tests)[0])
 
 
+AS_SIGNAL_LIKE_AS = {"obs": "the data", "exp": "the median toy at mu = 1"}
+
+
 def unresolved(tests: HypotestResults) -> list[tuple[ResultFlag, ...]]:
     """Per row, ``p_value_unresolved`` where ``p0_obs`` or ``p0_exp`` is 0: with toys, none of
     the ``N`` toys at ``mu = 0`` is as signal-like as the data (or as the median toy at
@@ -56,8 +59,7 @@ def unresolved(tests: HypotestResults) -> list[tuple[ResultFlag, ...]]:
     toys = [None] * len(p0) if tests.toys is None else [len(t) for t in tests.toys.signal]
     flags: list[tuple[ResultFlag, ...]] = []
     for (obs, exp), n in zip(p0, toys, strict=True):
-        zero = {"obs": "the data", "exp": "the median toy at mu = 1"}
-        zero = {k: v for k, v in zero.items() if (obs if k == "obs" else exp) == 0.0}
+        zero = [k for k, p in (("obs", obs), ("exp", exp)) if p == 0.0]
         if not zero:
             flags.append(())
             continue
@@ -66,11 +68,11 @@ def unresolved(tests: HypotestResults) -> list[tuple[ResultFlag, ...]]:
         if n is None:
             detail = f"{names}: below the smallest double, Z above 37.5 ({nulls})"
         else:
+            than = " or ".join(AS_SIGNAL_LIKE_AS[k] for k in zero)
             z = -statistics.NormalDist().inv_cdf(1 / n)
             detail = (
-                f"{names}: none of its {n} toys at mu = 0 is as signal-like as "
-                f"{' or '.join(zero.values())}, so p0 < {1 / n:.3g} and Z > {z:.3g} ({nulls}); "
-                "more toys (ntoys) resolve it"
+                f"{names}: none of its {n} toys at mu = 0 is as signal-like as {than}, so "
+                f"p0 < {1 / n:.3g} and Z > {z:.3g} ({nulls}); more toys (ntoys) resolve it"
             )
         flags.append((result_flag("p_value_unresolved", detail),))
     return flags
