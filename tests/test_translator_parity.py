@@ -295,6 +295,20 @@ def test_pyhf_simple_models(model):
     assert_same_outcome(_workspace_of(model, [51.0, 48.0]))
 
 
+def test_names_given_as_numpy_strings_read_as_python_strings():
+    """A workspace built in Python may name modifiers with ``numpy.str_`` (pyhf takes them);
+    the same layout as from plain strings."""
+    spec = all_modifiers_workspace()
+    given = copy.deepcopy(spec)
+    for channel in given["channels"]:
+        for sample in channel["samples"]:
+            for modifier in sample["modifiers"]:
+                modifier["name"], modifier["type"] = map(
+                    np.str_, (modifier["name"], modifier["type"])
+                )
+    assert_layouts_equal(translate.translate(given), translate.translate(spec))
+
+
 SETTINGS = [
     None,
     {},

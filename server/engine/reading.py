@@ -77,8 +77,9 @@ def read_sample(
     modifiers: dict[tuple[str, str], dict[str, Any]] = {}
     duplicate = None
     for modifier in sample["modifiers"]:
-        # interned: the model-wide merges of these keys compare them by identity
-        key = (intern(modifier["type"]), intern(modifier["name"]))
+        # interned: the model-wide merges of these keys compare them by identity (str():
+        # intern takes no str subclass, such as numpy's, that a Python caller may pass)
+        key = (intern(str(modifier["type"])), intern(str(modifier["name"])))
         if duplicate is None and key in modifiers:
             duplicate = (key[1], key[0])
         modifiers[key] = modifier
