@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import doctest
 import importlib
+import json
 from pathlib import Path
 
+import pyhf
 import pytest
 import torch
+from pyhf_global import global_pyhf
 from test_inference_support import DEVICE as DEVICE_NAME
 from test_inference_support import (
     one_thread,  # noqa: F401 (fixture)
@@ -632,3 +635,28 @@ def test_a_following_block_of_fit_requests_runs_in_the_call_or_after_it_alike():
             assert fits.converged.all() and reference.converged.all()
             assert torch.allclose(fits.best_twice_nll, reference.best_twice_nll, atol=1e-7)
         assert torch.all(got[1].bestfit[:, model.poi_index] == 1.0)
+
+
+def test_a_fit_along_a_flat_direction_converges_at_the_minimum():
+    """``tests/data/degenerate_normfactors.json`` (a random workspace): two normfactors on
+    one sample, and a shapefactor on it and another, leave a direction the likelihood does not
+    see, so the curvature is singular. The fit reached pyhf's minimum with a decrement just
+    above ``tol``; the next solve at small damping failed, the damping rose past 1e-3, where
+    the step used to certify nothing, and the fit was reported failed at the minimum. The
+    damped step's decrement, scaled to damping 1e-3, certifies it (pyhf's minimum: scipy at
+    tolerance 1e-12)."""
+    from pyhf_gpu_server.engine import HistFactoryModel
+    from pyhf_gpu_server.inference import fit, hypotest
+
+    spec = json.loads((Path(__file__).parent / "data/degenerate_normfactors.json").read_text())
+    model = HistFactoryModel.from_workspace(spec, device=DEVICE_NAME)
+    found = fit(model, uncertainties=False)
+    assert found.converged.all()
+    workspace = pyhf.Workspace(spec)
+    pyhf_model = workspace.model()
+    with global_pyhf():
+        _, twice_nll = pyhf.infer.mle.fit(
+            workspace.data(pyhf_model), pyhf_model, return_fitted_val=True
+        )
+    assert found.best_twice_nll.item() <= float(twice_nll) + 1e-9
+    assert hypotest(model, 1.0).converged.all()

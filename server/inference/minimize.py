@@ -23,7 +23,10 @@ fixed-parameter mask) is advanced in one loop. Every iteration:
 
 A row has converged when its Newton decrement ``-g.p`` (twice the decrease a quadratic model
 predicts) falls below ``tol`` with a positive-definite reduced Hessian (the model's, or where
-that is not positive definite and the grid computed it, the exact one); it then stops moving.
+that is not positive definite and the grid computed it, the exact one), or, where the
+curvature is singular (parameters the likelihood does not tell apart), when the damped step's
+decrement bounds the decrement at damping :data:`TRUSTED_DAMPING` below ``tol``; it then
+stops moving.
 A row whose damping explodes without progress, whose objective is not finite, or that runs
 out of iterations is reported as not converged. The host looks at the flags only every
 ``check_every`` iterations, to drop finished rows from the working set.
@@ -78,6 +81,8 @@ __all__ = [
 DAMPING = 1e-3
 #: a row whose ``lambda`` grows past this without an accepted step stops
 MAX_DAMPING = 1e12
+#: the damping at which a singular curvature's step certifies convergence (``_iterate``)
+TRUSTED_DAMPING = 1e-3
 #: distance to a bound under which a parameter counts as sitting on it
 BOUND_TOL = 1e-12
 #: the share of its distance to its lower bound that a step leaves a parameter with a barrier
@@ -358,11 +363,14 @@ def _iterate(
     movable = _movable(s.x, s.g, lo, hi, free, BOUND_TOL)
     lams = factors.unsqueeze(1) * s.lam.unsqueeze(0)  # [K, R]
     steps, ok = s.curvature.steps(s.g, movable, lams)
-    # the decrement of a trusted step (positive definite, damping at most 1e-3): pure
-    # Newton's, or where the curvature is singular the step at the row's own damping
-    trusted = ok & (lams <= 1e-3)
-    decrements = torch.where(trusted, -(s.g * steps).sum(-1), torch.inf)
-    newton_trusted = trusted.select(0, 0)
+    # the decrement that certifies convergence: pure Newton's, or where the curvature is
+    # singular an upper bound of the decrement at damping 1e-3 from the step at the row's
+    # own damping: g (H + l D)^-1 g falls with l at most as 1 / l, so its value at l times
+    # max(1, l / 1e-3) bounds it at 1e-3 (a row whose damping rose past 1e-3 at its minimum,
+    # where no step can lower f, converges instead of failing)
+    above = torch.clamp(lams / TRUSTED_DAMPING, min=1.0)
+    decrements = torch.where(ok, -(s.g * steps).sum(-1) * above, torch.inf)
+    newton_trusted = ok.select(0, 0)
     own = decrements.select(0, own_candidate)
     s.decrement = torch.where(newton_trusted, decrements.select(0, 0), own)
     unit = None  # the grid's steps tried at their full length only: the exact Newton step
@@ -394,7 +402,7 @@ def _iterate(
     s.x = torch.where(accept.unsqueeze(-1), x_new, s.x)
     # whichever trial won, the damping follows the row's own step: a quarter after a
     # success, x256 after a failure (a damping that follows the winning candidate stays
-    # above the 1e-3 that a singular curvature's convergence test needs)
+    # high, which weakens a singular curvature's convergence test)
     s.lam = torch.where(accept, torch.clamp(s.lam / 4, min=1e-15), s.lam * 256)
     s.iterations = s.iterations + moving.long()
     s.converged = s.converged | newly_converged
