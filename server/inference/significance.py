@@ -33,7 +33,12 @@ __all__ = ["significance", "significance_of", "z_from_p"]
 
 def z_from_p(p: Tensor) -> Tensor:
     """One-sided significance ``Z = Phi^-1(1 - p)`` (computed as ``-Phi^-1(p)``; at
-    ``p = 0.5``, ``0.0`` rather than ``-0.0``)."""
+    ``p = 0.5``, ``0.0`` rather than ``-0.0``).
+
+    >>> p = torch.tensor([0.5, 0.025, 1e-300], dtype=torch.float64)
+    >>> [round(z, 4) for z in z_from_p(p).tolist()]
+    [0.0, 1.96, 37.0471]
+    """
     return 0.0 - torch.special.ndtri(p)
 
 
