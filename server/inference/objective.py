@@ -227,7 +227,7 @@ class TwiceNLL:
         ratio, residual = self._residual(data, rates)
         diagonal = self._with_constraints(torch.zeros_like(x), x, data, element)[1]
         second = model.main_rates_curvature(x, element, residual, block=True)
-        w = 2.0 * ratio / rates  # d2(-2 log L) / d lambda2
+        w = self._weight(ratio, rates)
         shared = (J * w.unsqueeze(-1)).mT @ J + second.shared
         shared.diagonal(dim1=-2, dim2=-1).add_(diagonal.index_select(1, blocks.shared))
         R, N = J.shape[:2]
@@ -248,7 +248,7 @@ class TwiceNLL:
         constraint terms' diagonal (equal to ``torch.func``'s, and cheaper: BENCHMARKS.md)."""
         data, element = self.data.index_select(0, rows), self.element.index_select(0, rows)
         g, rates, J, ratio, residual, diagonal = self._gradient(x, data, element)
-        gauss_newton = (J * (2.0 * ratio / rates).unsqueeze(-1)).mT @ J
+        gauss_newton = (J * self._weight(ratio, rates).unsqueeze(-1)).mT @ J
         H = gauss_newton + self.model.main_rates_curvature(x, element, residual)
         H.diagonal(dim1=-2, dim2=-1).add_(diagonal)
         return Derivatives(self.model.deviance(x, data, element, rates), g, 0.5 * (H + H.mT))
@@ -275,7 +275,7 @@ class TwiceNLL:
             g, rates, J, bin_jacobian, ratio, residual, diagonal = self._block_gradient(
                 x, data, element
             )
-        weight = 2.0 / rates if self.curvature == "fisher" else 2.0 * ratio / rates
+        weight = self._weight(ratio, rates)
         f = self.model.deviance(x, data, element, rates)
         secant = residual if self.curvature == "gauss-newton" else None  # secant terms
         return Derivatives(
@@ -304,6 +304,15 @@ class TwiceNLL:
         observed_main = data.narrow(1, 0, self.model.n_main)
         ratio = torch.where(observed_main > 0, observed_main / rates, 0.0)
         return ratio, 2.0 * (1.0 - ratio)
+
+    def _weight(self, ratio: Tensor, rates: Tensor) -> Tensor:
+        """``d2(-2 log L) / d lambda2`` ``[R, N]``: ``2 n / lambda^2`` (``"fisher"``: its
+        expectation ``2 / lambda``), 0 in a bin with no events and zero rate, where ``-2 log L
+        = 2 lambda`` is linear (not ``0 / 0``: a fit whose shapefactor or POI empties such a bin
+        would get a NaN curvature there and fail)."""
+        if self.curvature == "fisher":
+            return torch.where(rates > 0, 2.0 / rates, 0.0)
+        return torch.where(ratio > 0, 2.0 * ratio / rates, 0.0)
 
     def _with_constraints(
         self, g: Tensor, x: Tensor, data: Tensor, element: Tensor
