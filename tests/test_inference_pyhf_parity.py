@@ -209,6 +209,100 @@ def test_fits_are_at_least_as_good_as_pyhf_on_simplemodels():
             assert fixed_poi_fit(model, mu).best_twice_nll.item() <= float(fixed) + 1e-6
 
 
+#: a signal region with no events and a data-driven background (a free shapefactor, as in
+#: an ABCD estimate): the best fit empties its first bin (POI and shapefactor on their bound
+#: 0), where that bin's Poisson term is linear in its rate
+EMPTY_BIN = {
+    "channels": [
+        {
+            "name": "SR",
+            "samples": [
+                {
+                    "name": "signal",
+                    "data": [1.0, 1.0],
+                    "modifiers": [{"name": "mu", "type": "normfactor", "data": None}],
+                },
+                {
+                    "name": "bkg",
+                    "data": [2.0, 8.0],
+                    "modifiers": [{"name": "sf", "type": "shapefactor", "data": None}],
+                },
+            ],
+        }
+    ],
+    "observations": [{"name": "SR", "data": [0.0, 10.0]}],
+    "measurements": [{"name": "m", "config": {"poi": "mu", "parameters": []}}],
+    "version": "1.0.0",
+}
+
+
+@pytest.mark.parametrize("curvature", ["gauss-newton", "hessian", "fisher"])
+def test_a_fit_that_empties_a_bin_without_events_converges_to_pyhfs_minimum(curvature):
+    """A bin of zero rate and zero events has a zero second derivative (not ``0 / 0``: a
+    NaN curvature made every step fail there, and the fit end not converged above the
+    minimum)."""
+    workspace = pyhf.Workspace(EMPTY_BIN)
+    pyhf_model = workspace.model()
+    data = workspace.data(pyhf_model)
+    pyhf.set_backend("numpy", pyhf.optimize.scipy_optimizer(tolerance=1e-12))
+    best, free = pyhf.infer.mle.fit(data, pyhf_model, return_fitted_val=True)
+    model = HistFactoryModel.from_workspace(EMPTY_BIN, device=DEVICE)
+    options = FitOptions(curvature=curvature)
+    ours = fit(model, options=options)
+    assert ours.converged.all()
+    assert ours.best_twice_nll.item() == pytest.approx(float(free), abs=1e-8)
+    assert ours.bestfit[0].tolist() == pytest.approx(best.tolist(), abs=1e-6)
+    found = hypotest(model, 1.0, options=options)
+    assert found.converged.all()
+    assert found.cls_obs.item() == pytest.approx(
+        float(pyhf.infer.hypotest(1.0, data, pyhf_model)), rel=1e-6
+    )
+
+
+def _sample(name: str, data: list[float], *factors: str) -> dict:
+    modifiers = [{"name": f, "type": "normfactor", "data": None} for f in factors]
+    return {"name": name, "data": data, "modifiers": modifiers}
+
+
+#: the signal of channel B also scaled by a free normfactor ``k``: at mu = 0 the likelihood
+#: is flat in ``k``, and the data pull mu down there at k = 1 but up at k = 10
+GATED = {
+    "channels": [
+        {
+            "name": "A",
+            "samples": [_sample("signal", [3.0, 6.0], "mu"), _sample("bkg", [26.9, 88.6])],
+        },
+        {
+            "name": "B",
+            "samples": [_sample("signal", [1.4, 2.2], "mu", "k"), _sample("bkg", [42.1, 8.8])],
+        },
+    ],
+    "observations": [{"name": "A", "data": [12.0, 100.0]}, {"name": "B", "data": [34.0, 13.0]}],
+    "measurements": [{"name": "m", "config": {"poi": "mu", "parameters": []}}],
+    "version": "1.0.0",
+}
+
+
+@pytest.mark.parametrize("test_stat", ["qtilde", "q"])
+def test_a_second_signal_normfactor_does_not_hold_the_free_fit_at_poi_zero(test_stat):
+    """The free fit to the data starts at the Asimov fit's minimum (POI 0), where a free
+    factor of the signal alone is flat; it also starts at the init, as pyhf's does, so it
+    finds pyhf's minimum (mu = 0.1, k = 10) rather than staying at mu = 0 (CLs 0.50 for
+    pyhf's 0.43)."""
+    workspace = pyhf.Workspace(GATED)
+    pyhf_model = workspace.model()
+    data = workspace.data(pyhf_model)
+    pyhf.set_backend("numpy", pyhf.optimize.scipy_optimizer(tolerance=1e-12))
+    cls = pyhf.infer.hypotest(0.7, data, pyhf_model, test_stat=test_stat)
+    model = HistFactoryModel.from_workspace(GATED, device=DEVICE)
+    assert model.has_poi_gated_params
+    found = hypotest(model, 0.7, test_stat=test_stat)
+    assert found.converged.all()
+    assert found.cls_obs.item() == pytest.approx(float(cls), rel=1e-6)
+    _, _, uncorrelated = simple("uncorrelated")
+    assert not uncorrelated.has_poi_gated_params  # a shapesys: constrained
+
+
 def test_uncertainties_come_from_the_inverse_hessian_of_the_nll():
     pyhf_model, _, model = simple("correlated")
     ours = fit(model)
