@@ -267,6 +267,9 @@ class HistFactoryModel:
         # does not start them at 0, a stationary point of theirs whatever the data
         self.symmetric_params = self._tensor(stack.symmetric_params, torch.bool)
         self.has_symmetric_params = bool(stack.symmetric_params.any())  # known on the host
+        # a free parameter without constraint scales only rates the POI scales too: the
+        # asymptotic calculator's free fits do not start at POI = 0 alone (host bool)
+        self.has_poi_gated_params = stack.poi_gated
         # parameters that multiply one bin each: the block solver eliminates them
         self.bin_parameters = bin_parameters(stack)
         self._jacobian_columns: JacobianColumns | None = None

@@ -288,6 +288,7 @@ class StackLayout:
             members.append(used)
         self.n_variants = len(variants)
         self.symmetric_params = self._symmetric_params(variants, members)
+        self.poi_gated = self._poi_gated(variants, members)
         everywhere = set.intersection(*(set(m) for m in members))
         common = [u for u in range(len(variants)) if u in everywhere]
         common_index = {u: i for i, u in enumerate(common)}
@@ -313,6 +314,30 @@ class StackLayout:
                 self.sample_variant[e, s] = common_index[u] if u in common_index else next(slots)
         self.common = self._block([[variants[u] for u in common]])
         self.own = self._block([[variants[u] for u in o] for o in own], self.n_slots)
+
+    def _poi_gated(self, variants: list[dict[str, np.ndarray]], members: list[list[int]]) -> bool:
+        """Whether some element has a free parameter without a constraint term (a normfactor
+        or shapefactor) that scales only rates the POI scales too (a second signal
+        normfactor). At POI = 0 the likelihood is flat along it, so a fit started at POI = 0
+        with it where the data pull the POI down stays there, although a larger value of it
+        would let the POI rise to a lower minimum."""
+        poi = self.poi_index
+        if poi is None:
+            return False
+        constrained = np.zeros(self.n_pars + 1, dtype=bool)  # and the padding column
+        constrained[self.aux_param] = constrained[poi] = constrained[self.n_pars] = True
+        for e, used in enumerate(members):
+            with_poi = np.zeros(self.n_pars + 1, dtype=bool)
+            without_poi = np.zeros_like(with_poi)
+            for u in used:
+                multipliers = variants[u]["multipliers"]  # [depth, N] columns, padded
+                scaled = (multipliers == poi).any(0)
+                with_poi[multipliers[:, scaled]] = True
+                without_poi[multipliers[:, ~scaled]] = True
+            gated = with_poi & ~without_poi & ~constrained
+            if gated[: self.n_pars][~self.fixed[e]].any():
+                return True
+        return False
 
     def _symmetric_params(
         self, variants: list[dict[str, np.ndarray]], members: list[list[int]]

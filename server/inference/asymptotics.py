@@ -9,10 +9,13 @@ and conditional fits to the data, the conditional fit at ``asimov_mu`` (0 for ``
 - the first call of :meth:`AsymptoticCalculator.teststatistic` runs the Asimov fit first,
   then the free and conditional fits to the data and to the Asimov data in one batched
   minimiser call, both free fits started at the Asimov fit's minimum (the Asimov data's free
-  minimum is that point; the data's is never above it); later calls (new ``mu`` values,
-  e.g. while root-finding an upper limit) run their conditional fits in one call, each
-  starting at the minimum of the conditional fit at the nearest POI value tested before on
-  its dataset (pyhf starts every fit at the model's init; the minima are the same);
+  minimum is that point; the data's is never above it), and where a free parameter without
+  constraint scales only what the POI scales (the model's ``has_poi_gated_params``: flat at
+  POI = 0, where a fit can stay) from the model's init too, the lower kept; later calls (new
+  ``mu`` values, e.g. while root-finding an upper limit) run their conditional fits in one
+  call, each starting at the minimum of the conditional fit at the nearest POI value tested
+  before on its dataset (pyhf starts every fit at the model's init; the minima are the
+  same);
 - the first call's conditional fits to the Asimov data run again, in the same minimiser
   call, from the conditional minima on the data at the same POI values as each is found
   (the lower minimum kept, the starts' agreement reported), where a nuisance parameter has
@@ -205,8 +208,13 @@ class AsymptoticCalculator:
                     also_from=None if self.options.starts is None else 1,
                 ),
             ]
+            gated = model.has_poi_gated_params and self.options.starts is not None
+            if gated:  # the free fit to the data from the model's init too, the lower kept
+                requests.append(FitRequest(self.data, self.element, nan))
             fitted = fit_requests(model, requests, self.spec)
-            self.free_data, fixed_data, self.free_asimov, fixed_asimov = fitted
+            self.free_data, fixed_data, self.free_asimov, fixed_asimov = fitted[:4]
+            if gated:
+                self.free_data = self.free_data.lower_of(fitted[4])
         else:
             assert self.asimov_data is not None  # made by the first call
             data_start, asimov_start = self._warm_starts(tested, index)
