@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from ..engine.sparsity import BinBlocks
 
 __all__ = [
+    "BLOCK_WITHOUT_PAIRS_SAVING",
     "CPU_BLOCK_ROWS",
     "SECANT_SHARE",
     "SOLVERS",
@@ -73,6 +74,11 @@ CPU_BLOCK_ROWS = 256
 #: the share of a step's solve that :class:`BlockCurvature`'s secant columns may add
 #: (:func:`block_memory`)
 SECANT_SHARE = 0.25
+#: how much cheaper than the dense solve a block solve without secant pairs must be to be
+#: chosen (:func:`choose_solver`): without them the curvature is Gauss-Newton's alone, which
+#: crawls where the residuals are large (a conditional fit far from the data), so on a model
+#: small enough for the dense solve to cost little, the dense one with its secant term wins
+BLOCK_WITHOUT_PAIRS_SAVING = 8
 
 
 class Derivatives(NamedTuple):
@@ -613,12 +619,15 @@ def choose_solver(
     rank ``N + 2 memory + F`` is at most half the parameter count (its ``O(P r^2)`` solve then
     beats the dense ``O(P^3)`` one; BENCHMARKS.md, "Figures behind defaults"), else block
     when the model has per-bin parameters and :func:`solve_costs` puts it (with the pairs
-    :func:`block_memory` keeps) at under half the dense cost, else dense.
+    :func:`block_memory` keeps) at under half the dense cost (without pairs: under
+    1 / :data:`BLOCK_WITHOUT_PAIRS_SAVING` of it), else dense.
 
     >>> choose_solver(5, 124, 5, 3, 8)  # a published SUSY likelihood: few bins
     'low-rank'
     >>> choose_solver(1600, 2107, 1600, 5, 8)  # an analysis: a gamma per bin
     'block'
+    >>> choose_solver(6, 10, 4, 0, 8)  # a small model with a staterror
+    'dense'
     >>> choose_solver(40, 60, 0, 2, 8)
     'dense'
     """
@@ -628,7 +637,11 @@ def choose_solver(
         return "low-rank"
     dense = solve_costs(n_main, n_pars, n_per_bin, n_flat, memory)["dense"]
     pairs = block_memory(n_main, n_pars, n_per_bin, memory)
-    if n_per_bin and 2 * solve_costs(n_main, n_pars, n_per_bin, n_flat, pairs)["block"] < dense:
+    saving = 2 if pairs else BLOCK_WITHOUT_PAIRS_SAVING
+    if (
+        n_per_bin
+        and saving * solve_costs(n_main, n_pars, n_per_bin, n_flat, pairs)["block"] < dense
+    ):
         return "block"
     return "dense"
 
