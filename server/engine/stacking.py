@@ -324,20 +324,22 @@ class StackLayout:
         poi = self.poi_index
         if poi is None:
             return False
-        constrained = np.zeros(self.n_pars + 1, dtype=bool)  # and the padding column
-        constrained[self.aux_param] = constrained[poi] = constrained[self.n_pars] = True
-        for e, used in enumerate(members):
-            with_poi = np.zeros(self.n_pars + 1, dtype=bool)
-            without_poi = np.zeros_like(with_poi)
-            for u in used:
-                multipliers = variants[u]["multipliers"]  # [depth, N] columns, padded
-                scaled = (multipliers == poi).any(0)
-                with_poi[multipliers[:, scaled]] = True
-                without_poi[multipliers[:, ~scaled]] = True
-            gated = with_poi & ~without_poi & ~constrained
-            if gated[: self.n_pars][~self.fixed[e]].any():
-                return True
-        return False
+        # per variant (shared by elements), over the stack's columns and the padding column:
+        # the multipliers of its bins that the POI scales too, and of those it does not
+        with_poi = np.zeros((len(variants), self.n_pars + 1), dtype=bool)
+        without_poi = np.zeros_like(with_poi)
+        for u, variant in enumerate(variants):
+            multipliers = variant["multipliers"]  # [depth, N] columns, padded
+            scaled = (multipliers == poi).any(0)
+            with_poi[u, multipliers[:, scaled]] = True
+            without_poi[u, multipliers[:, ~scaled]] = True
+        free = np.zeros((self.n_elements, self.n_pars + 1), dtype=bool)
+        free[:, : self.n_pars] = ~self.fixed
+        free[:, self.aux_param] = free[:, poi] = False
+        return any(
+            (with_poi[used].any(0) & ~without_poi[used].any(0) & free[e]).any()
+            for e, used in enumerate(members)
+        )
 
     def _symmetric_params(
         self, variants: list[dict[str, np.ndarray]], members: list[list[int]]

@@ -275,7 +275,10 @@ class TwiceNLL:
             g, rates, J, bin_jacobian, ratio, residual, diagonal = self._block_gradient(
                 x, data, element
             )
-        weight = self._weight(ratio, rates)
+        if self.curvature == "fisher":  # the expected weight 2 / lambda (0 at a zero rate)
+            weight = torch.where(rates > 0, 2.0 / rates, 0.0)
+        else:
+            weight = self._weight(ratio, rates)
         f = self.model.deviance(x, data, element, rates)
         secant = residual if self.curvature == "gauss-newton" else None  # secant terms
         return Derivatives(
@@ -305,13 +308,12 @@ class TwiceNLL:
         ratio = torch.where(observed_main > 0, observed_main / rates, 0.0)
         return ratio, 2.0 * (1.0 - ratio)
 
-    def _weight(self, ratio: Tensor, rates: Tensor) -> Tensor:
-        """``d2(-2 log L) / d lambda2`` ``[R, N]``: ``2 n / lambda^2`` (``"fisher"``: its
-        expectation ``2 / lambda``), 0 in a bin with no events and zero rate, where ``-2 log L
-        = 2 lambda`` is linear (not ``0 / 0``: a fit whose shapefactor or POI empties such a bin
-        would get a NaN curvature there and fail)."""
-        if self.curvature == "fisher":
-            return torch.where(rates > 0, 2.0 / rates, 0.0)
+    @staticmethod
+    def _weight(ratio: Tensor, rates: Tensor) -> Tensor:
+        """``d2(-2 log L) / d lambda2 = 2 n / lambda^2`` ``[R, N]`` from ``ratio = n / lambda``:
+        0 in a bin with no events, also where its rate is 0 and ``-2 log L = 2 lambda`` is
+        linear (not ``0 / 0``: a fit whose shapefactor or POI empties such a bin would get a
+        NaN curvature there and fail)."""
         return torch.where(ratio > 0, 2.0 * ratio / rates, 0.0)
 
     def _with_constraints(
