@@ -683,3 +683,58 @@ def test_a_small_model_far_from_its_data_converges_to_pyhfs_minimum():
             0.0, workspace.data(pyhf_model), pyhf_model, return_fitted_val=True
         )
     assert found.best_twice_nll.item() <= float(twice_nll) + 1e-9
+
+
+@pytest.mark.parametrize("solver", ["dense", "low-rank", "block"])
+def test_a_rejected_trial_at_an_infinite_likelihood_does_not_end_the_fit(solver):
+    """A signal-only bin with events seen: the first Newton step from mu = 2 overshoots to the
+    POI's bound 0, where that bin's rate is 0 and ``-2 log L`` infinite. The trial is
+    rejected, but its gradient change (NaN) entered the dense solver's secant term, which
+    made every later step fail: the fit stayed at its init, not converged (0.69 is pyhf's
+    best fit). Each solver, with its secant term, must reach pyhf's minimum (scipy at
+    tolerance 1e-12)."""
+    from pyhf_gpu_server.engine import HistFactoryModel
+    from pyhf_gpu_server.inference import FitOptions, fit
+
+    spec = {
+        "channels": [
+            {
+                "name": "sr",
+                "samples": [
+                    {
+                        "name": "signal",
+                        "data": [3.0, 7.0],
+                        "modifiers": [{"name": "mu", "type": "normfactor", "data": None}],
+                    },
+                    {
+                        "name": "background",
+                        "data": [0.0, 49.0],
+                        "modifiers": [{"name": "stat", "type": "shapesys", "data": [0.0, 10.0]}],
+                    },
+                ],
+            }
+        ],
+        "observations": [{"name": "sr", "data": [2.0, 56.0]}],
+        "measurements": [
+            {
+                "name": "m",
+                "config": {
+                    "poi": "mu",
+                    "parameters": [{"name": "mu", "bounds": [[0.0, 20.0]], "inits": [2.0]}],
+                },
+            }
+        ],
+        "version": "1.0.0",
+    }
+    model = HistFactoryModel.from_workspace(spec, device=DEVICE_NAME)
+    options = FitOptions(minimize=MinimizeOptions(solver=solver, secant=True))
+    found = fit(model, options=options, uncertainties=False)
+    assert found.converged.all()
+    workspace = pyhf.Workspace(spec)
+    pyhf_model = workspace.model()
+    with global_pyhf(tolerance=1e-12):
+        bestfit, twice_nll = pyhf.infer.mle.fit(
+            workspace.data(pyhf_model), pyhf_model, return_fitted_val=True
+        )
+    assert found.best_twice_nll.item() == pytest.approx(float(twice_nll), abs=1e-7)
+    assert found.bestfit[0, model.poi_index].item() == pytest.approx(bestfit[0], abs=1e-4)

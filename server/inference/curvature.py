@@ -179,7 +179,8 @@ class DenseCurvature:
             assert new.J is not None and new.r is not None
             y_sharp = torch.einsum("rnp,rn->rp", new.J - self.J, new.r)
             Ss = torch.einsum("rpq,rq->rp", self.S, step)
-            tau, a, _ = _secant_pair(Ss, step, y, y_sharp, accept)
+            tau, a, valid = _secant_pair(Ss, step, y, y_sharp, accept)
+            y = torch.where(valid.unsqueeze(-1), y, 0.0)  # a rejected trial's may be NaN
             self.S = self.S.mul_(tau.view(-1, 1, 1)).baddbmm_(
                 torch.stack([a, y], -1), torch.stack([y, a], -2)
             )

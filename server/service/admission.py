@@ -102,7 +102,9 @@ def likelihood_refusal(layout: ElementLayout) -> str | None:
     """Why an element's likelihood has no meaning, or None: observed counts above
     :data:`MAX_COUNT` (or not finite), or a bin whose samples' nominal rates (multipliers at 1)
     sum below 0, or to 0 where events are observed. pyhf builds such models and its fits fail
-    (``FailedMinimization``: the log of a negative rate, or of 0); here they are refused.
+    (``FailedMinimization``: the log of a negative rate, or of 0) or, in a bin with no events,
+    drive a normfactor of the negative sample to its bound (``-2 log L = 2 lambda`` rewards a
+    rate below 0); here they are refused.
 
     Example:
         >>> import pyhf
@@ -131,8 +133,8 @@ def likelihood_refusal(layout: ElementLayout) -> str | None:
             (total < 0) | ((total == 0) & (observed > 0)),
             lambda b: (
                 f"{_bin(layout, b)}: the samples' nominal rates sum to {total[b]:g} "
-                f"against {observed[b]:g} observed, where the likelihood is undefined (pyhf's "
-                "fits fail there)"
+                f"against {observed[b]:g} observed, where the likelihood is undefined (no "
+                "Poisson probability; pyhf's fits fail, or run a factor to its bound)"
             ),
         ),
     )
