@@ -738,3 +738,75 @@ def test_a_rejected_trial_at_an_infinite_likelihood_does_not_end_the_fit(solver)
         )
     assert found.best_twice_nll.item() == pytest.approx(float(twice_nll), abs=1e-7)
     assert found.bestfit[0, model.poi_index].item() == pytest.approx(bestfit[0], abs=1e-4)
+
+
+def test_a_high_statistics_control_region_fit_with_the_poi_on_its_bound_converges():
+    """A precision analysis' control region: 3e5 events on a background with a free
+    normfactor, a normsys and a histosys (one narrow curved valley), and the signal in it too,
+    so that the POI, on its bound 0 at the minimum, is strongly correlated with them. Its
+    gradient points inside or outside the bound as the fit crosses the valley; where it
+    points inside, the POI was released, its step (the others' moves included) pointed out,
+    the projected trial bent and failed and the damping rose: the free fit crawled for 200
+    iterations and stopped 0.013 above the minimum, not converged. A parameter whose step
+    points out of its bound is now held there for the next solve. The minimum has the POI
+    on its bound, so the free fit equals the fit at mu = 0; pyhf's fit from its init stops
+    there (-2 log L 4e5), and from our minimum (scipy at tolerance 1e-12) finds nothing
+    lower."""
+    from pyhf_gpu_server.engine import HistFactoryModel
+    from pyhf_gpu_server.inference import fit, fixed_poi_fit
+
+    background = {
+        "name": "background",
+        "data": [293757.0],
+        "modifiers": [
+            {"name": "k_bkg", "type": "normfactor", "data": None},
+            {"name": "bkg_norm", "type": "normsys", "data": {"hi": 1.2, "lo": 0.84}},
+            {
+                "name": "bkg_shape",
+                "type": "histosys",
+                "data": {"hi_data": [341078.0], "lo_data": [245069.0]},
+            },
+        ],
+    }
+    mu = [{"name": "mu", "type": "normfactor", "data": None}]
+    spec = {
+        "channels": [
+            {
+                "name": "cr",
+                "samples": [{"name": "signal", "data": [65770.0], "modifiers": mu}, background],
+            },
+            {
+                "name": "sr",
+                "samples": [
+                    {"name": "signal", "data": [1.05], "modifiers": mu},
+                    {"name": "background", "data": [11.15], "modifiers": []},
+                ],
+            },
+        ],
+        "observations": [{"name": "cr", "data": [304507.0]}, {"name": "sr", "data": [9.0]}],
+        "measurements": [
+            {
+                "name": "m",
+                "config": {
+                    "poi": "mu",
+                    "parameters": [{"name": "k_bkg", "bounds": [[0.0, 50.0]], "inits": [2.5]}],
+                },
+            }
+        ],
+        "version": "1.0.0",
+    }
+    model = HistFactoryModel.from_workspace(spec, device=DEVICE_NAME)
+    free = fit(model, uncertainties=False)
+    at_zero = fixed_poi_fit(model, 0.0, uncertainties=False)
+    assert free.converged.all() and at_zero.converged.all()
+    assert free.best_twice_nll.item() == pytest.approx(at_zero.best_twice_nll.item(), abs=1e-7)
+    workspace = pyhf.Workspace(spec)
+    pyhf_model = workspace.model()
+    with global_pyhf(tolerance=1e-12):
+        _, twice_nll = pyhf.infer.mle.fit(
+            workspace.data(pyhf_model),
+            pyhf_model,
+            init_pars=free.bestfit[0].tolist(),
+            return_fitted_val=True,
+        )
+    assert free.best_twice_nll.item() <= float(twice_nll) + 1e-7

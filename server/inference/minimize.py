@@ -6,7 +6,10 @@ fixed-parameter mask) is advanced in one loop. Every iteration:
 1. has the value, gradient and curvature matrix of every still-running row at its current
    point (:meth:`BatchedObjective.derivatives`),
 2. freezes the fixed parameters and the parameters held at a bound by their gradient
-   (projected Newton: the active set of the box constraints),
+   (projected Newton: the active set of the box constraints), or, until the row moves, by
+   their last step (a parameter on its bound whose gradient points inside but whose step,
+   its correlated neighbours' moves included, points out: its row solves again without it
+   instead of raising the damping for a bent step),
 3. solves ``(H + lambda D) p = -g`` for the damping ``lambda`` of the row and for
    ``lambda = 0`` (pure Newton, whose decrement tests convergence; ``D = |diag H|`` is
    Marquardt's scaling). For a Gauss-Newton curvature, ``H`` includes a second-order term
@@ -281,6 +284,7 @@ class _State:
     converged: Tensor
     failed: Tensor
     scale: Tensor  # [R] the objective's rounding scale (decrement_tolerance)
+    held: Tensor  # [R, P] held at their bound until the row moves (see _iterate)
 
     def select(self, keep: Tensor) -> _State:
         """The sub-state of the rows where ``keep`` (bool ``[R]``) is true."""
@@ -360,9 +364,19 @@ def _iterate(
     lo, hi, free, barrier = bounds
     factors, alphas, own_candidate = constants
     running = torch.logical_not(s.ended(options.max_iter))
-    movable = _movable(s.x, s.g, lo, hi, free, BOUND_TOL)
+    movable = _movable(s.x, s.g, lo, hi, free, BOUND_TOL) & torch.logical_not(s.held)
     lams = factors.unsqueeze(1) * s.lam.unsqueeze(0)  # [K, R]
     steps, ok = s.curvature.steps(s.g, movable, lams)
+    # a parameter on its bound whose gradient points inside, but whose step (the others'
+    # moves included: strong correlations) points out: the projected trial would bend the
+    # step and fail, raising the damping for nothing. It is held on its bound, and the row
+    # solves again next iteration without it (projected Newton's active set, one solve per
+    # iteration, no host look); a row that moves releases what it held.
+    own_step = steps.select(0, own_candidate)
+    outward = movable & (
+        ((s.x <= lo + BOUND_TOL) & (own_step < 0)) | ((s.x >= hi - BOUND_TOL) & (own_step > 0))
+    )
+    redo = outward.any(-1)
     # the decrement that certifies convergence: pure Newton's, or where the curvature is
     # singular an upper bound of the decrement at damping 1e-3 from the step at the row's
     # own damping: g (H + l D)^-1 g falls with l at most as 1 / l, so its value at l times
@@ -388,6 +402,7 @@ def _iterate(
     tolerance = decrement_tolerance(s.f, options.tol, s.scale)
     newly_converged = running & (s.decrement.abs() <= tolerance)
     moving = running & torch.logical_not(newly_converged)
+    redo = moving & redo
 
     if options.trials == "damped":
         x_new = _trial_points(s.x, steps.select(0, -1), lo, hi, barrier)
@@ -396,14 +411,20 @@ def _iterate(
         f_new = torch.where(trial_ok, d.f, torch.inf)
     else:
         x_new, f_new = _best_trial(objective, s, steps, ok, alphas, bounds, unit)
-    accept = moving & (f_new < s.f)
+    # the damped trial is that bent step; the grid's best trial may still be taken
+    bent = redo if options.trials == "damped" else torch.zeros_like(redo)
+    accept = moving & (f_new < s.f) & torch.logical_not(bent)
 
     x_old = s.x
     s.x = torch.where(accept.unsqueeze(-1), x_new, s.x)
     # whichever trial won, the damping follows the row's own step: a quarter after a
     # success, x256 after a failure (a damping that follows the winning candidate stays
-    # high, which weakens a singular curvature's convergence test)
-    s.lam = torch.where(accept, torch.clamp(s.lam / 4, min=1e-15), s.lam * 256)
+    # high, which weakens a singular curvature's convergence test); kept where the row
+    # solves again with a parameter held
+    s.lam = torch.where(
+        accept, torch.clamp(s.lam / 4, min=1e-15), torch.where(redo, s.lam, s.lam * 256)
+    )
+    s.held = torch.where(accept.unsqueeze(-1), False, s.held | outward & redo.unsqueeze(-1))
     s.iterations = s.iterations + moving.long()
     s.converged = s.converged | newly_converged
     stalled = moving & torch.logical_not(accept) & (s.lam > MAX_DAMPING)
@@ -434,6 +455,7 @@ def _first_state(
         scale=objective.rounding_scale(rows)
         if hasattr(objective, "rounding_scale")
         else torch.zeros_like(d.f),
+        held=torch.zeros_like(x, dtype=torch.bool),
     )
 
 
