@@ -371,7 +371,8 @@ def _iterate(
     # moves included: strong correlations) points out: the projected trial would bend the
     # step and fail, raising the damping for nothing. It is held on its bound, and the row
     # solves again next iteration without it (projected Newton's active set, one solve per
-    # iteration, no host look); a row that moves releases what it held.
+    # iteration, no host look); a row that moves releases what it held (BENCHMARKS.md,
+    # "Figures behind defaults").
     own_step = steps.select(0, own_candidate)
     outward = movable & (
         ((s.x <= lo + BOUND_TOL) & (own_step < 0)) | ((s.x >= hi - BOUND_TOL) & (own_step > 0))
