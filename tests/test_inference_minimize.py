@@ -652,12 +652,7 @@ def test_a_fit_along_a_flat_direction_converges_at_the_minimum():
     model = HistFactoryModel.from_workspace(spec, device=DEVICE_NAME)
     found = fit(model, uncertainties=False)
     assert found.converged.all()
-    workspace = pyhf.Workspace(spec)
-    pyhf_model = workspace.model()
-    with global_pyhf():
-        _, twice_nll = pyhf.infer.mle.fit(
-            workspace.data(pyhf_model), pyhf_model, return_fitted_val=True
-        )
+    _, twice_nll = _pyhf_minimum(spec)
     assert found.best_twice_nll.item() <= float(twice_nll) + 1e-9
     assert hypotest(model, 1.0).converged.all()
 
@@ -676,12 +671,7 @@ def test_a_small_model_far_from_its_data_converges_to_pyhfs_minimum():
     model = HistFactoryModel.from_workspace(spec, device=DEVICE_NAME)
     found = fixed_poi_fit(model, 0.0, uncertainties=False)
     assert found.converged.all()
-    workspace = pyhf.Workspace(spec)
-    pyhf_model = workspace.model()
-    with global_pyhf():
-        _, twice_nll = pyhf.infer.mle.fixed_poi_fit(
-            0.0, workspace.data(pyhf_model), pyhf_model, return_fitted_val=True
-        )
+    _, twice_nll = _pyhf_minimum(spec, fixed_poi=0.0)
     assert found.best_twice_nll.item() <= float(twice_nll) + 1e-9
 
 
@@ -691,51 +681,23 @@ def test_a_rejected_trial_at_an_infinite_likelihood_does_not_end_the_fit(solver)
     POI's bound 0, where that bin's rate is 0 and ``-2 log L`` infinite. The trial is
     rejected, but its gradient change (NaN) entered the dense solver's secant term, which
     made every later step fail: the fit stayed at its init, not converged (0.69 is pyhf's
-    best fit). Each solver, with its secant term, must reach pyhf's minimum (scipy at
-    tolerance 1e-12)."""
+    best fit). Each solver, with its secant term, must reach pyhf's minimum (the lowest of
+    its multi-start fits at tolerance 1e-12)."""
     from pyhf_gpu_server.engine import HistFactoryModel
     from pyhf_gpu_server.inference import FitOptions, fit
 
+    mu = {"name": "mu", "bounds": [[0.0, 20.0]], "inits": [2.0]}
     spec = {
-        "channels": [
-            {
-                "name": "sr",
-                "samples": [
-                    {
-                        "name": "signal",
-                        "data": [3.0, 7.0],
-                        "modifiers": [{"name": "mu", "type": "normfactor", "data": None}],
-                    },
-                    {
-                        "name": "background",
-                        "data": [0.0, 49.0],
-                        "modifiers": [{"name": "stat", "type": "shapesys", "data": [0.0, 10.0]}],
-                    },
-                ],
-            }
-        ],
-        "observations": [{"name": "sr", "data": [2.0, 56.0]}],
-        "measurements": [
-            {
-                "name": "m",
-                "config": {
-                    "poi": "mu",
-                    "parameters": [{"name": "mu", "bounds": [[0.0, 20.0]], "inits": [2.0]}],
-                },
-            }
-        ],
+        **pyhf.simplemodels.uncorrelated_background([3.0, 7.0], [0.0, 49.0], [0.0, 10.0]).spec,
+        "observations": [{"name": "singlechannel", "data": [2.0, 56.0]}],
+        "measurements": [{"name": "m", "config": {"poi": "mu", "parameters": [mu]}}],
         "version": "1.0.0",
     }
     model = HistFactoryModel.from_workspace(spec, device=DEVICE_NAME)
     options = FitOptions(minimize=MinimizeOptions(solver=solver, secant=True))
     found = fit(model, options=options, uncertainties=False)
     assert found.converged.all()
-    workspace = pyhf.Workspace(spec)
-    pyhf_model = workspace.model()
-    with global_pyhf(tolerance=1e-12):
-        bestfit, twice_nll = pyhf.infer.mle.fit(
-            workspace.data(pyhf_model), pyhf_model, return_fitted_val=True
-        )
+    bestfit, twice_nll = _pyhf_minimum(spec)
     assert found.best_twice_nll.item() == pytest.approx(float(twice_nll), abs=1e-7)
     assert found.bestfit[0, model.poi_index].item() == pytest.approx(bestfit[0], abs=1e-4)
 
@@ -750,8 +712,8 @@ def test_a_high_statistics_control_region_fit_with_the_poi_on_its_bound_converge
     iterations and stopped 0.013 above the minimum, not converged. A parameter whose step
     points out of its bound is now held there for the next solve. The minimum has the POI
     on its bound, so the free fit equals the fit at mu = 0; pyhf's fit from its init stops
-    there (-2 log L 4e5), and from our minimum (scipy at tolerance 1e-12) finds nothing
-    lower."""
+    there (-2 log L 4e5), and its multi-start fit from our minimum (tolerance 1e-12) finds
+    nothing lower."""
     from pyhf_gpu_server.engine import HistFactoryModel
     from pyhf_gpu_server.inference import fit, fixed_poi_fit
 
@@ -800,13 +762,19 @@ def test_a_high_statistics_control_region_fit_with_the_poi_on_its_bound_converge
     at_zero = fixed_poi_fit(model, 0.0, uncertainties=False)
     assert free.converged.all() and at_zero.converged.all()
     assert free.best_twice_nll.item() == pytest.approx(at_zero.best_twice_nll.item(), abs=1e-7)
-    workspace = pyhf.Workspace(spec)
-    pyhf_model = workspace.model()
-    with global_pyhf(tolerance=1e-12):
-        _, twice_nll = pyhf.infer.mle.fit(
-            workspace.data(pyhf_model),
-            pyhf_model,
-            init_pars=free.bestfit[0].tolist(),
-            return_fitted_val=True,
-        )
+    _, twice_nll = _pyhf_minimum(spec, init_pars=free.bestfit[0].tolist())
     assert free.best_twice_nll.item() <= float(twice_nll) + 1e-7
+
+
+def _pyhf_minimum(spec: dict, fixed_poi: float | None = None, **kwargs):
+    """pyhf's ``(bestfit, -2 log L)`` on ``spec``'s observations, free or at ``fixed_poi``:
+    the lowest of its multi-start fits, scipy at tolerance 1e-12 (:func:`global_pyhf`)."""
+    workspace = pyhf.Workspace(spec)
+    model = workspace.model()
+    data = workspace.data(model)
+    with global_pyhf():
+        if fixed_poi is None:
+            return pyhf.infer.mle.fit(data, model, return_fitted_val=True, **kwargs)
+        return pyhf.infer.mle.fixed_poi_fit(
+            fixed_poi, data, model, return_fitted_val=True, **kwargs
+        )

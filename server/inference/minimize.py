@@ -377,7 +377,6 @@ def _iterate(
     outward = movable & (
         ((s.x <= lo + BOUND_TOL) & (own_step < 0)) | ((s.x >= hi - BOUND_TOL) & (own_step > 0))
     )
-    redo = outward.any(-1)
     # the decrement that certifies convergence: pure Newton's, or where the curvature is
     # singular an upper bound of the decrement at damping 1e-3 from the step at the row's
     # own damping: g (H + l D)^-1 g falls with l at most as 1 / l, so its value at l times
@@ -403,7 +402,7 @@ def _iterate(
     tolerance = decrement_tolerance(s.f, options.tol, s.scale)
     newly_converged = running & (s.decrement.abs() <= tolerance)
     moving = running & torch.logical_not(newly_converged)
-    redo = moving & redo
+    redo = moving & outward.any(-1)
 
     if options.trials == "damped":
         x_new = _trial_points(s.x, steps.select(0, -1), lo, hi, barrier)
@@ -425,7 +424,7 @@ def _iterate(
     s.lam = torch.where(
         accept, torch.clamp(s.lam / 4, min=1e-15), torch.where(redo, s.lam, s.lam * 256)
     )
-    s.held = torch.where(accept.unsqueeze(-1), False, s.held | outward & redo.unsqueeze(-1))
+    s.held = torch.where(accept.unsqueeze(-1), False, s.held | (outward & redo.unsqueeze(-1)))
     s.iterations = s.iterations + moving.long()
     s.converged = s.converged | newly_converged
     stalled = moving & torch.logical_not(accept) & (s.lam > MAX_DAMPING)
