@@ -15,6 +15,10 @@ in their parameter (``hi == lo``, a histosys and a normsys), with data above the
 ``alpha = 0``, pyhf's init, is then a saddle of ``-2 log L`` (zero gradient, curving down), and
 a fit started on it reports it as a minimum. Ours start off it and reach the minima of the
 grid, at or below pyhf's; started as pyhf does, they stay on the saddle.
+
+A POI started far from its best fit: a free fit from the init alone can end in a minimum of
+the nuisance parameters' own, far above the global one; ours also start from the
+background-only POI, keep the lower minimum and flag the disagreement.
 """
 
 from __future__ import annotations
@@ -157,8 +161,10 @@ def test_a_smooth_likelihood_is_fitted_once(family):
     model = HistFactoryModel.from_workspace(
         workspaces[0], modifier_settings={"histosys": {"interpcode": "code4p"}}, device=DEVICE
     )
-    result = fit(model, uncertainties=False)
-    assert result.starts.tolist() == [1] and result.starts_agreed.tolist() == [True]
+    free = fit(model, uncertainties=False)  # from init, and from the background-only POI
+    assert free.starts.tolist() == [2] and free.starts_agreed.tolist() == [True]
+    pinned = fixed_poi_fit(model, 1.0, uncertainties=False)
+    assert pinned.starts.tolist() == [1] and pinned.starts_agreed.tolist() == [True]
 
 
 def test_extra_starts_never_move_fixed_parameters(family):
@@ -203,3 +209,59 @@ def test_fits_leave_the_saddle_of_an_even_shift():
     shape = model.par_names.index("shape")
     assert bool((stuck.bestfit[:, shape] == 0).all()) and bool(stuck.converged.all())
     assert bool((stuck.best_twice_nll > fixed.best_twice_nll + 1e-3).all())
+
+
+def far_poi_init_workspace() -> dict:
+    """One channel of the generated scale family (workspace 24, reduced; its yields rounded):
+    a signal whose POI starts at 50 in [0, 100], over a background with two histosys and a
+    shapesys of 70-80 % per bin. Its best fit is mu = 0.25; started at 50, the fit pulls both
+    histosys to -5 and the shapesys to its bounds, a minimum of its own 188 above."""
+    signal = [219, 215, 157, 153, 141, 394]
+    background = [284, 1283, 533, 839, 831, 613]
+    shifts = [
+        ("hs0", [332, 1454, 674, 958, 1035, 651], [247, 969, 464, 689, 768, 493]),
+        ("hs3", [342, 1607, 589, 892, 940, 752], [250, 1174, 414, 621, 625, 491]),
+    ]
+    modifiers = [
+        {"name": name, "type": "histosys", "data": {"hi_data": hi, "lo_data": lo}}
+        for name, hi, lo in shifts
+    ]
+    modifiers.append({"name": "ss", "type": "shapesys", "data": [226, 1021, 424, 668, 662, 487]})
+    samples = [
+        {"name": "signal", "data": signal, "modifiers": [mu_modifier()]},
+        {"name": "background", "data": background, "modifiers": modifiers},
+    ]
+    config = {"poi": "mu", "parameters": [{"name": "mu", "bounds": [[0, 100]], "inits": [50]}]}
+    return {
+        "channels": [{"name": "sr", "samples": samples}],
+        "observations": [{"name": "sr", "data": [344, 1334, 518, 816, 880, 729]}],
+        "measurements": [{"name": "m", "config": config}],
+        "version": "1.0.0",
+    }
+
+
+def mu_modifier() -> dict:
+    return {"name": "mu", "type": "normfactor", "data": None}
+
+
+def test_a_free_fit_from_a_far_poi_init_also_starts_from_the_background():
+    spec = far_poi_init_workspace()
+    model = HistFactoryModel.from_workspace(spec, device=DEVICE)
+    ours = fit(model, uncertainties=False)
+    # pyhf's scipy fails from the init (50); started at mu = 0 (tolerance 1e-12), it finds:
+    pyhf.set_backend("numpy", "scipy")
+    workspace = pyhf.Workspace(spec)
+    pyhf_model = workspace.model()
+    init = pyhf_model.config.suggested_init()
+    poi = pyhf_model.config.poi_index
+    init[poi] = 0.0
+    data = workspace.data(pyhf_model)
+    bestfit, twice_nll = pyhf.infer.mle.fit(
+        data, pyhf_model, init_pars=init, return_fitted_val=True, tolerance=1e-12
+    )
+    assert ours.converged.item()
+    assert ours.best_twice_nll.item() == pytest.approx(float(twice_nll), abs=1e-7)
+    mu = model.par_names.index("mu")
+    assert ours.bestfit[0, mu].item() == pytest.approx(float(bestfit[poi]), abs=1e-4)
+    # the init's own minimum is far above: the two starts disagree, and the answer says so
+    assert ours.starts.item() == 2 and not ours.starts_agreed.item()

@@ -4,7 +4,8 @@
 over ``B`` rows at once (each row: its own element, dataset and, optionally, a fixed POI
 value). Start points, bounds and fixed parameters default to the model's (pyhf's
 ``suggested_init/bounds/fixed``); a fixed POI value replaces the start value and fixes the
-POI, as pyhf does.
+POI, as pyhf does. A free fit also starts from the POI's background-only value: a POI started
+far from its best fit can lead the nuisance parameters into a minimum of their own.
 
 Example:
     >>> import torch
@@ -232,6 +233,48 @@ def _minimize_after(
     )
 
 
+def _from_background_too(
+    model: HistFactoryModel, data, element, init, bounds, fixed, options: FitOptions, n: int
+) -> tuple[MinimizeResult, FitStatus]:
+    """The fits of all rows from ``init``, the first ``n`` also (in the same minimiser call)
+    from ``init`` with the POI at the background-only value 0 (clamped into its bounds); each
+    of those keeps the lower minimum. Returns the minima and the status of the first ``n``
+    rows' two starts. A POI started far from its best fit (an ``inits`` of 50 where the data
+    say 0) can drag the nuisance parameters into a minimum of their own, far above the global
+    one, which the background start reaches in a few iterations."""
+    assert model.poi_index is not None
+    B = init.shape[0]
+    is_poi = torch.arange(init.shape[-1], device=init.device).eq(model.poi_index)
+    head = [t.narrow(0, 0, n) for t in (data, element, init, bounds, fixed)]
+    low, high = head[3].select(-1, 0), head[3].select(-1, 1)
+    zero = torch.minimum(torch.maximum(torch.zeros_like(head[2]), low), high)
+    background = torch.where(is_poi & head[4].logical_not(), zero, head[2])
+    both = _minimize(
+        model,
+        torch.cat([data, head[0]]),
+        torch.cat([element, head[1]]),
+        torch.cat([init, background]),
+        torch.cat([bounds, head[3]]),
+        torch.cat([fixed, head[4]]),
+        options,
+    )
+    pair = map_tensors(
+        both, lambda t: torch.stack([t.narrow(0, 0, n), t.narrow(0, B, n)], 1)
+    )  # [n, 2, ...]
+    best, status = best_of_starts(pair.fun, pair.converged, _agree(options))
+    kept = map_tensors(
+        pair,
+        lambda t: t.flatten(0, 1).index_select(0, 2 * torch.arange(n, device=init.device) + best),
+    )
+    rest = map_tensors(both, lambda t: t.narrow(0, n, B - n))
+    return _joined(kept, rest), status
+
+
+def _agree(options: FitOptions) -> float:
+    """Two minima closer than this in ``-2 log L`` are one."""
+    return (options.starts or StartOptions()).agree_twice_nll
+
+
 def _columns(result: MinimizeResult) -> list[Tensor]:
     """The per-row tensors of ``result``, in field order."""
     return [getattr(result, f.name) for f in fields(result)]
@@ -350,6 +393,7 @@ def fit_rows(
     uncertainties: bool = False,
     poi_floor: float | None = None,
     follows: Sequence[Follow] = (),
+    background_start: int = 0,
 ) -> FitResults:
     """Fit ``B`` rows (``data [B, N + A]``, ``element [B]``) in batched minimiser calls.
 
@@ -359,6 +403,9 @@ def fit_rows(
     (:func:`~.minimize.minimize`). Rows are split in chunks of ``options.max_rows``. Where
     the model has kinked parameters, every row is fitted again from extra start points and
     keeps its lowest minimum (:mod:`~pyhf_gpu_server.inference.starts`).
+    ``background_start`` (free fits, no ``poi``): the first this many rows also start with the
+    POI at its background-only value (:func:`_from_background_too`), in the same minimiser
+    call.
     """
     options = options or FitOptions()
     init, bounds, fixed = _start(model, element, poi, init, bounds, fixed, poi_floor)
@@ -366,8 +413,17 @@ def fit_rows(
         symmetric = model.symmetric_params.index_select(0, element)
         init = off_symmetric_points(init, symmetric, fixed, options.starts.symmetric_offset)
     B, P = init.shape
-    first = _minimize(model, data, element, init, bounds, fixed, options, follows)
+    n = background_start if poi is None and model.poi_index is not None else 0
+    if n:
+        assert not follows, "background starts are for free fits without follows"
+        first, two = _from_background_too(model, data, element, init, bounds, fixed, options, n)
+    else:
+        first = _minimize(model, data, element, init, bounds, fixed, options, follows)
     result, status = _global_minima(model, data, element, bounds, fixed, first, options)
+    if n:  # the first n rows' two first starts count, and agree, too
+        more = torch.arange(B, device=init.device).lt(n)
+        agreed = torch.cat([two.agreed, torch.ones_like(status.agreed.narrow(0, n, B - n))])
+        status = FitStatus(status.converged, status.starts + more.long(), status.agreed & agreed)
     x = result.x
     if uncertainties:
         unc, corr = hessian_uncertainties(model, data, element, x, fixed, options)
@@ -402,7 +458,9 @@ def fit(
     options: FitOptions | None = None,
     uncertainties: bool = True,
 ) -> FitResults:
-    """Maximum-likelihood fits (pyhf's ``infer.mle.fit``), batched over rows.
+    """Maximum-likelihood fits (pyhf's ``infer.mle.fit``), batched over rows. Free fits start
+    from the init and from the POI at its background-only value 0; the lower minimum is kept
+    (``starts`` 2, ``starts_agreed`` false where they differ).
 
     Args:
         model: a :class:`~pyhf_gpu_server.engine.HistFactoryModel`.
@@ -429,6 +487,7 @@ def fit(
         fixed=fixed,
         options=options,
         uncertainties=uncertainties,
+        background_start=r.element.shape[0],
     )
 
 
@@ -494,7 +553,7 @@ def fit_requests(
         merged.select(slice(offset, offset + size))
         for offset, size in zip(offsets, sizes, strict=True)
     ]
-    agree = (spec.options.starts or StartOptions()).agree_twice_nll
+    agree = _agree(spec.options)
     for j, (i, _) in enumerate(again):
         fits[i] = fits[i].lower_of(fits[n + j], agree)
     return fits[:n]

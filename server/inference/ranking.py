@@ -297,7 +297,7 @@ def ranking_of(
     data, element = rows.data, rows.element
     B, P, k = element.shape[0], model.n_pars, model.poi_index
     bounds = row_bounds(model, element, bounds)
-    free = fit_rows(model, data, element, bounds=bounds, options=options)
+    free = fit_rows(model, data, element, bounds=bounds, options=options, background_start=B)
     fixed_rows = model.fixed.index_select(0, element)
     postfit, corr = hessian_uncertainties(model, data, element, free.bestfit, fixed_rows, options)
     held = conditional_uncertainties(postfit)  # undetermined parameters held: 0

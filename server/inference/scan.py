@@ -4,7 +4,8 @@ At every grid point the scanned parameter(s) are fixed and the others fitted; th
 ``-2 Delta ln L = 2 (NLL(fixed) - NLL(global minimum))`` per row and point, the global
 minimum being the row's free fit. Every conditional fit of every row and the ``B`` free fits
 run as ONE batched :func:`~pyhf_gpu_server.inference.mle.fit_rows` call (the conditional fits
-start at the model's init with the scanned parameters at the grid point, as cabinetry's);
+start at the model's init with the scanned parameters at the grid point, as cabinetry's; the
+free fits also from the background-only POI, as :func:`~.mle.fit`'s);
 then the exact Hessian at the free minima gives the scanned parameters' uncertainties. An
 axis given no values gets cabinetry's default grid, per row: ``steps`` points over the best
 fit plus/minus :data:`AUTO_SIGMAS` uncertainties (within the bounds); then the free fits and
@@ -198,7 +199,14 @@ def _profile(
     free = None
     if automatic:
         free = fit_rows(
-            model, data, element_rows, init=init, bounds=box, fixed=fixed, options=options
+            model,
+            data,
+            element_rows,
+            init=init,
+            bounds=box,
+            fixed=fixed,
+            options=options,
+            background_start=B,
         )
         unc, corr = hessian_uncertainties(model, data, element_rows, free.bestfit, fixed, options)
     row_axes = []
@@ -224,6 +232,7 @@ def _profile(
             bounds=torch.cat([box, box.repeat_interleave(G, 0)]),
             fixed=torch.cat([fixed, cond_fixed]),
             options=options,
+            background_start=B,
         )
         # ``narrow``: FakeTensorMode refuses slicing, so FitResults.select is not used
         bestfit = every.bestfit.narrow(0, 0, B)

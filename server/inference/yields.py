@@ -216,7 +216,14 @@ def yields_of(
     options = options or FitOptions()
     data, element = rows.data, rows.element
     if fit is None:
-        fit = fit_rows(model, data, element, options=options, uncertainties=True)
+        fit = fit_rows(
+            model,
+            data,
+            element,
+            options=options,
+            uncertainties=True,
+            background_start=element.shape[0],
+        )
     B, P = fit.bestfit.shape
     eye = torch.eye(P, dtype=model.dtype, device=model.device).expand(B, P, P)
     prefit = yield_prediction(

@@ -27,7 +27,7 @@ class Fit(Operation[FitOptions]):
     result_model = FitResult
 
     def row_cost(self, options: FitOptions) -> float:
-        return 2.0  # the fit and its Hessian
+        return 3.0  # the fit from two starts, and its Hessian
 
     def run(
         self, model: HistFactoryModel, rows: EngineRows, options: FitOptions

@@ -57,7 +57,7 @@ class Ranking(Operation[RankingOptions]):
 
     def row_cost(self, options: RankingOptions) -> float:
         ranked = 100 if options.parameters is None else len(options.parameters)
-        return 2.0 + 4.0 * min(ranked, RANK_BLOCK)
+        return 3.0 + 4.0 * min(ranked, RANK_BLOCK)
 
     def parts(
         self, options: RankingOptions, layout: ElementLayout | None

@@ -20,7 +20,7 @@ class Yields(Operation[YieldsOptions]):
     result_model = YieldsResult
 
     def row_cost(self, options: YieldsOptions) -> float:
-        return 3.0  # the fit, its Hessian, the variations
+        return 4.0  # the fit from two starts, its Hessian, the variations
 
     def run(
         self, model: HistFactoryModel, rows: EngineRows, options: YieldsOptions
