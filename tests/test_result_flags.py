@@ -695,3 +695,67 @@ def test_a_toy_cls_of_zero_over_zero_is_flagged(server, tmp_path):
     assert_strict_fails(server, args, run.stdout)
     run = client_command(server, "cls", str(path))
     assert run.returncode == 0 and warnings_of(run.stderr) == []
+
+
+def signal_only_bin(observed: float, shifted: bool = False) -> dict:
+    """Two bins; in bin 1 only the signal (scaled by ``mu``) predicts events, ``observed``
+    are seen; ``shifted``: a histosys of the background moves bin 1 off 0 (fillable there)."""
+    background = {"name": "background", "data": [10.0, 0.0], "modifiers": []}
+    background["modifiers"].append(
+        {"name": "norm", "type": "normsys", "data": {"hi": 1.1, "lo": 0.9}}
+    )
+    if shifted:
+        shape = {"hi_data": [10.0, 0.5], "lo_data": [10.0, 0.0]}
+        background["modifiers"].append({"name": "shape", "type": "histosys", "data": shape})
+    signal = {
+        "name": "signal",
+        "data": [5.0, 3.0],
+        "modifiers": [{"name": "mu", "type": "normfactor", "data": None}],
+    }
+    return {
+        "channels": [{"name": "sr", "samples": [signal, background]}],
+        "observations": [{"name": "sr", "data": [12.0, observed]}],
+        "measurements": [{"name": "m", "config": {"poi": "mu", "parameters": []}}],
+        "version": "1.0.0",
+    }
+
+
+def test_events_only_the_signal_can_fill_are_flagged_where_pyhf_fails(server, tmp_path) -> None:
+    """A bin with events where only the POI's samples predict any: at POI = 0 the data have
+    no probability, so the background-only fits of a hypothesis test have no minimum and
+    pyhf's ``hypotest`` raises. ``cls``, ``upper-limit`` and ``significance`` (asymptotic and
+    with toys) warn naming the bin, ``--strict`` exits 1; the same workspace without those
+    events, or with a background histosys that can fill the bin (its nominal 0: pyhf fails
+    there too, from its init, where the bin's rate is 0), is not flagged so."""
+    cases = {
+        "impossible": signal_only_bin(2.0),
+        "empty": signal_only_bin(0.0),
+        "fillable": signal_only_bin(2.0, shifted=True),
+    }
+    for name, spec in cases.items():
+        model, data = pyhf_model(spec)
+        try:
+            pyhf.infer.hypotest(1.0, data, model)
+            pyhf_failed = False
+        except pyhf.exceptions.FailedMinimization:
+            pyhf_failed = True
+        if name != "fillable":
+            assert pyhf_failed == (name == "impossible"), name
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(spec))
+        commands = [
+            ["cls", str(path)],
+            ["upper-limit", str(path)],
+            ["significance", str(path)],
+            ["significance", str(path), "--calctype", "toybased", "--ntoys", "200"],
+        ]
+        for args in commands:
+            run = client_command(server, *args)
+            assert run.returncode == 0, run.stderr
+            said = [w for w in warnings_of(run.stderr) if "only samples scaled by the POI" in w]
+            if name != "impossible":
+                assert said == [], (name, args, run.stderr)
+                continue
+            (warning,) = said
+            assert "channel 'sr' bin 1 has 2 observed events" in warning, warning
+            assert_strict_fails(server, args, run.stdout)

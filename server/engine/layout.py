@@ -116,6 +116,31 @@ class ElementLayout:
         """pyhf's ``config.par_slice(name).start``."""
         return offsets({p.name: p.n_parameters for p in self.parameters})[name]
 
+    def bin_name(self, index: int) -> str:
+        """``"channel 'SR' bin 3"`` for main bin ``index``."""
+        for name, bins in self.channels:
+            if index < bins:
+                return f"channel {name!r} bin {index}"
+            index -= bins
+        raise IndexError(index)
+
+    def poi_only_bins(self) -> list[int]:
+        """The main bins with observed events that only samples scaled by the POI can fill:
+        every other sample's nominal rate and histosys shifts are 0 there, so at POI = 0 the
+        rate is 0 whatever the other parameters, and the likelihood of the data is 0."""
+        poi = self.poi_index
+        observed = self.observed[: self.n_main]
+        if poi is None or not (observed > 0).any():
+            return []
+        candidate = observed > 0
+        for sample in self.samples:
+            filled = sample.nominal != 0
+            if sample.histosys.size:
+                filled |= (sample.histosys != 0).reshape(-1, self.n_main).any(0)
+            for b in np.flatnonzero(candidate & filled):  # the bins still in question only
+                candidate[b] = poi in sample.multipliers[b]
+        return np.flatnonzero(candidate).tolist()
+
     @property
     def stack_key(self) -> str:
         """Elements with equal keys stack into one model, whatever their parameters: same

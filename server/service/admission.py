@@ -125,14 +125,14 @@ def likelihood_refusal(layout: ElementLayout) -> str | None:
         (
             ~np.isfinite(observed) | (observed > MAX_COUNT),
             lambda b: (
-                f"observed count {observed[b]:g} in {_bin(layout, b)}: above 2^53, where "
+                f"observed count {observed[b]:g} in {layout.bin_name(b)}: above 2^53, where "
                 "float64 no longer counts events exactly"
             ),
         ),
         (
             (total < 0) | ((total == 0) & (observed > 0)),
             lambda b: (
-                f"{_bin(layout, b)}: the samples' nominal rates sum to {total[b]:g} "
+                f"{layout.bin_name(b)}: the samples' nominal rates sum to {total[b]:g} "
                 f"against {observed[b]:g} observed, where the likelihood is undefined (no "
                 "Poisson probability; pyhf's fits fail, or run a factor to its bound)"
             ),
@@ -144,15 +144,6 @@ def likelihood_refusal(layout: ElementLayout) -> str | None:
             more = f" (bins {where[:10].tolist()} of the model)" if where.size > 1 else ""
             return why(int(where[0])) + more
     return None
-
-
-def _bin(layout: ElementLayout, index: int) -> str:
-    """``"channel 'SR' bin 3"`` for main bin ``index`` of ``layout``."""
-    for name, bins in layout.channels:
-        if index < bins:
-            return f"channel {name!r} bin {index}"
-        index -= bins
-    raise IndexError(index)
 
 
 def assembly_numbers(

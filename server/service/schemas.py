@@ -279,6 +279,10 @@ FLAG_KINDS: dict[str, str] = {
     "p_value_unresolved": "a p-value is 0 beyond what the toys resolve (none as extreme as "
     "the data) or, asymptotically, below the smallest double: a discovery significance is then "
     "null (unbounded above), a toy CLs of 0 / 0 null; more toys resolve it",
+    "background_only_impossible": "the data have events in a bin that only the POI's samples "
+    "can fill: the background-only hypothesis (POI = 0) gives them no probability, so its fits "
+    "(the Asimov data's, the background toys', q0's) have no minimum and the answer rests on "
+    "where they stopped (pyhf's fail there)",
     "qtilde_poi_bound": "q~ (test_stat 'qtilde', every upper limit's) asked of a POI whose "
     "lower bound is not 0: q~'s asymptotic formulae assume the POI bounded at 0 (pyhf warns; "
     "above 0 it then raises ValueError); a bound below 0 is raised to 0 in the fits here (pyhf "
@@ -315,8 +319,8 @@ class ResultMeta(_Declared):
     converged: bool | None = Field(None, description="fit status of the underlying fits")
     starts: int | None = Field(
         None,
-        description="start points of each fit (more than 1 where the model has kinked "
-        "interpolation codes: the lowest minimum is kept)",
+        description="start points of each fit (2 for a free fit, also started from the POI "
+        "at 0; more where the model has kinked interpolation codes: the lowest minimum is kept)",
     )
     starts_agreed: bool | None = Field(
         None, description="whether every converged start reached the kept minimum"

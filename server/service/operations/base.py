@@ -179,6 +179,28 @@ def qtilde_bound_flags(model: HistFactoryModel, element: Tensor) -> list[tuple[R
     return [flags[e] for e in element.tolist()]
 
 
+def background_only_flags(model: HistFactoryModel, element: Tensor) -> list[tuple[ResultFlag, ...]]:
+    """Per row of a hypothesis test on elements ``element [B]``, ``background_only_impossible``
+    where the element's data have events in bins that only the POI's samples can fill
+    (:meth:`~pyhf_gpu_server.engine.layout.ElementLayout.poi_only_bins`), naming the first."""
+    flags: dict[int, tuple[ResultFlag, ...]] = {}
+    for e in set(element.tolist()):
+        layout = model.stack.elements[e]
+        bins = layout.poi_only_bins()
+        if not bins:
+            flags[e] = ()
+            continue
+        more = f" (and {len(bins) - 1} more bins)" if len(bins) > 1 else ""
+        detail = (
+            f"{layout.bin_name(bins[0])}{more} has {layout.observed[bins[0]]:g} observed events "
+            f"where only samples scaled by the POI {model.poi_name!r} predict any: the data "
+            "have no probability at POI = 0, so the background-only fits have no minimum "
+            "(pyhf's fail); the answer rests on where they stopped"
+        )
+        flags[e] = (result_flag("background_only_impossible", detail),)
+    return [flags[e] for e in element.tolist()]
+
+
 def uncertainty_flags(
     labels: Sequence[str], uncertainties: Sequence[float | None]
 ) -> tuple[ResultFlag, ...]:

@@ -7,7 +7,15 @@ from pyhf_gpu_server.engine import HistFactoryModel
 from pyhf_gpu_server.inference.results import HypotestResults
 
 from ..schemas import ClsAnswer, ClsOptions, ClsResult, ResultFlag, result_flag
-from .base import EngineRows, Operation, RowResult, RowStatus, hypotests, qtilde_bound_flags
+from .base import (
+    EngineRows,
+    Operation,
+    RowResult,
+    RowStatus,
+    background_only_flags,
+    hypotests,
+    qtilde_bound_flags,
+)
 
 
 class Cls(Operation[ClsOptions]):
@@ -31,9 +39,10 @@ class Cls(Operation[ClsOptions]):
     ) -> list[RowResult]:
         result = hypotests(model, rows.poi, rows, options, options.test_stat)
         statuses = RowStatus.of_hypotests(result)
-        flags: list[tuple[ResultFlag, ...]] = [()] * len(rows)
+        flags = background_only_flags(model, rows.element)
         if options.test_stat == "qtilde":
-            flags = qtilde_bound_flags(model, rows.element)
+            bounds = qtilde_bound_flags(model, rows.element)
+            flags = [f + b for f, b in zip(flags, bounds, strict=True)]
         flags = [f + u for f, u in zip(flags, unresolved(result), strict=True)]
         return [
             RowResult(answer, s, None if rows.toys is None else result.row(i), f)

@@ -17,7 +17,14 @@ from ..schemas import (
     SignificanceResult,
     result_flag,
 )
-from .base import EngineRows, Operation, RowResult, RowStatus, hypotests
+from .base import (
+    EngineRows,
+    Operation,
+    RowResult,
+    RowStatus,
+    background_only_flags,
+    hypotests,
+)
 
 
 class Significance(Operation[SignificanceOptions]):
@@ -34,10 +41,16 @@ class Significance(Operation[SignificanceOptions]):
         tests = hypotests(model, 0.0, rows, options, "q0")
         result = inference.significance_of(tests)
         statuses = RowStatus.of_hypotests(tests)
+        flags = [
+            b + u
+            for b, u in zip(
+                background_only_flags(model, rows.element), unresolved(tests), strict=True
+            )
+        ]
         return [
-            RowResult(answer, s, None if rows.toys is None else tests.row(i), flags)
-            for i, (answer, s, flags) in enumerate(
-                zip(significance_answers(result), statuses, unresolved(tests), strict=True)
+            RowResult(answer, s, None if rows.toys is None else tests.row(i), f)
+            for i, (answer, s, f) in enumerate(
+                zip(significance_answers(result), statuses, flags, strict=True)
             )
         ]
 
@@ -45,7 +58,8 @@ class Significance(Operation[SignificanceOptions]):
         tests = inference.join_toy_parts([p.part for p in parts])
         result = inference.significance_of(tests)
         answer, status = significance_answers(result)[0], RowStatus.of_hypotests(tests)[0]
-        return RowResult(answer, status, flags=unresolved(tests)[0])
+        model_flags = tuple(f for f in parts[0].flags if f.kind != "p_value_unresolved")
+        return RowResult(answer, status, flags=model_flags + unresolved(tests)[0])
 
 
 AS_SIGNAL_LIKE_AS = {"obs": "the data", "exp": "the median toy at mu = 1"}

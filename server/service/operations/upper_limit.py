@@ -18,7 +18,14 @@ from ..schemas import (
     UpperLimitResult,
     result_flag,
 )
-from .base import EngineRows, Operation, RowResult, RowStatus, qtilde_bound_flags
+from .base import (
+    EngineRows,
+    Operation,
+    RowResult,
+    RowStatus,
+    background_only_flags,
+    qtilde_bound_flags,
+)
 
 SEARCH_HYPOTESTS = 12  # about how many POI values a limit search without a scan tests
 
@@ -51,8 +58,9 @@ class UpperLimit(Operation[UpperLimitOptions]):
         )
         statuses = RowStatus.of(result, len(rows))
         flags = [
-            bound + limits
-            for bound, limits in zip(
+            background + bound + limits
+            for background, bound, limits in zip(
+                background_only_flags(model, rows.element),
                 qtilde_bound_flags(model, rows.element),
                 limit_flags(result, model.poi_name, options.scan),
                 strict=True,
