@@ -629,7 +629,8 @@ def test_a_discovery_p_value_of_zero_is_flagged_with_what_the_toys_bound(server,
     data, so p0_obs is 0 and z_obs null; the flag says p0 < 0.01, Z > 2.33 (each toy's q0
     checked below the data's here), and ``--strict`` exits 1. With asymptotics the same data
     has p0 1.4e-6 (pyhf's) and no flag; an excess of thousands of events has p0 below the smallest
-    double, flagged as such."""
+    double (pyhf's 0, Z infinite), where Z = sqrt(q0) asymptotically: pyhf's q0 (scipy at 1e-12)
+    gives it, unflagged."""
     spec = two_bins([80.0, 76.0])
     path = tmp_path / "excess.json"
     path.write_text(json.dumps(spec))
@@ -661,11 +662,18 @@ def test_a_discovery_p_value_of_zero_is_flagged_with_what_the_toys_bound(server,
     run = client_command(server, "significance", str(path))
     assert run.returncode == 0, run.stderr
     found = json.loads(run.stdout)
-    assert found["p0_obs"] == 0.0 and math.isnan(found["z_obs"])
-    (warning,) = warnings_of(run.stderr)
-    assert warning == (
-        "Warning: the result: p0_obs is 0: below the smallest double, Z above 37.5 (z_obs null)"
+    assert found["p0_obs"] == 0.0 and warnings_of(run.stderr) == []
+    model, data = pyhf_model(spec)
+    assert float(pyhf.infer.hypotest(0.0, data, model, test_stat="q0")) == 0.0
+    pyhf.set_backend("numpy", pyhf.optimize.scipy_optimizer(tolerance=1e-12))
+    config = model.config
+    init, bounds, fixed = (
+        config.suggested_init(),
+        config.suggested_bounds(),
+        config.suggested_fixed(),
     )
+    q0 = float(pyhf.infer.test_statistics.q0(0.0, data, model, init, bounds, fixed))
+    assert found["z_obs"] == pytest.approx(math.sqrt(q0), rel=1e-7) and found["z_obs"] > 37.5
 
 
 def test_a_toy_cls_of_zero_over_zero_is_flagged(server, tmp_path):

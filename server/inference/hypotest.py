@@ -229,6 +229,7 @@ def _results(
         clsb_exp=clsb_exp,
         clb_exp=clb_exp,
         teststat=stats.teststat,
+        sqrtq_asimov=None if isinstance(stats, ToyStats) else stats.sqrtq_asimov,
         fits=stats.fits,
         toys=stats if isinstance(stats, ToyStats) else None,
     )

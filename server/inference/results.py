@@ -163,6 +163,8 @@ class HypotestResults:
     bands of CLs, i.e. ascending). ``fits`` maps each fit of the test (e.g.
     ``"free_data"``, ``"fixed_asimov"``) to its per-row
     :class:`~pyhf_gpu_server.inference.starts.FitStatus`; ``status`` combines them.
+    ``teststat`` is pyhf's observed test statistic; ``sqrtq_asimov`` (asymptotic tests only)
+    ``sqrt(q_A)``, that of the Asimov data (pyhf's second ``return_test_statistics`` value).
     """
 
     poi: Tensor
@@ -175,6 +177,7 @@ class HypotestResults:
     clsb_exp: Tensor
     clb_exp: Tensor
     teststat: Tensor
+    sqrtq_asimov: Tensor | None = None
     fits: dict[str, FitStatus] = field(default_factory=dict)
     toys: ToyStats | None = None  # toy-based: the statistics, to join a row's slices
 

@@ -58,14 +58,26 @@ def significance(
 
 def significance_of(res: HypotestResults) -> SignificanceResults:
     """The significances of ``q0`` tests (:func:`~.hypotest.hypotest` at 0 with
-    ``test_stat="q0"``)."""
+    ``test_stat="q0"``). Asymptotically ``p0 = Phi(-sqrt(q0))``, so ``Z = sqrt(q0)``: where
+    ``p0`` is below the smallest double (0: ``Z`` above 37.5), ``Z`` is taken from the test
+    statistics themselves (``sqrt(q0)`` observed, ``sqrt(q0_A)`` expected).
+
+    >>> from pyhf_gpu_server.inference.examples import simple_model
+    >>> res = significance(simple_model([30.0], [10.0], [0.1], data=[400.0]))
+    >>> res.p0_obs.item(), round(res.z_obs.item(), 2), round(res.z_exp.item(), 2)
+    (0.0, 46.18, 7.11)
+    """
     p0_obs, p0_set = res.clsb_obs, res.clsb_exp
     p0_exp = p0_set[:, 2]
+    z_obs, z_exp = z_from_p(p0_obs), z_from_p(p0_exp)
+    if res.sqrtq_asimov is not None:  # asymptotic: teststat = sqrt(q0) - sqrt(q0_A)
+        z_obs = torch.where(p0_obs == 0, res.teststat + res.sqrtq_asimov, z_obs)
+        z_exp = torch.where(p0_exp == 0, res.sqrtq_asimov, z_exp)
     return SignificanceResults(
         p0_obs=p0_obs,
         p0_exp=p0_exp,
-        z_obs=z_from_p(p0_obs),
-        z_exp=z_from_p(p0_exp),
+        z_obs=z_obs,
+        z_exp=z_exp,
         p0_exp_set=p0_set,
         element=res.element,
         converged=res.converged,

@@ -277,8 +277,9 @@ FLAG_KINDS: dict[str, str] = {
     "on its bound 0), so the others' uncertainties hold them there; or, where every one is "
     "null, the Hessian at the best fit is not positive definite",
     "p_value_unresolved": "a p-value is 0 beyond what the toys resolve (none as extreme as "
-    "the data) or, asymptotically, below the smallest double: a discovery significance is then "
-    "null (unbounded above), a toy CLs of 0 / 0 null; more toys resolve it",
+    "the data): a discovery significance is then null (bounded below only), a toy CLs of 0 / 0 "
+    "null; more toys resolve it (asymptotically, a p0 below the smallest double is 0 and its "
+    "Z is sqrt(q0), unflagged; flagged only where that is not finite)",
     "background_only_impossible": "the data have events in a bin that only the POI's samples "
     "can fill: the background-only hypothesis (POI = 0) gives them no probability, so its fits "
     "(the Asimov data's, the background toys', q0's) have no minimum and the answer rests on "

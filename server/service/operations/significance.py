@@ -44,7 +44,7 @@ class Significance(Operation[SignificanceOptions]):
         flags = [
             b + u
             for b, u in zip(
-                background_only_flags(model, rows.element), unresolved(tests), strict=True
+                background_only_flags(model, rows.element), unresolved(tests, result), strict=True
             )
         ]
         return [
@@ -59,34 +59,40 @@ class Significance(Operation[SignificanceOptions]):
         result = inference.significance_of(tests)
         answer, status = significance_answers(result)[0], RowStatus.of_hypotests(tests)[0]
         model_flags = tuple(f for f in parts[0].flags if f.kind != "p_value_unresolved")
-        return RowResult(answer, status, flags=model_flags + unresolved(tests)[0])
+        return RowResult(answer, status, flags=model_flags + unresolved(tests, result)[0])
 
 
 AS_SIGNAL_LIKE_AS = {"obs": "the data", "exp": "the median toy at mu = 1"}
 
 
-def unresolved(tests: HypotestResults) -> list[tuple[ResultFlag, ...]]:
-    """Per row, ``p_value_unresolved`` where ``p0_obs`` or ``p0_exp`` is 0: with toys, none of
-    the ``N`` toys at ``mu = 0`` is as signal-like as the data (or as the median toy at
-    ``mu = 1``), so ``p0 < 1 / N``; asymptotically, ``p0`` is below the smallest double."""
-    p0 = torch.stack([tests.clsb_obs, tests.clsb_exp[:, 2]], -1).tolist()
+def unresolved(tests: HypotestResults, result: SignificanceResults) -> list[tuple[ResultFlag, ...]]:
+    """Per row, ``p_value_unresolved`` where ``p0_obs`` or ``p0_exp`` is 0 and its ``Z`` not
+    known: with toys, none of the ``N`` toys at ``mu = 0`` is as signal-like as the data (or
+    as the median toy at ``mu = 1``), so ``p0 < 1 / N``; asymptotically (where ``Z`` is
+    ``sqrt(q0)`` beyond the smallest double's ``p0``), only where that is not finite."""
+    p0 = torch.stack([result.p0_obs, result.p0_exp], -1).tolist()
+    z = torch.stack([result.z_obs, result.z_exp], -1).isfinite().tolist()
     toys = [None] * len(p0) if tests.toys is None else [len(t) for t in tests.toys.signal]
     flags: list[tuple[ResultFlag, ...]] = []
-    for (obs, exp), n in zip(p0, toys, strict=True):
-        zero = [k for k, p in (("obs", obs), ("exp", exp)) if p == 0.0]
+    for (obs, exp), (z_obs, z_exp), n in zip(p0, z, toys, strict=True):
+        zero = [
+            k
+            for k, p, known in (("obs", obs, z_obs), ("exp", exp, z_exp))
+            if p == 0.0 and not known
+        ]
         if not zero:
             flags.append(())
             continue
         names = " and ".join(f"p0_{k}" for k in zero) + (" are 0" if len(zero) == 2 else " is 0")
         nulls = " and ".join(f"z_{k}" for k in zero) + " null"
         if n is None:
-            detail = f"{names}: below the smallest double, Z above 37.5 ({nulls})"
+            detail = f"{names} and sqrt(q0) not finite: Z unbounded ({nulls})"
         else:
             than = " or ".join(AS_SIGNAL_LIKE_AS[k] for k in zero)
-            z = -statistics.NormalDist().inv_cdf(1 / n)
+            z_bound = -statistics.NormalDist().inv_cdf(1 / n)
             detail = (
                 f"{names}: none of its {n} toys at mu = 0 is as signal-like as {than}, so "
-                f"p0 < {1 / n:.3g} and Z > {z:.3g} ({nulls}); more toys (ntoys) resolve it"
+                f"p0 < {1 / n:.3g} and Z > {z_bound:.3g} ({nulls}); more toys (ntoys) resolve it"
             )
         flags.append((result_flag("p_value_unresolved", detail),))
     return flags
