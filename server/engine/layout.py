@@ -21,6 +21,7 @@ import inspect
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import pyhf
@@ -124,10 +125,12 @@ class ElementLayout:
             index -= bins
         raise IndexError(index)
 
+    @cached_property
     def poi_only_bins(self) -> list[int]:
         """The main bins with observed events that only samples scaled by the POI can fill:
         every other sample's nominal rate and histosys shifts are 0 there, so at POI = 0 the
-        rate is 0 whatever the other parameters, and the likelihood of the data is 0."""
+        rate is 0 whatever the other parameters, and the likelihood of the data is 0 (once
+        per layout: every hypothesis test of the element asks)."""
         poi = self.poi_index
         observed = self.observed[: self.n_main]
         if poi is None or not (observed > 0).any():

@@ -186,7 +186,7 @@ def background_only_flags(model: HistFactoryModel, element: Tensor) -> list[tupl
     flags: dict[int, tuple[ResultFlag, ...]] = {}
     for e in set(element.tolist()):
         layout = model.stack.elements[e]
-        bins = layout.poi_only_bins()
+        bins = layout.poi_only_bins
         if not bins:
             flags[e] = ()
             continue
