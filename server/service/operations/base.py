@@ -182,7 +182,7 @@ def qtilde_bound_flags(model: HistFactoryModel, element: Tensor) -> list[tuple[R
 def background_only_flags(model: HistFactoryModel, element: Tensor) -> list[tuple[ResultFlag, ...]]:
     """Per row of a hypothesis test on elements ``element [B]``, ``background_only_impossible``
     where the element's data have events in bins that only the POI's samples can fill
-    (:meth:`~pyhf_gpu_server.engine.layout.ElementLayout.poi_only_bins`), naming the first."""
+    (:attr:`~pyhf_gpu_server.engine.layout.ElementLayout.poi_only_bins`), naming the first."""
     flags: dict[int, tuple[ResultFlag, ...]] = {}
     for e in set(element.tolist()):
         layout = model.stack.elements[e]
