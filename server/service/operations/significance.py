@@ -17,14 +17,7 @@ from ..schemas import (
     SignificanceResult,
     result_flag,
 )
-from .base import (
-    EngineRows,
-    Operation,
-    RowResult,
-    RowStatus,
-    background_only_flags,
-    hypotests,
-)
+from .base import EngineRows, Operation, RowResult, RowStatus, background_only_flags, hypotests
 
 
 class Significance(Operation[SignificanceOptions]):
