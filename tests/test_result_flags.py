@@ -560,6 +560,77 @@ def test_a_parameter_without_curvature_is_held_for_the_others_uncertainties() ->
     )
 
 
+def two_normfactors_workspace(per_bin: bool) -> dict:
+    """Three bins; the background carries two free normfactors ``k1`` and ``k2`` (only their
+    product is measured: ``-2 log L`` is flat along ``k1 / k2``) and a normsys; ``per_bin``:
+    a third sample with a staterror (per-bin parameters: the block form)."""
+    background = {
+        "name": "background",
+        "data": [50.0, 30.0, 20.0],
+        "modifiers": [
+            {"name": "k1", "type": "normfactor", "data": None},
+            {"name": "k2", "type": "normfactor", "data": None},
+            {"name": "syst", "type": "normsys", "data": {"hi": 1.1, "lo": 0.9}},
+        ],
+    }
+    other = {"name": "other", "data": [10.0, 10.0, 10.0], "modifiers": []}
+    if per_bin:
+        other["modifiers"] = [{"name": "st", "type": "staterror", "data": [1.0, 1.0, 1.0]}]
+    signal = {
+        "name": "signal",
+        "data": [5.0, 3.0, 1.0],
+        "modifiers": [{"name": "mu", "type": "normfactor", "data": None}],
+    }
+    return {
+        "channels": [{"name": "sr", "samples": [signal, background, other]}],
+        "observations": [{"name": "sr", "data": [60.0, 45.0, 28.0]}],
+        "measurements": [{"name": "m", "config": {"poi": "mu", "parameters": []}}],
+        "version": "1.0.0",
+    }
+
+
+@pytest.mark.parametrize("per_bin", [False, True], ids=["dense", "block"])
+def test_a_flat_direction_of_two_parameters_holds_one_for_the_others_uncertainties(per_bin):
+    """Two normfactors of one sample: the Hessian at the best fit is singular (every
+    uncertainty was NaN). The later one is held there, its uncertainty NaN; the others' equal
+    those of the finite-difference Hessian of pyhf's own logpdf with it fixed (the
+    well-posed model: MINUIT's Hesse on it, through cabinetry, is 10 % off here)."""
+    import numpy as np
+
+    from pyhf_gpu_server.inference import fit
+
+    spec = two_normfactors_workspace(per_bin)
+    model = HistFactoryModel.from_workspace(spec)
+    assert bool(model.bin_parameters.n_per_bin) == per_bin
+    ours = fit(model)
+    labels = model.par_names
+    k2 = labels.index("k2")
+    assert ours.converged.all()
+    uncertainty = ours.uncertainty[0].tolist()
+    assert [label for label, u in zip(labels, uncertainty, strict=True) if u != u] == ["k2"]
+
+    theirs, data = pyhf_model(spec)
+    x = ours.bestfit[0].numpy()
+    free = [c for c in range(len(x)) if c != k2]
+    step = 1e-4
+
+    def twice_nll(point) -> float:
+        return -2.0 * float(theirs.logpdf(point, data)[0])
+
+    hessian = np.zeros((len(free), len(free)))  # central differences
+    for a, i in enumerate(free):
+        for b, j in enumerate(free):
+            corners = []
+            for si, sj in ((1, 1), (1, -1), (-1, 1), (-1, -1)):
+                point = x.copy()
+                point[i] += si * step
+                point[j] += sj * step
+                corners.append(twice_nll(point))
+            hessian[a, b] = (corners[0] - corners[1] - corners[2] + corners[3]) / (4 * step**2)
+    reference = np.sqrt(np.diag(np.linalg.inv(0.5 * hessian)))
+    np.testing.assert_allclose([uncertainty[c] for c in free], reference, rtol=1e-4)
+
+
 def test_parameters_without_uncertainty_are_flagged_where_they_are_read(server, tmp_path) -> None:
     """Through the command line: ``fit``, ``ranking`` and ``yields`` warn on stderr naming
     the parameter without uncertainty and answer the others (the ranking's post-fit impacts

@@ -3,10 +3,11 @@
 ``cov = inv(H / 2)`` over the free parameters (MINUIT's HESSE with ``errordef = 1`` on ``-2
 log L``); fixed parameters get 0, a singular Hessian NaN. A free parameter along which ``-2 log
 L`` has no curvature at the best fit (:func:`undetermined`: the data do not constrain it there,
-e.g. a shapefactor of a bin without events on its bound 0) would make the whole Hessian
-singular or indefinite; the callers hold it at its best fit, as a fixed one, so that the
-others' covariance is the one conditional on it, and give it no uncertainty (NaN). Two forms,
-one answer:
+e.g. a shapefactor of a bin without events on its bound 0), or along which with earlier ones
+it is flat (:func:`dependent`: two normfactors of one sample, whose product alone is
+measured), would make the whole Hessian singular or indefinite; the callers hold it at its best
+fit, as a fixed one, so that the others' covariance is the one conditional on it (that of the
+well-posed model with it fixed), and give it no uncertainty (NaN). Two forms, one answer:
 
 - :func:`covariance` inverts a dense ``[B, P, P]`` Hessian.
 - :class:`BlockHessian` keeps the structure of a model with per-bin parameters
@@ -42,12 +43,19 @@ __all__ = [
     "conditional_uncertainties",
     "correlations",
     "covariance",
+    "dependent",
     "undetermined",
 ]
 
 #: a free parameter whose Hessian diagonal is at most this fraction of the row's largest has
 #: no curvature: :func:`undetermined`
 UNDETERMINED_RTOL = 1e-12
+#: a free block of the Hessian (unit diagonal) whose smallest eigenvalue is below this has a
+#: flat direction: :func:`dependent`
+DEPENDENT_RTOL = 1e-9
+#: at most this many flat directions per row are held (:func:`dependent`: two Cholesky
+#: factorisations each, against the one inverse of :func:`covariance`)
+DEPENDENT_ROUNDS = 1
 
 
 def correlations(cov: Tensor) -> tuple[Tensor, Tensor]:
@@ -67,6 +75,35 @@ def undetermined(diagonal: Tensor, fixed: Tensor) -> Tensor:
     """
     scale = diagonal.abs().amax(-1, keepdim=True)
     return (diagonal <= UNDETERMINED_RTOL * scale) & fixed.logical_not()
+
+
+def dependent(hessian: Tensor, held: Tensor, rounds: int = DEPENDENT_ROUNDS) -> Tensor:
+    """``[B, K]`` bool: the columns of ``hessian [B, K, K]`` (not ``held [B, K]``) along which,
+    with an earlier column, ``-2 log L`` is flat at the best fit (say, two normfactors of one
+    sample: only their product is measured): in the unit-diagonal form ``U`` of the free block,
+    positive semi-definite to within ``eps`` (:data:`DEPENDENT_RTOL`: ``U + eps I`` has a
+    Cholesky factor), the column where the factorisation of ``U - eps I`` fails; one per round,
+    up to ``rounds`` per row, each held for the next. A block with a clearly negative direction
+    (a best fit on a bound where the likelihood curves down past it) holds nothing.
+
+    >>> H = torch.tensor([[[2.0, 2.0, 0.0], [2.0, 2.0, 0.0], [0.0, 0.0, 3.0]]], dtype=torch.float64)
+    >>> dependent(H, torch.zeros(1, 3, dtype=torch.bool)).tolist()
+    [[False, True, False]]
+    """
+    K = hessian.shape[-1]
+    found = torch.zeros_like(held)
+    eye = torch.eye(K, dtype=hessian.dtype, device=hessian.device)
+    columns = torch.arange(K, device=hessian.device)
+    diagonal = hessian.diagonal(dim1=-2, dim2=-1)
+    for _ in range(rounds):
+        free = (held | found).logical_not().to(hessian.dtype)
+        scale = torch.rsqrt(diagonal.abs().clamp(min=torch.finfo(hessian.dtype).tiny)) * free
+        unit = hessian * (scale.unsqueeze(2) * scale.unsqueeze(1)) + torch.diag_embed(1 - free)
+        _, info = torch.linalg.cholesky_ex(unit - DEPENDENT_RTOL * eye)
+        _, negative = torch.linalg.cholesky_ex(unit + DEPENDENT_RTOL * eye)
+        flat = (info > 0) & (negative == 0)
+        found = found | (columns.eq((info - 1).unsqueeze(1)) & flat.unsqueeze(1))
+    return found & held.logical_not()
 
 
 def checked_covariance(

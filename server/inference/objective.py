@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from torch import Tensor
 
-from .covariance import BlockHessian, checked_covariance, covariance, undetermined
+from .covariance import BlockHessian, checked_covariance, covariance, dependent, undetermined
 from .curvature import CPU_BLOCK_ROWS, Derivatives, Solver, choose_solver
 from .errors import InferenceError
 
@@ -192,16 +192,22 @@ class TwiceNLL:
         """Uncertainties ``[R, P]``, correlations and covariance ``[R, P, P]`` at minima ``x``
         from the exact Hessian (``fixed [R, P]`` get 0): by block elimination where the model
         has per-bin parameters (:class:`~.covariance.BlockHessian`), else dense. Parameters
-        without curvature there (:func:`~.covariance.undetermined`) are held at ``x`` for the
-        others' and get the uncertainty NaN; a row whose Hessian is still not positive
-        definite gets NaN throughout."""
+        without curvature there (:func:`~.covariance.undetermined`), or along which with
+        another it is flat (:func:`~.covariance.dependent`; among the shared ones where the
+        model has per-bin parameters), are held at ``x`` for the others' and get the
+        uncertainty NaN; a row whose Hessian is still not positive definite gets NaN
+        throughout."""
         if self.model.bin_parameters.n_per_bin:
             block = self.block_hessian(x, rows)
             held = undetermined(block.diagonal(), fixed)
+            shared = block.blocks.shared  # flat directions among the shared parameters
+            flat = dependent(block.shared, (fixed | held).index_select(1, shared))
+            held = held.index_copy(1, shared, held.index_select(1, shared) | flat)
             unc, corr, cov = block.covariance(fixed | held)
         else:
             hessian = self.hessian(x, rows)
             held = undetermined(hessian.diagonal(dim1=-2, dim2=-1), fixed)
+            held = held | dependent(hessian, fixed | held)
             unc, corr, cov = covariance(hessian, fixed | held)
         return checked_covariance(unc, corr, cov, fixed | held, held)
 

@@ -273,9 +273,10 @@ FLAG_KINDS: dict[str, str] = {
     "poi_at_bound": "the POI's best fit (or a ranking refit's) lies on its bound: impacts "
     "that would move it past the bound are 0 or truncated there, a profile is the bounded one",
     "undetermined_parameters": "some free parameters have no uncertainty (null): the likelihood "
-    "has no curvature along them at the best fit (e.g. a shapefactor of a bin without events, "
-    "on its bound 0), so the others' uncertainties hold them there; or, where every one is "
-    "null, the Hessian at the best fit is not positive definite",
+    "has no curvature along them at the best fit, alone or with others (a shapefactor of a bin "
+    "without events on its bound 0; the second of two normfactors of one sample), so the "
+    "others' uncertainties hold them there; or, where every one is null, the Hessian at the "
+    "best fit is not positive definite",
     "p_value_unresolved": "a p-value is 0 beyond what the toys resolve (none as extreme as "
     "the data): a discovery significance is then null (bounded below only), a toy CLs of 0 / 0 "
     "null; more toys resolve it (asymptotically, a p0 below the smallest double is 0 and its "

@@ -215,8 +215,9 @@ def uncertainty_flags(
         return ()
     named = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
     if len(missing) < len(labels):
-        why = "the likelihood has no curvature along them at the best fit (e.g. a shapefactor "
-        why += "of a bin without events, on its bound 0): the other uncertainties hold them there"
+        why = "the likelihood has no curvature along them at the best fit, alone or with others "
+        why += "(a shapefactor of a bin without events on its bound 0; a second normfactor of "
+        why += "one sample): the other uncertainties hold them there"
     else:
         why = "the Hessian at the best fit is not positive definite (a direction the data do "
         why += "not constrain)"
