@@ -245,17 +245,18 @@ def _from_background_too(
     assert model.poi_index is not None
     B = init.shape[0]
     is_poi = torch.arange(init.shape[-1], device=init.device).eq(model.poi_index)
-    head = [t.narrow(0, 0, n) for t in (data, element, init, bounds, fixed)]
-    low, high = head[3].select(-1, 0), head[3].select(-1, 1)
-    zero = torch.minimum(torch.maximum(torch.zeros_like(head[2]), low), high)
-    background = torch.where(is_poi & head[4].logical_not(), zero, head[2])
+    data_n, element_n, init_n, bounds_n, fixed_n = (
+        t.narrow(0, 0, n) for t in (data, element, init, bounds, fixed)
+    )
+    zero = torch.zeros_like(init_n).clamp(bounds_n.select(-1, 0), bounds_n.select(-1, 1))
+    background = torch.where(is_poi & fixed_n.logical_not(), zero, init_n)
     both = _minimize(
         model,
-        torch.cat([data, head[0]]),
-        torch.cat([element, head[1]]),
+        torch.cat([data, data_n]),
+        torch.cat([element, element_n]),
         torch.cat([init, background]),
-        torch.cat([bounds, head[3]]),
-        torch.cat([fixed, head[4]]),
+        torch.cat([bounds, bounds_n]),
+        torch.cat([fixed, fixed_n]),
         options,
     )
     pair = map_tensors(
